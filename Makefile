@@ -1,0 +1,45 @@
+# Quick start: `make demo` and `make test`. Both create .venv and install into it.
+PY ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+DEMO_ROUNDS ?= 5
+DEMO_AGGREGATORS ?= 2
+DEMO_CLIENTS ?= 6
+DEMO_TASK ?= digits
+DEMO_OUT ?= demo-out
+
+.PHONY: install test test-all demo lint typecheck proto clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip setuptools wheel
+	# torch first, from the constraints file: the CPU build (see constraints.txt).
+	$(BIN)/python -m pip install --quiet -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -m ''
+
+demo: $(STAMP)
+	$(BIN)/orchard demo --rounds $(DEMO_ROUNDS) --aggregators $(DEMO_AGGREGATORS) \
+		--clients $(DEMO_CLIENTS) --task $(DEMO_TASK) --out $(DEMO_OUT)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy orchard server client aggregation compression secure_agg
+
+proto: $(STAMP)
+	$(BIN)/python -m orchard.wire.gen
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,161 @@
+"""Typed configuration (pydantic). Every field has a sensible default; every problem in a
+config file is reported at once (``orchard validate CONFIG``).
+
+Cross-package checks (a codec that is not linear under secure aggregation, a task name
+that is not registered) need the codec and task registries, which sit above the core;
+they live in :mod:`orchard.validation`, which the CLI and the server call.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from orchard.errors import ConfigError
+from orchard.trainer import TrainConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CodecSpec(_Strict):
+    """Which update codec a run uses; ``params`` are codec-specific (validated by the codec)."""
+
+    name: str = "float32"
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+class SecureAggregationConfig(_Strict):
+    """SecAgg+ settings (Bell et al., 2020).
+
+    ``threshold`` is Shamir's t as a fraction of the neighbourhood (0 < t <= 1) or None
+    to derive it from ``dropout_rate``; ``neighbours`` is k, or None to derive it from
+    the cohort size as the paper does (k of order log n).
+    """
+
+    enabled: bool = False
+    threshold: float | None = None
+    neighbours: int | None = None
+    dropout_rate: float = Field(0.1, ge=0.0, lt=0.5)
+    clip: float = Field(1.0, gt=0.0)
+    bits: int = Field(16, ge=2, le=24)
+    modulus_bits: int = Field(32, ge=16, le=62)
+
+
+class ServerOptimizerConfig(_Strict):
+    """The server optimizer applied to the pseudo-gradient (Reddi et al., 2021, Alg. 2)."""
+
+    name: Literal["fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad"] = "fedavg"
+    lr: float = Field(1.0, gt=0.0)
+    momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.99, ge=0.0, lt=1.0)
+    tau: float = Field(1e-3, gt=0.0)  # adaptivity (epsilon) of FedAdam/FedYogi/FedAdagrad
+
+
+class CohortConfig(_Strict):
+    """Who takes part in a round and when it closes.
+
+    A round selects ``ceil(target * over_selection)`` clients, closes as soon as
+    ``target`` updates are in (or at the deadline), and fails unless at least
+    ``ceil(target * min_fraction)`` arrived. A failed round leaves the global model
+    unchanged and is retried up to ``max_retries`` times.
+    """
+
+    target: int = Field(10, ge=1)
+    over_selection: float = Field(1.3, ge=1.0, le=10.0)
+    min_fraction: float = Field(0.8, gt=0.0, le=1.0)
+    deadline_s: float = Field(120.0, gt=0.0)
+    max_retries: int = Field(3, ge=0)
+    weighting: Literal["examples", "steps", "uniform"] = "examples"
+
+
+class EligibilityConfig(_Strict):
+    """Server-side eligibility from reported device state (the device enforces its own budget too)."""
+
+    min_battery_percent: float = Field(20.0, ge=0.0, le=100.0)
+    allow_on_battery: bool = True
+    max_temperature_c: float = 45.0
+    require_unmetered: bool = False
+    require_idle: bool = False
+
+
+class RunConfig(_Strict):
+    """One federated run: what to train, for how long, and how updates travel."""
+
+    task: str = "digits"
+    task_params: dict[str, Any] = Field(default_factory=dict)
+    rounds: int = Field(5, ge=1)
+    seed: int = 0
+    cohort: CohortConfig = CohortConfig()
+    train: TrainConfig = TrainConfig()
+    codec: CodecSpec = CodecSpec()
+    secure_aggregation: SecureAggregationConfig = SecureAggregationConfig()
+    server_optimizer: ServerOptimizerConfig = ServerOptimizerConfig()
+    eligibility: EligibilityConfig = EligibilityConfig()
+    evaluate_every: int = Field(1, ge=0)  # 0: never
+
+    @model_validator(mode="after")
+    def _check_train(self) -> RunConfig:
+        t = self.train
+        problems = []
+        if t.epochs < 1 and not t.steps:
+            problems.append("train.epochs must be >= 1 (or set train.steps)")
+        if t.batch_size < 1:
+            problems.append(f"train.batch_size must be >= 1, got {t.batch_size}")
+        if t.learning_rate <= 0:
+            problems.append(f"train.learning_rate must be > 0, got {t.learning_rate}")
+        if t.proximal_mu < 0:
+            problems.append(f"train.proximal_mu must be >= 0, got {t.proximal_mu}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+class ServerConfig(_Strict):
+    """How a root or aggregator serves."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    max_inflight_uploads: int = Field(16, ge=1)  # staged uploads held at once: bounds memory
+    max_upload_bytes: int = Field(2 << 30, ge=1)
+    chunk_bytes: int = Field(1 << 20, ge=1024, le=4 << 20)
+    heartbeat_s: float = Field(10.0, gt=0.0)
+    node_timeout_s: float = Field(60.0, gt=0.0)
+    long_poll_s: float = Field(20.0, gt=0.0)
+
+
+def _format_validation_error(err: ValidationError) -> list[str]:
+    out = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        out.append(f"{loc}: {e['msg']}")
+    return out
+
+
+def parse_run_config(data: dict[str, Any]) -> RunConfig:
+    """Build a RunConfig from a plain dict, reporting every problem at once."""
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {p} does not exist: pass the path of a TOML file")
+    try:
+        return tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{p} is not valid TOML: {err}") from None
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    data = load_toml(path)
+    # A file may hold the run config at the top or under [run].
+    return parse_run_config(data.get("run", data))

@@ -1,0 +1,75 @@
+"""Named errors. Each says what was expected, what came, and what to do.
+
+Library code raises these; the gRPC layer maps them to status codes (see
+``orchard.server.servicer``) and the CLI prints them without a traceback.
+"""
+
+from __future__ import annotations
+
+
+class OrchardError(Exception):
+    """Base of every error Orchard raises on purpose."""
+
+
+class ConfigError(OrchardError):
+    """A configuration is invalid. ``problems`` lists every problem found, not just the first."""
+
+    def __init__(self, problems: list[str] | str) -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("invalid configuration:\n  - " + "\n  - ".join(self.problems))
+
+
+class UpdateSchemaError(OrchardError):
+    """An update's names, shapes, dtypes or values do not match what the round expects."""
+
+
+class CodecError(OrchardError):
+    """A payload cannot be encoded or decoded with the codec it names (bad length, bad index, wrong codec id)."""
+
+
+class SecAggError(OrchardError):
+    """A secure-aggregation message is malformed, replayed, tampered with, or out of stage."""
+
+
+class SecAggAbort(SecAggError):
+    """Too few survivors to unmask: the cohort's round is aborted and the global model stays as it was."""
+
+
+class RoundClosedError(OrchardError):
+    """An upload or request names a round that is not open (stale, future, or already closed)."""
+
+
+class DuplicateUploadError(OrchardError):
+    """A node uploaded twice for the same round; the first upload stands."""
+
+
+class NotSelectedError(OrchardError):
+    """A node uploaded for a round it was not selected for."""
+
+
+class UnknownNodeError(OrchardError):
+    """A request names a node that never joined (or whose registration expired)."""
+
+
+class AuthError(OrchardError):
+    """Missing or invalid enrollment/admin token."""
+
+
+class IntegrityError(OrchardError):
+    """A blob or chunk failed its sha256 check, or a stream ended before its declared size."""
+
+
+class PayloadTooLargeError(OrchardError):
+    """A stream exceeds the size the round allows for it."""
+
+
+class BudgetExceeded(OrchardError):
+    """A device budget (energy, time, thermal, battery) ran out; training stopped cleanly."""
+
+
+class RoundFailed(OrchardError):
+    """A round could not reach its minimum number of participants before its deadline."""
+
+
+class StoreError(OrchardError):
+    """The durable store is missing, corrupt, or from an incompatible version."""

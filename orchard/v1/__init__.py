@@ -1,0 +1,1 @@
+"""Generated wire protocol (orchard.v1)."""
