@@ -1,1 +1,32 @@
-"""Orchard subpackage."""
+"""Pure aggregation math: zero / accumulate / merge / finalize, and server optimizers.
+
+No I/O, no logging, no global RNG. Middle tiers ``accumulate`` and ``merge``; only the
+root ``finalize``s (divides by the total weight) and applies a server optimizer to the
+pseudo-gradient (Reddi et al., 2021, "Adaptive Federated Optimization", Algorithm 2).
+
+Sums are kept in float64 so that the order in which a tree folds its updates changes
+the result only at the level of float64 rounding: a hierarchy of any shape gives the
+flat result to far better than 1e-6 relative.
+"""
+
+from orchard.aggregation.fedavg import (
+    Accumulator,
+    MetricSums,
+    Partial,
+    finalize,
+    merge,
+    weighted_metric_means,
+)
+from orchard.aggregation.server_opt import ServerOptimizer, Yogi, build_server_optimizer
+
+__all__ = [
+    "Accumulator",
+    "MetricSums",
+    "Partial",
+    "ServerOptimizer",
+    "Yogi",
+    "build_server_optimizer",
+    "finalize",
+    "merge",
+    "weighted_metric_means",
+]
