@@ -1,0 +1,167 @@
+"""What a reference task is (:class:`Task`) and the one implementation every shipped
+task is built from (:class:`SupervisedTask`).
+
+A task bundles a dataset already split into a training pool and a held-out test pool,
+a deterministic model factory, a partitioner and the set of tensors that form the
+global model. Tasks are plain objects built by a function of keyword parameters
+(see :mod:`orchard.tasks.registry`); they hold their loaded data, so building one task
+and asking it for 10,000 client trainers reads the files once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from orchard.tasks.partition import Partition
+from orchard.tasks.torch_trainer import (
+    TensorData,
+    TorchTrainer,
+    arrays_of,
+    evaluate_model,
+    load_arrays,
+)
+from torch import nn
+
+from orchard.errors import ConfigError
+from orchard.trainer import Trainer
+from orchard.typing import NDArrays
+
+# (num_partitions, seed) -> Partition
+Partitioner = Callable[[int, int], Partition]
+# seed -> a freshly initialised model
+SeededModelFactory = Callable[[int], nn.Module]
+# (model_factory, train, test, trainable, seed) -> Trainer; lets a task swap in a
+# wrapping trainer (LoRA) without a second training loop.
+TrainerFactory = Callable[..., Trainer]
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A reference workload: data with client partitions, a model, train and eval."""
+
+    name: str
+
+    def initial_arrays(self, seed: int) -> NDArrays: ...
+
+    def partition(self, num_partitions: int, seed: int) -> Partition: ...
+
+    def client_trainer(self, partition_id: int, num_partitions: int, seed: int) -> Trainer: ...
+
+    def evaluate(self, arrays: NDArrays, split: str = "test") -> dict[str, float]: ...
+
+
+def seeded_model(build: Callable[[], nn.Module], seed: int) -> nn.Module:
+    """``build()`` with torch's default initialisers drawing from ``seed``.
+
+    torch's ``nn`` initialisers read the global CPU generator; its state is saved and
+    restored around the build, so building a model neither depends on nor disturbs the
+    caller's RNG. (``torch.manual_seed`` also reseeds every accelerator backend, which
+    costs ~30x more than reseeding the CPU generator alone; thousands of simulated
+    clients build a model each.)
+    """
+    saved = torch.get_rng_state()
+    try:
+        torch.default_generator.manual_seed(seed)
+        return build()
+    finally:
+        torch.set_rng_state(saved)
+
+
+class SupervisedTask:
+    """A task over in-memory (x, y) pools. See :class:`Task` for the contract.
+
+    ``model_seed_for_trainers`` fixes the parts of the model that are *not* global
+    state (a frozen base, a LoRA ``A``); clients must agree on them, so they come from a
+    task parameter, never from the per-client seed.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        train: TensorData,
+        test: TensorData,
+        train_labels: np.ndarray,
+        test_labels: np.ndarray,
+        num_classes: int,
+        model: SeededModelFactory,
+        partitioner: Partitioner,
+        params: dict[str, Any],
+        trainable: Sequence[str] | None = None,
+        fixed_seed: int = 0,
+        trainer_factory: TrainerFactory = TorchTrainer,
+        central_test: TensorData | None = None,
+    ) -> None:
+        self.name = name
+        self.train_data = train
+        self.test_data = test
+        self.train_labels = train_labels
+        self.test_labels = test_labels
+        self.num_classes = num_classes
+        self.params = dict(params)
+        self._model = model
+        self._partitioner = partitioner
+        self._fixed_seed = fixed_seed
+        self._trainer_factory = trainer_factory
+        self._central_test = central_test if central_test is not None else test
+        probe = model(fixed_seed)
+        self.trainable: list[str] = (
+            list(trainable) if trainable is not None else [n for n, _ in probe.named_parameters()]
+        )
+        # Partitions are pure functions of (num_partitions, seed); memoised per task
+        # instance because client_trainer asks for the same one once per client.
+        self._partitions: dict[tuple[int, int], Partition] = {}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, {self.params})"
+
+    def build_model(self, seed: int | None = None) -> nn.Module:
+        """A fresh model; its non-global parts always come from the task's fixed seed."""
+        return self._model(self._fixed_seed if seed is None else seed)
+
+    def initial_arrays(self, seed: int) -> NDArrays:
+        """The global model at round 0 (the trainable tensors only), float32, in order."""
+        return arrays_of(self._model(seed), self.trainable)
+
+    def partition(self, num_partitions: int, seed: int) -> Partition:
+        key = (num_partitions, seed)
+        if key not in self._partitions:
+            self._partitions[key] = self._partitioner(num_partitions, seed)
+        return self._partitions[key]
+
+    def client_data(
+        self, partition_id: int, num_partitions: int, seed: int
+    ) -> tuple[TensorData, TensorData]:
+        if not 0 <= partition_id < num_partitions:
+            raise ConfigError(f"partition_id must be in [0, {num_partitions}), got {partition_id}")
+        part = self.partition(num_partitions, seed)
+        return (
+            self.train_data.subset(part.indices[partition_id]),
+            self.test_data.subset(part.test_indices[partition_id]),
+        )
+
+    def client_trainer(self, partition_id: int, num_partitions: int, seed: int) -> Trainer:
+        train, test = self.client_data(partition_id, num_partitions, seed)
+        fixed = self._fixed_seed
+        return self._trainer_factory(
+            lambda: self._model(fixed),
+            train,
+            test,
+            trainable=self.trainable,
+            seed=seed * 1_000_003 + partition_id,
+        )
+
+    def evaluate(self, arrays: NDArrays, split: str = "test") -> dict[str, float]:
+        """Central evaluation: accuracy and loss of ``arrays`` on the held-out test
+        pool (``split="test"``) or on the whole training pool (``"train"``)."""
+        if split == "test":
+            data = self._central_test
+        elif split == "train":
+            data = self.train_data
+        else:
+            raise ConfigError(f"unknown split {split!r}; expected 'test' or 'train'")
+        model = self._model(self._fixed_seed)
+        load_arrays(model, arrays, self.trainable)
+        return evaluate_model(model, data)

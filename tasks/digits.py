@@ -1,0 +1,96 @@
+"""``digits``: scikit-learn's 8x8 handwritten digits (1,797 images, 10 classes) and a
+64-64-10 MLP.
+
+The data has no writers, so clients are made by label skew (Dirichlet by default).
+A stratified ``test_fraction`` of the data is held out once, with ``split_seed``, and
+never partitioned into training data: central evaluation and the clients' local test
+splits come from it. ``with_replacement=True`` lets any number of clients draw
+``samples_per_client`` examples each (the simulator's 10,000-client benchmark).
+"""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import numpy as np
+from orchard.tasks.core import SupervisedTask, seeded_model
+from orchard.tasks.partition import label_partitioner, stratified_split
+from orchard.tasks.torch_trainer import TensorData
+from torch import nn
+
+DATA_DIR = Path(__file__).parent / "data" / "digits"
+NUM_CLASSES = 10
+NUM_FEATURES = 64
+
+
+def load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """(x, y): x (1797, 64) float32 in [0, 1] (pixels / 16), y (1797,) int64."""
+    with gzip.open(DATA_DIR / "digits.csv.gz", "rt") as f:
+        raw = np.loadtxt(f, delimiter=",", dtype=np.int64)
+    return (raw[:, :NUM_FEATURES] / 16.0).astype(np.float32), raw[:, NUM_FEATURES].astype(np.int64)
+
+
+def mlp(hidden: int) -> nn.Module:
+    return nn.Sequential(nn.Linear(NUM_FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, NUM_CLASSES))
+
+
+def build(
+    *,
+    alpha: float = 0.5,
+    partitioner: str = "dirichlet",
+    with_replacement: bool = False,
+    samples_per_client: int = 20,
+    test_samples_per_client: int = 5,
+    shards_per_client: int = 2,
+    min_partition_size: int = 2,
+    test_fraction: float = 0.2,
+    split_seed: int = 0,
+    hidden: int = 64,
+) -> SupervisedTask:
+    """Build the digits task.
+
+    ``partitioner``: "dirichlet" (label shares per class ~ Dir(alpha)), "iid" or
+    "shards"; ``with_replacement`` (Dirichlet only): each client draws
+    ``samples_per_client`` training and ``test_samples_per_client`` test examples with
+    replacement, so the population is unbounded.
+    """
+    x, y = load_digits()
+    train_idx, test_idx = stratified_split(y, test_fraction, split_seed)
+    params = dict(
+        alpha=alpha,
+        partitioner=partitioner,
+        with_replacement=with_replacement,
+        samples_per_client=samples_per_client,
+        test_samples_per_client=test_samples_per_client,
+        shards_per_client=shards_per_client,
+        min_partition_size=min_partition_size,
+        test_fraction=test_fraction,
+        split_seed=split_seed,
+        hidden=hidden,
+    )
+    return SupervisedTask(
+        name="digits",
+        train=TensorData.from_numpy(x[train_idx], y[train_idx]),
+        test=TensorData.from_numpy(x[test_idx], y[test_idx]),
+        train_labels=y[train_idx],
+        test_labels=y[test_idx],
+        num_classes=NUM_CLASSES,
+        model=lambda seed: seeded_model(lambda: mlp(hidden), seed),
+        partitioner=label_partitioner(
+            y[train_idx],
+            y[test_idx],
+            NUM_CLASSES,
+            scheme=partitioner,
+            alpha=alpha,
+            min_size=min_partition_size,
+            shards_per_client=shards_per_client,
+            with_replacement=with_replacement,
+            samples_per_client=samples_per_client,
+            test_samples_per_client=test_samples_per_client,
+        ),
+        params=params,
+    )
+
+
+__all__ = ["build", "load_digits", "mlp"]

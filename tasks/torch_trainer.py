@@ -1,0 +1,278 @@
+"""The reference torch trainer: :class:`orchard.trainer.Trainer` for any classifier or
+next-token model whose forward maps a batch of inputs to logits.
+
+Which tensors train is a choice of the caller (``trainable``): every parameter by
+default, or a subset (a LoRA adapter, a head). The arrays a round hands in are exactly
+the trainable tensors and the arrays it hands back are their new values; everything
+else in the model is fixed by ``model_factory`` and never leaves the device.
+
+Determinism: batches are drawn from a ``torch.Generator`` seeded from the trainer's
+seed and ``TrainConfig.seed``; the model is built once per trainer by a deterministic
+factory; nothing reads or advances torch's global RNG. On CPU, the same arrays, config
+and seed give bit-identical results.
+
+Speed: the digits MLP (64-64-10, ~20 examples per client) is the simulator's benchmark
+workload, where Python overhead per step dominates. So the client's data are torch
+tensors built once, the model is built once per trainer and reused across rounds,
+running loss and accuracy stay tensors until the end of training, and FedProx adds
+its gradient term directly (``mu * (w - w_global)``) instead of a loss term that
+autograd would have to differentiate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from orchard.errors import ConfigError, UpdateSchemaError
+from orchard.trainer import EvalResult, TrainConfig, TrainResult
+from orchard.typing import NDArrays
+
+ModelFactory = Callable[[], nn.Module]
+
+_EVAL_BATCH = 1024
+
+
+@dataclass(frozen=True)
+class TensorData:
+    """Inputs and integer targets. ``y`` is (N,) for classification, (N, T) for
+    next-token prediction (logits then are (N, T, V))."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+    @staticmethod
+    def from_numpy(x: np.ndarray, y: np.ndarray) -> TensorData:
+        return TensorData(
+            torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(np.ascontiguousarray(y))
+        )
+
+    def subset(self, idx: np.ndarray) -> TensorData:
+        t = torch.from_numpy(np.asarray(idx, dtype=np.int64))
+        return TensorData(self.x[t], self.y[t])
+
+
+def _loss_and_correct(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean cross-entropy over all targets, and the number of argmax hits."""
+    flat = logits.reshape(-1, logits.shape[-1])
+    target = y.reshape(-1)
+    loss = F.cross_entropy(flat, target)
+    correct = (flat.argmax(dim=-1) == target).sum()
+    return loss, correct
+
+
+def _tensors(model: nn.Module | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return model if isinstance(model, dict) else model.state_dict(keep_vars=True)
+
+
+def arrays_of(model: nn.Module | dict[str, torch.Tensor], names: Sequence[str]) -> NDArrays:
+    """The named tensors of ``model`` (or of a ``state_dict(keep_vars=True)``) as float32
+    numpy arrays (copies), in ``names`` order."""
+    state = _tensors(model)
+    return {n: state[n].detach().to(torch.float32).cpu().numpy().copy() for n in names}
+
+
+def load_arrays(
+    model: nn.Module | dict[str, torch.Tensor], arrays: NDArrays, expected: Sequence[str]
+) -> None:
+    """Copy ``arrays`` into ``model`` in place; names and shapes must match ``expected`` exactly."""
+    got, want = list(arrays), list(expected)
+    if set(got) != set(want):
+        missing = sorted(set(want) - set(got))
+        extra = sorted(set(got) - set(want))
+        raise UpdateSchemaError(
+            f"arrays do not match the model's trained tensors: missing {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, unexpected {extra[:5]}{'...' if len(extra) > 5 else ''}"
+        )
+    state = _tensors(model)
+    with torch.no_grad():
+        for name in want:
+            dst, src = state[name], np.asarray(arrays[name])
+            if tuple(dst.shape) != src.shape:
+                raise UpdateSchemaError(
+                    f"tensor {name!r}: the model has shape {tuple(dst.shape)}, the arrays have {src.shape}"
+                )
+            dst.copy_(torch.from_numpy(np.ascontiguousarray(src)))
+
+
+def make_optimizer(params: list[torch.Tensor], config: TrainConfig) -> torch.optim.Optimizer:
+    # foreach=False: for a handful of tiny tensors the multi-tensor path costs more
+    # than it saves.
+    name = config.optimizer.lower()
+    lr, wd = config.learning_rate, config.weight_decay
+    if name == "sgd":
+        return torch.optim.SGD(
+            params, lr=lr, momentum=config.momentum, weight_decay=wd, foreach=False
+        )
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=wd, foreach=False)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=wd, foreach=False)
+    raise ConfigError(f"unknown optimizer {config.optimizer!r}; expected 'sgd', 'adam' or 'adamw'")
+
+
+@torch.no_grad()
+def evaluate_model(
+    model: nn.Module, data: TensorData, batch_size: int = _EVAL_BATCH
+) -> dict[str, float]:
+    """Example-weighted mean loss and accuracy of ``model`` on ``data`` (per target token
+    for sequence targets)."""
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    correct = torch.zeros((), dtype=torch.int64)
+    targets = 0
+    for start in range(0, len(data), batch_size):
+        x, y = data.x[start : start + batch_size], data.y[start : start + batch_size]
+        loss, hits = _loss_and_correct(model(x), y)
+        loss_sum += loss.double() * y.numel()
+        correct += hits
+        targets += y.numel()
+    model.train(was_training)
+    if targets == 0:
+        return {"accuracy": float("nan"), "loss": float("nan")}
+    return {"accuracy": float(correct) / targets, "loss": float(loss_sum) / targets}
+
+
+def _seed_from(*parts: int) -> int:
+    # SeedSequence mixes the parts so that neighbouring (seed, partition) pairs give
+    # unrelated streams; 63 bits fit torch's manual_seed.
+    return int(
+        np.random.SeedSequence([int(p) & 0xFFFFFFFF for p in parts]).generate_state(2, np.uint64)[0]
+        >> 1
+    )
+
+
+class TorchTrainer:
+    """Local training of ``model_factory()`` on one client's data.
+
+    ``trainable`` names the tensors that train and travel (default: every parameter,
+    in ``named_parameters`` order). ``seed`` is the trainer's own seed (for example
+    derived from the run seed and partition id); ``TrainConfig.seed`` varies it per
+    round.
+    """
+
+    def __init__(
+        self,
+        model_factory: ModelFactory,
+        train_data: TensorData,
+        test_data: TensorData,
+        trainable: Sequence[str] | None = None,
+        seed: int = 0,
+    ) -> None:
+        self._factory = model_factory
+        self.train_data = train_data
+        self.test_data = test_data
+        self._requested = list(trainable) if trainable is not None else None
+        self.seed = seed
+        # Built on first use and kept: rounds reuse the module, only the arrays change.
+        self._state: tuple[nn.Module, list[str], dict[str, torch.Tensor]] | None = None
+
+    def _built(self) -> tuple[nn.Module, list[str], dict[str, torch.Tensor]]:
+        if self._state is None:
+            model = self._factory()
+            params = dict(model.named_parameters())
+            names = self._requested if self._requested is not None else list(params)
+            unknown = [n for n in names if n not in params]
+            if unknown:
+                raise ConfigError(
+                    f"trainable tensors {unknown[:5]} are not parameters of the model"
+                )
+            keep = set(names)
+            for n, p in params.items():
+                p.requires_grad_(n in keep)
+            self._state = (model, names, model.state_dict(keep_vars=True))
+        return self._state
+
+    @property
+    def trainable(self) -> list[str]:
+        return list(self._built()[1])
+
+    @property
+    def model(self) -> nn.Module:
+        """The trainer's model (with whatever arrays were last loaded)."""
+        return self._built()[0]
+
+    def train(self, arrays: NDArrays, config: TrainConfig) -> TrainResult:
+        model, names, tensors = self._built()
+        load_arrays(tensors, arrays, names)
+        n = len(self.train_data)
+        if n == 0:
+            return TrainResult(
+                arrays=arrays_of(tensors, names),
+                weight=0.0,
+                num_examples=0,
+                num_steps=0,
+                metrics={"train_loss": float("nan"), "train_accuracy": float("nan")},
+            )
+        if config.batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {config.batch_size}")
+        params = [tensors[name] for name in names]
+        opt = make_optimizer(params, config)
+        mu = config.proximal_mu
+        anchors = [p.detach().clone() for p in params] if mu > 0 else []
+
+        steps_per_epoch = -(-n // config.batch_size)
+        total_steps = config.steps if config.steps is not None else config.epochs * steps_per_epoch
+        gen = torch.Generator().manual_seed(_seed_from(self.seed, config.seed))
+        x_all, y_all = self.train_data.x, self.train_data.y
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        correct = torch.zeros((), dtype=torch.int64)
+        seen_targets = 0
+        model.train()
+        step = 0
+        while step < total_steps:
+            perm = torch.randperm(n, generator=gen) if n > 1 else torch.zeros(1, dtype=torch.int64)
+            for start in range(0, n, config.batch_size):
+                if step >= total_steps:
+                    break
+                if n <= config.batch_size:
+                    x, y = (
+                        x_all,
+                        y_all,
+                    )  # one batch: skip the gather (order is irrelevant to the mean)
+                else:
+                    idx = perm[start : start + config.batch_size]
+                    x, y = x_all[idx], y_all[idx]
+                opt.zero_grad(set_to_none=True)
+                loss, hits = _loss_and_correct(model(x), y)
+                loss.backward()
+                if mu > 0:
+                    # FedProx (Li et al., 2020, eq. 2): grad of mu/2 ||w - w_global||^2.
+                    with torch.no_grad():
+                        for p, a in zip(params, anchors, strict=True):
+                            if p.grad is not None:
+                                p.grad.add_(p - a, alpha=mu)
+                opt.step()
+                with torch.no_grad():
+                    loss_sum += loss.detach().double() * y.numel()
+                    correct += hits
+                seen_targets += y.numel()
+                step += 1
+        return TrainResult(
+            arrays=arrays_of(tensors, names),
+            weight=float(n),
+            num_examples=n,
+            num_steps=step,
+            metrics={
+                "train_loss": float(loss_sum) / max(seen_targets, 1),
+                "train_accuracy": float(correct) / max(seen_targets, 1),
+            },
+        )
+
+    def evaluate(self, arrays: NDArrays, config: TrainConfig) -> EvalResult:
+        model, names, tensors = self._built()
+        load_arrays(tensors, arrays, names)
+        if len(self.test_data) == 0:
+            return EvalResult(num_examples=0, metrics={})
+        return EvalResult(
+            num_examples=len(self.test_data), metrics=evaluate_model(model, self.test_data)
+        )
