@@ -1,0 +1,221 @@
+"""What every codec declares (its algebra) and the framing they share.
+
+A codec is an encode/decode pair over one tensor. :class:`BaseCodec` does the part
+that is the same for all of them -- input checks, the payload header, refusing a
+payload made by another codec or for another shape -- and leaves two methods to each
+codec: ``_encode`` (float32 array -> fields) and ``decode_parsed`` (fields -> array).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+from orchard.compression.errors import CodecMismatchError, MalformedPayloadError
+from orchard.compression.wire import MAX_COUNT, EncodedTensor, Field, parse_payload
+
+from orchard.errors import CodecError
+
+State = dict[str, np.ndarray]
+"""A stateful codec's per-tensor state: plain float32 arrays the device can persist."""
+
+
+@dataclass(frozen=True)
+class Algebra:
+    """What a codec promises about sums of its payloads.
+
+    ``linear``: payloads of one tensor (same shape, same ``shared_seed``) can be summed
+    without decoding (:meth:`BaseCodec.add`), and ``decode(sum, num_summands=n)`` equals
+    the sum of the ``n`` decodes to float tolerance, for *any* inputs.
+
+    ``field_linear``: linear, and the sum is an element-wise sum of one fixed-length
+    vector whose layout does not depend on the data (no data-dependent scale, no
+    data-dependent coordinates), so it survives being embedded in an integer field and
+    summed there under masks: this is what secure aggregation needs.
+
+    ``stateful``: ``encode`` reads and returns a per-tensor :data:`State`.
+
+    ``unbiased``: ``E[decode(encode(x))] = x`` over the encoder's randomness.
+
+    ``needs_num_summands``: ``decode`` of a sum must be told how many payloads it sums.
+    """
+
+    linear: bool
+    field_linear: bool
+    stateful: bool
+    unbiased: bool
+    needs_num_summands: bool
+
+
+@runtime_checkable
+class Codec(Protocol):
+    """The public face of every codec (see the package docstring for the contract)."""
+
+    name: str
+    algebra: Algebra
+
+    def encode(
+        self,
+        x: np.ndarray,
+        rng: np.random.Generator,
+        state: State | None = None,
+        shared_seed: int = 0,
+    ) -> tuple[bytes, State | None]: ...
+
+    def decode(
+        self,
+        payload: bytes,
+        shape: tuple[int, ...],
+        num_summands: int = 1,
+        shared_seed: int = 0,
+        state: State | None = None,
+    ) -> np.ndarray: ...
+
+    def parse(self, payload: bytes, shape: tuple[int, ...]) -> EncodedTensor: ...
+
+    def decode_parsed(
+        self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0
+    ) -> np.ndarray: ...
+
+    def add(self, a: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None: ...
+
+
+def as_float32(x: object) -> np.ndarray:
+    """The float32 contiguous view (or copy) every codec encodes; refuses non-real dtypes."""
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "fiu":
+        raise CodecError(f"expected a real numeric array, got dtype {arr.dtype}")
+    if arr.size > MAX_COUNT:
+        raise CodecError(f"a tensor may hold at most {MAX_COUNT} elements, got {arr.size}")
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def check_shape(shape: object) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(d) for d in shape)  # type: ignore[union-attr]
+    except (TypeError, ValueError):
+        raise CodecError(f"shape must be a tuple of ints, got {shape!r}") from None
+    if any(d < 0 or d > MAX_COUNT for d in dims) or len(dims) > 255:
+        raise CodecError(f"shape must have at most 255 dims in 0..{MAX_COUNT}, got {dims}")
+    return dims
+
+
+def check_seed(shared_seed: int) -> int:
+    if not isinstance(shared_seed, int | np.integer) or shared_seed < 0:
+        raise CodecError(f"shared_seed must be a non-negative int, got {shared_seed!r}")
+    return int(shared_seed)
+
+
+def numel(shape: tuple[int, ...]) -> int:
+    return math.prod(shape)
+
+
+def expect_fields(enc: EncodedTensor, count: int, layout: str) -> tuple[Field, ...]:
+    if len(enc.fields) != count:
+        got = ", ".join(f.describe() for f in enc.fields) or "none"
+        raise MalformedPayloadError(
+            f"{enc.codec_name} payload: expected {count} fields ({layout}), "
+            f"got {len(enc.fields)} ({got})"
+        )
+    return enc.fields
+
+
+def expect_field(
+    enc: EncodedTensor,
+    field: Field,
+    what: str,
+    *,
+    count: int | None = None,
+    dtype: str | None = None,
+    bits: int | None = None,
+) -> np.ndarray:
+    """Check one field's element count and kind; return its data."""
+    problems = []
+    if count is not None and field.data.size != count:
+        problems.append(f"{count} elements, got {field.data.size}")
+    if bits is not None and field.bits != bits:
+        problems.append(f"{bits}-bit packed, got {field.describe()}")
+    if dtype is not None and (field.bits or field.data.dtype != np.dtype(dtype)):
+        problems.append(f"dtype {dtype}, got {field.describe()}")
+    if problems:
+        raise MalformedPayloadError(
+            f"{enc.codec_name} payload for shape {enc.shape}, field {what!r}: expected "
+            + "; expected ".join(problems)
+        )
+    return field.data
+
+
+class BaseCodec:
+    """Header framing and payload checks shared by every codec."""
+
+    name: str
+    algebra: Algebra
+    codec_id: int
+    version: int = 1
+
+    def encode(
+        self,
+        x: np.ndarray,
+        rng: np.random.Generator,
+        state: State | None = None,
+        shared_seed: int = 0,
+    ) -> tuple[bytes, State | None]:
+        x32 = as_float32(x)
+        enc, new_state = self.encode_parsed(x32, rng, state, check_seed(shared_seed))
+        return enc.to_bytes(), new_state
+
+    def decode(
+        self,
+        payload: bytes,
+        shape: tuple[int, ...],
+        num_summands: int = 1,
+        shared_seed: int = 0,
+        state: State | None = None,
+    ) -> np.ndarray:
+        """Decode to float32 of ``shape``. ``state`` is accepted for symmetry: no decoder keeps any."""
+        if not isinstance(num_summands, int | np.integer) or num_summands < 1:
+            raise CodecError(f"num_summands must be an int >= 1, got {num_summands!r}")
+        enc = self.parse(payload, shape)
+        return self.decode_parsed(enc, int(num_summands), check_seed(shared_seed))
+
+    def parse(self, payload: bytes, shape: tuple[int, ...]) -> EncodedTensor:
+        """Parse a payload and refuse it unless this codec made it, for this shape."""
+        dims = check_shape(shape)
+        enc = parse_payload(payload)
+        if enc.codec_id != self.codec_id:
+            raise CodecMismatchError(
+                f"wrong codec id: this decoder is {self.name!r} (id {self.codec_id}), "
+                f"the payload was made by {enc.codec_name!r} (id {enc.codec_id})"
+            )
+        if enc.codec_version != self.version:
+            raise CodecMismatchError(
+                f"{self.name} payload version {enc.codec_version}, this decoder reads "
+                f"version {self.version}"
+            )
+        if enc.shape != dims:
+            raise MalformedPayloadError(
+                f"{self.name} payload is for shape {enc.shape}, decode was asked for {dims}"
+            )
+        return enc
+
+    def header(self, shape: tuple[int, ...], fields: list[Field]) -> EncodedTensor:
+        return EncodedTensor(self.codec_id, self.version, tuple(shape), tuple(fields))
+
+    def add(self, a: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
+        """The compressed-domain sum of two parsed payloads, or None when it does not exist."""
+        return None
+
+    def encode_parsed(
+        self, x: np.ndarray, rng: np.random.Generator, state: State | None, shared_seed: int
+    ) -> tuple[EncodedTensor, State | None]:
+        raise NotImplementedError
+
+    def decode_parsed(
+        self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0
+    ) -> np.ndarray:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<codec {self.name}>"

@@ -1,0 +1,103 @@
+"""Dense casts: float32 (identity), float16 and bfloat16. One skeleton, three wire dtypes.
+
+Cost: 4, 2 and 2 bytes per element plus the header. float32 is exact and linear
+(payloads add element-wise), so it is field-linear: secure aggregation embeds the
+values in its field itself. float16 and bfloat16 round to nearest even, which is
+neither linear (the sum of two roundings is not the rounding of the sum) nor unbiased.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+from orchard.compression.base import Algebra, BaseCodec, State, expect_field, expect_fields, numel
+from orchard.compression.wire import CODEC_IDS, EncodedTensor, Field
+
+from orchard.errors import CodecError
+
+FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
+def _to_float16(x: np.ndarray) -> np.ndarray:
+    h = x.astype(np.float16)
+    # A silent cast turns |x| > 65504 into inf, which would poison the whole sum.
+    if not np.isfinite(h).all():
+        overflow = np.isinf(h) & np.isfinite(x)
+        if overflow.any():
+            peak = float(np.abs(x[overflow]).max())
+            raise CodecError(
+                f"float16 holds |x| <= {FLOAT16_MAX:g}, the tensor has |x| = {peak:g}; "
+                "use bfloat16 (float32 range) or scale the update"
+            )
+    return h
+
+
+def _to_bfloat16(x: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 bits (the top 16 bits), nearest-even like hardware does."""
+    u = x.view(np.uint32)
+    rounded = u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
+    out = (rounded >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():  # the rounding carry could turn a NaN's payload into inf
+        out[nan] = np.uint16(0x7FC0)
+    return out
+
+
+def _from_bfloat16(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+class CastCodec(BaseCodec):
+    """Send every element in a wire dtype; decode casts back to float32."""
+
+    def __init__(
+        self,
+        name: str,
+        wire_dtype: str,
+        to_wire: Callable[[np.ndarray], np.ndarray],
+        from_wire: Callable[[np.ndarray], np.ndarray],
+        exact: bool,
+    ) -> None:
+        self.name = name
+        self.codec_id = CODEC_IDS[name]
+        self._wire_dtype = wire_dtype
+        self._to_wire = to_wire
+        self._from_wire = from_wire
+        self.algebra = Algebra(
+            linear=exact,
+            field_linear=exact,
+            stateful=False,
+            unbiased=exact,
+            needs_num_summands=False,
+        )
+
+    def encode_parsed(
+        self, x: np.ndarray, rng: np.random.Generator, state: State | None, shared_seed: int
+    ) -> tuple[EncodedTensor, State | None]:
+        return self.header(x.shape, [Field(self._to_wire(x.reshape(-1)))]), None
+
+    def decode_parsed(
+        self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0
+    ) -> np.ndarray:
+        (f,) = expect_fields(enc, 1, "values")
+        values = expect_field(enc, f, "values", count=numel(enc.shape), dtype=self._wire_dtype)
+        return np.array(self._from_wire(values), dtype=np.float32).reshape(enc.shape)
+
+    def add(self, a: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
+        if not self.algebra.linear:
+            return None
+        va, vb = (self.decode_parsed(e).reshape(-1) for e in (a, b))
+        return self.header(a.shape, [Field(va + vb)])
+
+
+def float32_codec() -> CastCodec:
+    return CastCodec("float32", "float32", lambda x: x, lambda v: v, exact=True)
+
+
+def float16_codec() -> CastCodec:
+    return CastCodec("float16", "float16", _to_float16, lambda v: v, exact=False)
+
+
+def bfloat16_codec() -> CastCodec:
+    return CastCodec("bfloat16", "uint16", _to_bfloat16, _from_bfloat16, exact=False)

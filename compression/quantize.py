@@ -1,0 +1,214 @@
+"""Uniform scalar quantisation: one skeleton, two codecs (``qsgd`` and ``sign``).
+
+The skeleton maps each element of a block with scale ``s`` onto ``L + 1 = 2**bits``
+evenly spaced levels of ``[-s, s]``::
+
+    u = (x / s + 1) * L / 2                   in [0, L] when |x| <= s
+    j = floor(u + r)                          r ~ U[0, 1): stochastic rounding
+    x_hat = s * (2 j / L - 1)
+
+Stochastic rounding is unbiased: ``E[floor(u + r)] = u``, so ``E[x_hat] = x`` whenever
+``|x| <= s`` (QSGD, Alistarh et al. 2017, Lemma 3.1; the proof needs only
+``|x_i| <= s``). Its variance per element is at most ``(s / L)**2``.
+
+Codes are stored unsigned (the level index ``j``), so the sum of ``n`` payloads that
+share their scales decodes as ``s * (2 J / L - n)`` with ``J = sum j``: decode must be
+told ``n`` (``needs_num_summands``), and the sum of codes is an integer vector that can
+be added modulo a field as long as ``n * L`` fits.
+
+``qsgd``: stochastic rounding, ``bits`` in {1, 2, 4, 8}; the scale is the max-norm of
+the tensor or of each ``block`` elements (QSGD's paper uses the L2 norm; the max-norm
+keeps unbiasedness and has far smaller variance at these bit widths), or a fixed
+``scale`` for every client, which makes the codec field-linear (values beyond the
+fixed scale are clipped, the only source of bias). Cost: ``bits`` per element plus a
+float32 per block.
+
+``sign``: scaled sign, 1 bit per element, deterministic nearest rounding with
+``s = mean |x|`` (EF-SignSGD, Karimireddy et al. 2019, eq. (3): ``C(x) = |x|_1 / d *
+sign(x)``). Biased: pair it with error feedback.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from orchard.compression.base import (
+    Algebra,
+    BaseCodec,
+    State,
+    expect_field,
+    expect_fields,
+    numel,
+)
+from orchard.compression.errors import CodecMismatchError, MalformedPayloadError
+from orchard.compression.wire import CODEC_IDS, EncodedTensor, Field
+
+from orchard.errors import CodecError
+
+QUANT_BITS = (1, 2, 4, 8)
+
+
+def _blocked(x: np.ndarray, block: int) -> np.ndarray:
+    """``x`` as rows of ``block`` elements, the last row zero-padded (a view when it divides)."""
+    rows = -(-x.size // block)
+    if rows * block == x.size:
+        return x.reshape(rows, block)
+    padded = np.zeros(rows * block, dtype=x.dtype)
+    padded[: x.size] = x
+    return padded.reshape(rows, block)
+
+
+def block_absmax(x: np.ndarray, block: int) -> np.ndarray:
+    """Max |x| per block, without an |x| temporary (two reductions instead)."""
+    rows = _blocked(x, block)
+    return np.maximum(rows.max(axis=1), -rows.min(axis=1)).astype(np.float32)
+
+
+def quantize(
+    x: np.ndarray, scales: np.ndarray, block: int, bits: int, rng: np.random.Generator | None
+) -> np.ndarray:
+    """Level indices (uint8) of flat float32 ``x``; ``rng=None`` rounds to nearest."""
+    if x.size == 0:
+        return np.zeros(0, dtype=np.uint8)
+    half = np.float32(((1 << bits) - 1) / 2)
+    with np.errstate(divide="ignore"):
+        inv = np.where(scales > 0, half / scales, np.float32(0)).astype(np.float32)
+    u = _blocked(x, block) * inv[:, None]
+    if rng is None:
+        u += half + np.float32(0.5)
+    else:
+        u += half
+        u += rng.random(u.shape, dtype=np.float32)
+    # Clip: |x| > s (a fixed scale, or sign's mean-|x| scale) and float rounding of u + r.
+    np.clip(u, 0, 2 * half, out=u)
+    return u.astype(np.uint8).reshape(-1)[: x.size]
+
+
+def dequantize(
+    codes: np.ndarray, scales: np.ndarray, block: int, bits: int, num_summands: int, size: int
+) -> np.ndarray:
+    """Inverse map of summed level indices: ``s * (2 J / L - n)`` per element."""
+    if size == 0:
+        return np.zeros(0, dtype=np.float32)
+    levels = (1 << bits) - 1
+    step = (scales * np.float32(2 / levels)).astype(np.float32)
+    out = _blocked(codes, block).astype(np.float32)
+    out *= step[:, None]
+    out -= (scales * np.float32(num_summands))[:, None]
+    return out.reshape(-1)[:size]
+
+
+class QuantCodec(BaseCodec):
+    """The skeleton as a codec; ``qsgd`` and ``sign`` differ only in scale and rounding."""
+
+    def __init__(
+        self,
+        name: str,
+        bits: int,
+        block: int | None = None,
+        fixed_scale: float | None = None,
+        stochastic: bool = True,
+    ) -> None:
+        self.name = name
+        self.codec_id = CODEC_IDS["sign" if name == "sign" else "qsgd"]
+        self.bits = bits
+        self.block = block
+        self.fixed_scale = None if fixed_scale is None else np.float32(fixed_scale)
+        self.stochastic = stochastic
+        fixed = fixed_scale is not None
+        self.algebra = Algebra(
+            linear=fixed,
+            field_linear=fixed,
+            stateful=False,
+            unbiased=stochastic,
+            needs_num_summands=stochastic,
+        )
+
+    def _block_size(self, size: int) -> int:
+        if self.block is None or self.fixed_scale is not None:
+            return max(size, 1)
+        return self.block
+
+    def _scales(self, x: np.ndarray, block: int) -> np.ndarray:
+        if self.fixed_scale is not None:
+            return np.full(1, self.fixed_scale, dtype=np.float32)
+        if x.size == 0:
+            return np.zeros(0, dtype=np.float32)
+        if self.stochastic:
+            scales = block_absmax(x, block)
+        else:
+            scales = np.array([np.abs(x).mean(dtype=np.float64)], dtype=np.float32)
+        if not np.isfinite(scales).all():
+            raise CodecError(f"{self.name} cannot scale a tensor that holds NaN or inf")
+        return scales
+
+    def encode_parsed(
+        self, x: np.ndarray, rng: np.random.Generator, state: State | None, shared_seed: int
+    ) -> tuple[EncodedTensor, State | None]:
+        flat = x.reshape(-1)
+        block = self._block_size(flat.size)
+        scales = self._scales(flat, block)
+        codes = quantize(flat, scales, block, self.bits, rng if self.stochastic else None)
+        return self.header(x.shape, [Field(scales), Field(codes, bits=self.bits)]), None
+
+    def _expected_blocks(self, size: int) -> int:
+        if self.fixed_scale is not None:
+            return 1
+        return -(-size // self._block_size(size)) if size else 0
+
+    def _parts(self, enc: EncodedTensor) -> tuple[np.ndarray, np.ndarray]:
+        size = numel(enc.shape)
+        f_scale, f_codes = expect_fields(enc, 2, "scales, codes")
+        scales = expect_field(
+            enc, f_scale, "scales", count=self._expected_blocks(size), dtype="float32"
+        )
+        if self.fixed_scale is not None and scales[0] != self.fixed_scale:
+            raise CodecMismatchError(
+                f"{self.name} payload uses scale {scales[0]:g}, this decoder is configured "
+                f"for a fixed scale of {self.fixed_scale:g}"
+            )
+        if f_codes.bits:
+            codes = expect_field(enc, f_codes, "codes", count=size, bits=self.bits)
+        else:  # a compressed-domain sum: raw uint32 level sums
+            codes = expect_field(enc, f_codes, "summed codes", count=size, dtype="uint32")
+        return scales, codes
+
+    def decode_parsed(
+        self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0
+    ) -> np.ndarray:
+        scales, codes = self._parts(enc)
+        n = num_summands if self.algebra.needs_num_summands else 1
+        levels = (1 << self.bits) - 1
+        if not enc.fields[1].bits and codes.size and int(codes.max()) > n * levels:
+            raise MalformedPayloadError(
+                f"{self.name} summed codes reach {int(codes.max())}, but {n} summands of "
+                f"{self.bits}-bit codes reach at most {n * levels}: wrong num_summands?"
+            )
+        size = numel(enc.shape)
+        out = dequantize(codes, scales, self._block_size(size), self.bits, n, size)
+        return out.reshape(enc.shape)
+
+    def add(self, a: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
+        """Sum codes when both payloads share every scale (always, with a fixed scale)."""
+        if not self.stochastic:
+            return None
+        (sa, ca), (sb, cb) = self._parts(a), self._parts(b)
+        if not np.array_equal(sa, sb):
+            return None
+        total = ca.astype(np.uint32)
+        total += cb
+        return self.header(a.shape, [Field(sa), Field(total)])
+
+
+def qsgd_codec(bits: int = 8, block: int | None = None, scale: float | None = None) -> QuantCodec:
+    return QuantCodec("qsgd", bits, block=block, fixed_scale=scale, stochastic=True)
+
+
+def sign_codec() -> QuantCodec:
+    return QuantCodec("sign", 1, block=None, stochastic=False)
+
+
+def qsgd_variance_bound(scale: float, bits: int) -> float:
+    """Per-element variance bound ``(s / L)**2`` of the stochastic quantiser."""
+    return (scale / ((1 << bits) - 1)) ** 2 if bits else math.inf

@@ -1,0 +1,145 @@
+"""Whole updates: ordered named arrays in, ordered named payloads out.
+
+Each tensor gets its own shared seed, derived from the cohort's ``shared_seed`` and the
+tensor's name, so random-k draws different coordinates for two tensors of one shape.
+The caller must change ``shared_seed`` every round (the round number mixed into the
+cohort's seed will do).
+
+Codec state is one :data:`~orchard.compression.base.State` per tensor name.
+:func:`states_to_bytes` / :func:`states_from_bytes` turn all of them into one blob a
+device can persist between rounds.
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+from collections.abc import Mapping
+
+import numpy as np
+from orchard.compression.base import Codec, State, check_seed, check_shape
+from orchard.compression.errors import MalformedPayloadError, UpdateMismatchError
+
+from orchard.errors import CodecError
+
+States = dict[str, State]
+
+
+def tensor_seed(shared_seed: int, name: str) -> int:
+    """The shared seed of one tensor: the same on every client and on the server."""
+    seq = np.random.SeedSequence(
+        entropy=check_seed(shared_seed), spawn_key=(zlib.crc32(name.encode()),)
+    )
+    return int(seq.generate_state(1, dtype=np.uint64)[0])
+
+
+def encode_update(
+    codec: Codec,
+    arrays: Mapping[str, np.ndarray],
+    rng: np.random.Generator,
+    states: Mapping[str, State] | None = None,
+    shared_seed: int = 0,
+) -> tuple[dict[str, bytes], States]:
+    """Encode every tensor in order; new states hold only the tensors that have one."""
+    payloads: dict[str, bytes] = {}
+    new_states: States = {}
+    for name, x in arrays.items():
+        state = (states or {}).get(name)
+        payloads[name], new = codec.encode(x, rng, state, tensor_seed(shared_seed, name))
+        if new is not None:
+            new_states[name] = new
+    return payloads, new_states
+
+
+def decode_update(
+    codec: Codec,
+    payloads: Mapping[str, bytes],
+    shapes: Mapping[str, tuple[int, ...]],
+    num_summands: int = 1,
+    shared_seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """Decode every tensor of ``shapes`` (its order wins); names must match exactly."""
+    check_names(payloads, shapes, "payloads")
+    return {
+        name: codec.decode(
+            payloads[name], check_shape(shape), num_summands, tensor_seed(shared_seed, name)
+        )
+        for name, shape in shapes.items()
+    }
+
+
+def check_names(got: Mapping[str, object], expected: Mapping[str, object], what: str) -> None:
+    missing = [n for n in expected if n not in got]
+    extra = [n for n in got if n not in expected]
+    if missing or extra:
+        raise UpdateMismatchError(
+            f"{what} do not match the expected tensors: missing {missing}, unexpected {extra}"
+        )
+
+
+_STATE_MAGIC = b"OS"
+_STATE_HEAD = struct.Struct("<2sBI")  # magic, version, entry count
+_ENTRY = struct.Struct("<HB")  # name length, ndim
+
+
+def states_to_bytes(states: Mapping[str, State]) -> bytes:
+    """All codec states as one blob: entries ``tensor/key`` -> float32 array."""
+    flat = {
+        f"{t}/{k}": np.ascontiguousarray(v, dtype="<f4")
+        for t, s in states.items()
+        for k, v in s.items()
+    }
+    parts = [_STATE_HEAD.pack(_STATE_MAGIC, 1, len(flat))]
+    for key, arr in flat.items():
+        name = key.encode()
+        parts += [_ENTRY.pack(len(name), arr.ndim), name, struct.pack(f"<{arr.ndim}I", *arr.shape)]
+        parts.append(arr.tobytes())
+    return b"".join(parts)
+
+
+def states_from_bytes(blob: bytes) -> States:
+    """Inverse of :func:`states_to_bytes`; refuses a truncated or foreign blob."""
+    buf = memoryview(blob).cast("B")
+    if len(buf) < _STATE_HEAD.size:
+        raise MalformedPayloadError(
+            f"truncated codec state: expected at least {_STATE_HEAD.size} bytes, got {len(buf)}"
+        )
+    magic, version, count = _STATE_HEAD.unpack_from(buf, 0)
+    if magic != _STATE_MAGIC or version != 1:
+        raise MalformedPayloadError(
+            f"not a codec state blob: expected magic {_STATE_MAGIC!r} version 1, "
+            f"got {bytes(magic)!r} version {version}"
+        )
+    off, states = _STATE_HEAD.size, {}
+    for _ in range(count):  # one entry per tensor and key
+        key, arr, off = _state_entry(buf, off)
+        tensor, _, name = key.rpartition("/")
+        states.setdefault(tensor, {})[name] = arr
+    if off != len(buf):
+        raise MalformedPayloadError(f"codec state: {len(buf) - off} trailing bytes")
+    return states
+
+
+def _state_entry(buf: memoryview, off: int) -> tuple[str, np.ndarray, int]:
+    def need(n: int, what: str) -> None:
+        if len(buf) < off + n:
+            raise MalformedPayloadError(
+                f"truncated codec state: {what} needs {n} bytes at offset {off}, "
+                f"only {len(buf) - off} remain"
+            )
+
+    need(_ENTRY.size, "an entry header")
+    name_len, ndim = _ENTRY.unpack_from(buf, off)
+    off += _ENTRY.size
+    need(name_len + 4 * ndim, "a name and shape")
+    try:
+        key = bytes(buf[off : off + name_len]).decode()
+    except UnicodeDecodeError:
+        raise CodecError("codec state: an entry name is not UTF-8") from None
+    off += name_len
+    shape = struct.unpack_from(f"<{ndim}I", buf, off)
+    off += 4 * ndim
+    size = int(np.prod(shape, dtype=np.int64)) * 4
+    need(size, f"entry {key!r}")
+    arr = np.frombuffer(buf[off : off + size], dtype="<f4").reshape(shape).copy()
+    return key, arr, off + size

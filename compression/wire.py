@@ -1,0 +1,192 @@
+"""The self-describing payload every codec emits.
+
+Layout (little-endian)::
+
+    magic      2s   b"OZ"
+    wire       u8   wire-format version (WIRE_VERSION)
+    codec      u8   codec id (CODEC_NAMES)
+    version    u8   that codec's payload version
+    ndim       u8
+    dims       ndim x u32
+    nfields    u8
+    then nfields times:
+        kind   u8   0 = unsigned ints bit-packed at `bits`; else a raw dtype (RAW_KINDS)
+        bits   u8   1..32 for kind 0, 0 otherwise
+        count  u32  number of elements
+        data        packed_nbytes(count, bits) or count * itemsize bytes
+
+A payload's reported size is ``len(payload)``, header included: there is no other
+accounting. The header costs ``11 + 4*ndim + 6*nfields`` bytes. Nested payloads (the
+kept values of a sparsifier, encoded by another codec) travel as a ``uint8`` field
+holding a complete payload with its own header, so every layer can refuse what it
+did not make.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+from orchard.compression.bits import pack_uint, packed_nbytes, unpack_uint
+from orchard.compression.errors import CodecMismatchError, MalformedPayloadError
+
+MAGIC = b"OZ"
+WIRE_VERSION = 1
+MAX_COUNT = 2**32 - 1  # a u32 field count; larger tensors must be split by the caller
+
+# Codec ids are part of the wire format: never renumber, only append.
+CODEC_NAMES: dict[int, str] = {
+    1: "float32",
+    2: "float16",
+    3: "bfloat16",
+    4: "qsgd",
+    5: "topk",
+    6: "randk",
+    7: "powersgd",
+    8: "sign",
+}
+CODEC_IDS = {name: cid for cid, name in CODEC_NAMES.items()}
+
+PACKED = 0
+RAW_KINDS: dict[int, np.dtype] = {
+    1: np.dtype("<f4"),
+    2: np.dtype("<f2"),
+    3: np.dtype("<u2"),
+    4: np.dtype("<u4"),
+    5: np.dtype("u1"),
+}
+_KIND_OF = {dt: kind for kind, dt in RAW_KINDS.items()}
+
+_HEAD = struct.Struct("<2sBBBB")
+_NFIELDS = struct.Struct("<B")
+_FIELD = struct.Struct("<BBI")
+
+
+@dataclass(frozen=True)
+class Field:
+    """One 1-D array of a payload. ``bits > 0``: unsigned ints packed at that width."""
+
+    data: np.ndarray
+    bits: int = 0
+
+    def describe(self) -> str:
+        kind = f"{self.bits}-bit packed" if self.bits else str(self.data.dtype)
+        return f"{self.data.size} x {kind}"
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    """A parsed payload: which codec made it, for what shape, and its fields."""
+
+    codec_id: int
+    codec_version: int
+    shape: tuple[int, ...]
+    fields: tuple[Field, ...]
+
+    @property
+    def codec_name(self) -> str:
+        return CODEC_NAMES.get(self.codec_id, f"<unknown codec id {self.codec_id}>")
+
+    def to_bytes(self) -> bytes:
+        parts = [
+            _HEAD.pack(MAGIC, WIRE_VERSION, self.codec_id, self.codec_version, len(self.shape)),
+            struct.pack(f"<{len(self.shape)}I", *self.shape),
+            _NFIELDS.pack(len(self.fields)),
+        ]
+        for f in self.fields:
+            parts.append(_field_bytes(f))
+        return b"".join(parts)
+
+
+def _field_bytes(f: Field) -> bytes:
+    if f.data.ndim != 1 or f.data.size > MAX_COUNT:
+        raise MalformedPayloadError(
+            f"a field must be 1-D with at most {MAX_COUNT} elements, got shape {f.data.shape}"
+        )
+    if f.bits:
+        return _FIELD.pack(PACKED, f.bits, f.data.size) + pack_uint(f.data, f.bits)
+    dt = f.data.dtype.newbyteorder("<") if f.data.dtype.byteorder == ">" else f.data.dtype
+    kind = _KIND_OF.get(np.dtype(dt))
+    if kind is None:
+        raise MalformedPayloadError(
+            f"field dtype {f.data.dtype} has no wire kind; expected one of "
+            f"{sorted(str(d) for d in _KIND_OF)}"
+        )
+    return _FIELD.pack(kind, 0, f.data.size) + np.ascontiguousarray(f.data, dtype=dt).tobytes()
+
+
+def parse_payload(payload: bytes | bytearray | memoryview) -> EncodedTensor:
+    """Parse and bounds-check a payload. Never raises anything but a CodecError subclass."""
+    if not isinstance(payload, bytes | bytearray | memoryview):
+        raise MalformedPayloadError(f"a payload must be bytes, got {type(payload).__name__}")
+    buf = memoryview(payload).cast("B")
+    n = len(buf)
+    if n < _HEAD.size:
+        raise MalformedPayloadError(
+            f"truncated header: expected at least {_HEAD.size} bytes, got {n}"
+        )
+    magic, wire, codec_id, codec_version, ndim = _HEAD.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise MalformedPayloadError(
+            f"not an orchard codec payload: expected magic {MAGIC!r}, got {bytes(magic)!r}"
+        )
+    if wire != WIRE_VERSION:
+        raise CodecMismatchError(
+            f"unsupported wire-format version: expected {WIRE_VERSION}, got {wire}"
+        )
+    off = _HEAD.size
+    need = off + 4 * ndim + _NFIELDS.size
+    if n < need:
+        raise MalformedPayloadError(
+            f"truncated header: a {ndim}-d shape needs {need} header bytes, got {n}"
+        )
+    shape = struct.unpack_from(f"<{ndim}I", buf, off)
+    off += 4 * ndim
+    (nfields,) = _NFIELDS.unpack_from(buf, off)
+    off += _NFIELDS.size
+    fields = []
+    for i in range(nfields):  # a handful of fields per payload, never one per coordinate
+        field, off = _parse_field(buf, off, i)
+        fields.append(field)
+    if off != n:
+        raise MalformedPayloadError(
+            f"wrong payload length: the header describes {off} bytes, got {n} "
+            f"({n - off} trailing bytes)"
+        )
+    return EncodedTensor(codec_id, codec_version, tuple(shape), tuple(fields))
+
+
+def _parse_field(buf: memoryview, off: int, i: int) -> tuple[Field, int]:
+    n = len(buf)
+    if n < off + _FIELD.size:
+        raise MalformedPayloadError(
+            f"truncated header: field {i} needs {_FIELD.size} header bytes at offset {off}, "
+            f"only {max(n - off, 0)} remain"
+        )
+    kind, bits, count = _FIELD.unpack_from(buf, off)
+    off += _FIELD.size
+    if kind == PACKED:
+        if not 1 <= bits <= 32:
+            raise MalformedPayloadError(f"field {i}: packed width must be 1..32 bits, got {bits}")
+        size = packed_nbytes(count, bits)
+    elif kind in RAW_KINDS:
+        if bits != 0:
+            raise MalformedPayloadError(f"field {i}: raw field with bit width {bits}, expected 0")
+        size = count * RAW_KINDS[kind].itemsize
+    else:
+        raise MalformedPayloadError(
+            f"field {i}: unknown field kind {kind}, expected 0 (packed) or one of "
+            f"{sorted(RAW_KINDS)}"
+        )
+    if n < off + size:
+        raise MalformedPayloadError(
+            f"truncated payload: field {i} declares {count} elements ({size} bytes), "
+            f"only {n - off} bytes remain"
+        )
+    chunk = buf[off : off + size]
+    if kind == PACKED:
+        data = unpack_uint(chunk, bits, count)
+    else:
+        data = np.frombuffer(chunk, dtype=RAW_KINDS[kind], count=count)
+    return Field(data, bits), off + size
