@@ -39,7 +39,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy orchard server client aggregation compression secure_agg
 
 proto: $(STAMP)
-	$(BIN)/python -m orchard.wire.gen
+	$(BIN)/python -m orchard.protogen
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -7,7 +7,7 @@ a numpy array. Order matters: the wire format and the schema hash follow it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 
 import numpy as np
 import numpy.typing as npt
@@ -21,7 +21,7 @@ ModelHash = str  # lowercase hex sha256 of the serialised model blob
 Metrics = dict[str, float]
 
 
-class Role(str, Enum):
+class Role(StrEnum):
     """What a node is in the tree. Every non-leaf is the same coordinator code."""
 
     CLIENT = "client"

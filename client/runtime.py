@@ -1,0 +1,191 @@
+"""The client runtime: join, long-poll, pull the model, train, encode, push.
+
+The runtime knows nothing about what is trained: it calls a :class:`orchard.trainer.Trainer`
+(a reference task's trainer, the LoRA trainer, or a Flower ``ClientApp`` through its
+adapter). A trainer that fails fails that task only: the error is logged, no update is
+sent, and the client goes back to polling.
+
+Updates are deltas ``local - global`` over exactly the tensors the task's schema names,
+encoded with the run's codec. Codec state that must live on the device across rounds
+(error-feedback residuals, PowerSGD's warm start) is kept per run and, given a
+``state_dir``, persisted there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from orchard.compression import build_codec, encode_update
+from orchard.compression.update import states_from_bytes, states_to_bytes
+
+from orchard import wire
+from orchard.config import RunConfig
+from orchard.errors import AuthError, OrchardError, UpdateSchemaError
+from orchard.link import FleetLink, UploadRefused
+from orchard.messages import Idle, TaskAssignment, UploadHeader, UploadKind
+from orchard.trainer import Trainer, TrainResult
+from orchard.typing import DeviceState, NDArrays
+from orchard.updates import pack
+
+log = logging.getLogger("orchard.client")
+
+DeviceProvider = Callable[[], DeviceState]
+TrainerFactory = Callable[[RunConfig], Trainer]
+
+
+@dataclass
+class TaskReport:
+    round: int
+    accepted: bool
+    reason: str = ""
+    num_examples: int = 0
+    bytes_up: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def weight_of(result: TrainResult, weighting: str) -> float:
+    if weighting == "steps":
+        return float(result.num_steps)
+    if weighting == "uniform":
+        return 1.0
+    return float(result.weight)
+
+
+class ClientRuntime:
+    def __init__(self, link: FleetLink, trainer_factory: TrainerFactory, *, partition_id: int = 0,
+                 device: DeviceProvider | None = None, state_dir: str | Path | None = None, seed: int = 0) -> None:
+        self.link = link
+        self._factory = trainer_factory
+        self._trainer: Trainer | None = None
+        self._trainer_key: str | None = None
+        self.partition_id = partition_id
+        self.device = device or (lambda: DeviceState())
+        self.state_dir = Path(state_dir) if state_dir else None
+        self.seed = seed
+        self.reports: list[TaskReport] = []
+        self._codec_state: dict[str, dict[str, Any]] = {}
+
+    def trainer_for(self, cfg: RunConfig) -> Trainer:
+        key = f"{cfg.task}:{sorted(cfg.task_params.items())}"
+        if self._trainer is None or self._trainer_key != key:
+            self._trainer = self._factory(cfg)
+            self._trainer_key = key
+        return self._trainer
+
+    async def run(self, max_tasks: int | None = None, stop: asyncio.Event | None = None) -> None:
+        """Serve tasks until ``stop`` is set or ``max_tasks`` were done."""
+        await self.link.join(self.device())
+        done = 0
+        while (max_tasks is None or done < max_tasks) and not (stop is not None and stop.is_set()):
+            got = await self.link.poll(self.device())
+            if isinstance(got, Idle):
+                if got.retry_after_s > 0:
+                    await asyncio.sleep(got.retry_after_s)
+                continue
+            self.reports.append(await self.do_task(got))
+            done += 1
+
+    async def do_task(self, t: TaskAssignment) -> TaskReport:
+        try:
+            return await self._do_task(t)
+        except (AuthError, asyncio.CancelledError):
+            raise
+        except UploadRefused as err:
+            log.warning("round %d: update refused: %s", t.round, err)
+            return TaskReport(t.round, False, str(err))
+        except Exception as err:  # the trainer or the data failed: this task fails, the client lives on
+            log.error("round %d: task failed: %s: %s", t.round, type(err).__name__, err)
+            return TaskReport(t.round, False, f"{type(err).__name__}: {err}")
+
+    async def _do_task(self, t: TaskAssignment) -> TaskReport:
+        cfg = RunConfig.model_validate_json(t.config_json)
+        blob = await self.link.pull_model(t.model_hash)
+        global_arrays = wire.blob_to_arrays(blob)
+        trainer = self.trainer_for(cfg)
+        # Deterministic per (run seed, round, partition): same seed, same update.
+        seed = int(np.random.default_rng([cfg.seed, t.round, self.partition_id]).integers(0, 2**31 - 1))
+        train_cfg = dataclasses.replace(cfg.train, seed=seed)
+        loop = asyncio.get_running_loop()
+        beat = asyncio.create_task(self._heartbeats(t))
+        try:
+            result: TrainResult = await loop.run_in_executor(None, trainer.train, global_arrays, train_cfg)
+        finally:
+            beat.cancel()
+        delta = self._delta(t, global_arrays, result)
+        header, payload = await loop.run_in_executor(None, self._encode, t, cfg, delta, result, seed)
+        await self.link.push_update(header, payload)
+        self._save_state(t.run_id)
+        return TaskReport(t.round, True, num_examples=result.num_examples, bytes_up=len(payload),
+                          metrics=dict(result.metrics))
+
+    async def _heartbeats(self, t: TaskAssignment) -> None:
+        while True:
+            await asyncio.sleep(max(0.5, self.link.heartbeat_s / 2))
+            await self.link.heartbeat(t.task_id, self.device())
+
+    @staticmethod
+    def _delta(t: TaskAssignment, global_arrays: NDArrays, result: TrainResult) -> NDArrays:
+        names = [s.name for s in t.schema]
+        missing = [n for n in names if n not in result.arrays]
+        if missing:
+            raise UpdateSchemaError(f"the trainer returned no value for {missing[:5]}; it must return every "
+                                    "tensor of the global model")
+        out: NDArrays = {}
+        for n in names:
+            new = np.asarray(result.arrays[n], dtype=np.float32)
+            if new.shape != global_arrays[n].shape:
+                raise UpdateSchemaError(f"trainer returned {n!r} with shape {new.shape}, "
+                                        f"the model has {global_arrays[n].shape}")
+            out[n] = new - global_arrays[n]
+        return out
+
+    def _encode(self, t: TaskAssignment, cfg: RunConfig, delta: NDArrays, result: TrainResult,
+                seed: int) -> tuple[UploadHeader, bytes]:
+        codec = build_codec(cfg.codec)
+        rng = np.random.default_rng([seed, 0xC0DEC])
+        states = self._codec_state.get(t.run_id) or self._load_state(t.run_id)
+        payloads, new_states = encode_update(codec, delta, rng, states, t.shared_seed)
+        if new_states:
+            self._codec_state[t.run_id] = new_states
+        payload, sizes = pack([payloads[s.name] for s in t.schema])
+        w = weight_of(result, cfg.cohort.weighting)
+        metric_w = float(max(result.num_examples, 1))
+        metrics = {k: float(v) for k, v in result.metrics.items() if np.isfinite(v)}
+        header = UploadHeader(
+            node_id=self.link.node_id, run_id=t.run_id, round=t.round, attempt=t.attempt, task_id=t.task_id,
+            kind=UploadKind.CLIENT_UPDATE, schema=t.schema, payload_sizes=sizes, codec=cfg.codec.name,
+            payload_sha256=wire.sha256_hex(payload), weight=w, count=1, num_examples=result.num_examples,
+            num_steps=result.num_steps, metric_sums={k: v * metric_w for k, v in metrics.items()},
+            metric_weights={k: metric_w for k in metrics})
+        return header, payload
+
+    # ------------------------------------------------------------------ device-side codec state
+
+    def _state_path(self, run_id: str) -> Path | None:
+        return None if self.state_dir is None else self.state_dir / f"codec-state-{run_id}.bin"
+
+    def _load_state(self, run_id: str) -> dict[str, Any] | None:
+        p = self._state_path(run_id)
+        if p is None or not p.is_file():
+            return None
+        return states_from_bytes(p.read_bytes())
+
+    def _save_state(self, run_id: str) -> None:
+        p = self._state_path(run_id)
+        st = self._codec_state.get(run_id)
+        if p is None or not st:
+            return
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_suffix(".tmp")
+        tmp.write_bytes(states_to_bytes(st))
+        tmp.replace(p)
+
+
+__all__ = ["ClientRuntime", "OrchardError", "TaskReport"]

@@ -1,0 +1,208 @@
+"""The dial-out side of Fleet, shared by clients and aggregators.
+
+A node behind NAT only ever opens connections: it joins, long-polls for tasks, pulls
+the model (chunked, sha256-checked, cached by hash so an unchanged model is not sent
+again) and pushes updates (chunked). Transient failures (server restarting, network
+gone) are retried with capped exponential backoff and jitter; a server that forgot the
+node (it restarted) gets a fresh Join.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import grpc
+
+from orchard import wire
+from orchard.errors import AuthError, IntegrityError, OrchardError
+from orchard.messages import Idle, TaskAssignment, UploadHeader
+from orchard.typing import DeviceState, Role
+from orchard.v1 import orchard_pb2 as pb
+from orchard.v1 import orchard_pb2_grpc as pbg
+
+log = logging.getLogger("orchard.link")
+T = TypeVar("T")
+
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+             grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+
+
+class UploadRefused(OrchardError):
+    """The server refused an upload; ``code`` and the message say why."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        self.code = code
+        super().__init__(f"{code.name}: {message}")
+
+
+@dataclass(frozen=True)
+class LinkConfig:
+    target: str  # HOST:PORT
+    role: Role
+    token: str | None = None
+    ca_cert: Path | None = None  # None with insecure=True: plaintext (loopback development only)
+    insecure: bool = False
+    node_id: str = ""
+    capabilities: tuple[tuple[str, str], ...] = ()
+    chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
+    max_backoff_s: float = 30.0
+    model_cache_entries: int = 2
+
+
+def make_channel(target: str, ca_cert: Path | None, insecure: bool) -> grpc.aio.Channel:
+    if insecure:
+        return grpc.aio.insecure_channel(target, options=wire.GRPC_OPTIONS)
+    if ca_cert is None:
+        raise AuthError("TLS needs the CA certificate: pass --ca-cert (from `orchard certs init`), "
+                        "or --insecure for loopback development")
+    creds = grpc.ssl_channel_credentials(root_certificates=Path(ca_cert).read_bytes())
+    return grpc.aio.secure_channel(target, creds, options=wire.GRPC_OPTIONS)
+
+
+class FleetLink:
+    def __init__(self, cfg: LinkConfig, rng: random.Random | None = None) -> None:
+        self.cfg = cfg
+        self.node_id = cfg.node_id
+        self._rng = rng or random.Random()
+        self._channel = make_channel(cfg.target, cfg.ca_cert, cfg.insecure)
+        self._stub = pbg.FleetStub(self._channel)
+        self._meta = (("authorization", f"Bearer {cfg.token}"),) if cfg.token else ()
+        self._models: OrderedDict[str, bytes] = OrderedDict()
+        self.joined = False
+        self.heartbeat_s = 10.0
+        self.long_poll_s = 20.0
+        self.bytes_down = 0
+        self.bytes_up = 0
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    # ------------------------------------------------------------------ retry
+
+    async def _retry(self, what: str, fn: Callable[[], Awaitable[T]], device: DeviceState | None = None,
+                     attempts: int | None = None) -> T:
+        """Call ``fn`` until it succeeds; rejoin when the server forgot us; back off otherwise."""
+        delay = 0.2
+        n = 0
+        while True:
+            n += 1
+            try:
+                return await fn()
+            except grpc.aio.AioRpcError as err:
+                code = err.code()
+                if code == grpc.StatusCode.UNAUTHENTICATED:
+                    raise AuthError(f"{what}: {err.details()}") from None
+                if code == grpc.StatusCode.NOT_FOUND and "Join" in (err.details() or ""):
+                    self.joined = False
+                    await self.join(device)
+                    continue
+                if code not in RETRYABLE or (attempts is not None and n >= attempts):
+                    raise
+                log.info("%s failed (%s: %s); retrying in %.1fs", what, code.name, err.details(), delay)
+                await asyncio.sleep(delay * (0.5 + self._rng.random()))
+                delay = min(delay * 2, self.cfg.max_backoff_s)
+
+    # ------------------------------------------------------------------ calls
+
+    async def join(self, device: DeviceState | None = None) -> str:
+        req = pb.JoinRequest(node_id=self.node_id, role=self.cfg.role.value, device=wire.device_to_proto(device),
+                             capabilities=dict(self.cfg.capabilities))
+
+        async def call() -> pb.JoinReply:
+            return await self._stub.Join(req, metadata=self._meta)
+
+        reply = await self._retry("join", call)
+        self.node_id = reply.node_id
+        self.heartbeat_s = reply.heartbeat_s or self.heartbeat_s
+        self.long_poll_s = reply.long_poll_s or self.long_poll_s
+        self.joined = True
+        return self.node_id
+
+    async def poll(self, device: DeviceState | None = None, pool_size: int = 0,
+                   pool_eligible: int = 0) -> TaskAssignment | Idle:
+        if not self.joined:
+            await self.join(device)
+
+        async def call() -> pb.PollReply:
+            req = pb.PollRequest(node_id=self.node_id, device=wire.device_to_proto(device), pool_size=pool_size,
+                                 pool_eligible=pool_eligible, wait_s=self.long_poll_s)
+            return await self._stub.Poll(req, metadata=self._meta, timeout=self.long_poll_s + 15)
+
+        reply = await self._retry("poll", call, device)
+        if reply.WhichOneof("kind") == "task":
+            return wire.task_from_proto(reply.task)
+        return Idle(reply.idle.retry_after_s, reply.idle.reason)
+
+    async def heartbeat(self, task_id: str, device: DeviceState | None = None, progress: float = 0.0) -> bool:
+        try:
+            reply = await self._stub.Heartbeat(
+                pb.HeartbeatRequest(node_id=self.node_id, device=wire.device_to_proto(device), task_id=task_id,
+                                    progress=progress), metadata=self._meta, timeout=10)
+        except grpc.aio.AioRpcError as err:
+            log.info("heartbeat failed: %s", err.code().name)
+            return True  # keep working; the upload will tell
+        return bool(reply.task_still_wanted)
+
+    async def pull_model(self, model_hash: str) -> bytes:
+        """The model blob with this hash: from the cache, or streamed (resuming after breaks)."""
+        hit = self._models.get(model_hash)
+        if hit is not None:
+            self._models.move_to_end(model_hash)
+            return hit
+        parts: list[bytes] = []
+        got = 0
+        total = -1
+
+        async def call() -> None:
+            nonlocal got, total
+            stream = self._stub.PullModel(pb.PullModelRequest(node_id=self.node_id, model_hash=model_hash,
+                                                              offset=got), metadata=self._meta)
+            async for ch in stream:
+                if ch.offset != got:
+                    raise IntegrityError(f"model chunk at offset {ch.offset}, expected {got}")
+                parts.append(ch.data)
+                got += len(ch.data)
+                total = ch.total_bytes
+                self.bytes_down += len(ch.data)
+
+        await self._retry("pull model", call)
+        blob = b"".join(parts)
+        if total >= 0 and len(blob) != total:
+            raise IntegrityError(f"model stream ended after {len(blob)} of {total} bytes")
+        if wire.sha256_hex(blob) != model_hash:
+            raise IntegrityError("model blob does not match its sha256; refusing it")
+        self._models[model_hash] = blob
+        while len(self._models) > self.cfg.model_cache_entries:
+            self._models.popitem(last=False)
+        return blob
+
+    async def push_update(self, header: UploadHeader, payload: bytes) -> None:
+        """Stream header + payload chunks. Raises UploadRefused when the server says no."""
+
+        async def parts() -> AsyncIterator[pb.UploadPart]:
+            yield pb.UploadPart(header=wire.header_to_proto(header))
+            for _, data in wire.iter_chunks(payload, self.cfg.chunk_bytes):
+                yield pb.UploadPart(data=data)
+
+        async def call() -> pb.UploadReply:
+            return await self._stub.PushUpdate(parts(), metadata=self._meta)
+
+        try:
+            await self._retry("push update", call, attempts=4)
+        except grpc.aio.AioRpcError as err:
+            raise UploadRefused(err.code(), err.details() or "") from None
+        self.bytes_up += len(payload)
+
+    async def verify_token(self, token: str, role: Role) -> bool:
+        async def call() -> pb.VerifyTokenReply:
+            return await self._stub.VerifyToken(pb.VerifyTokenRequest(token=token, role=role.value),
+                                                metadata=self._meta, timeout=15)
+
+        return bool((await self._retry("verify token", call, attempts=3)).valid)

@@ -1,0 +1,68 @@
+"""Domain messages of the Fleet protocol (what the protos carry, as typed values).
+
+Servicers and the client runtime convert protos to these with :mod:`orchard.wire`;
+round logic only ever sees these.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from orchard.typing import TensorSpec
+
+
+class UploadKind(IntEnum):
+    CLIENT_UPDATE = 0  # one client's encoded model delta
+    PARTIAL_SUM = 1  # a lower tier's float64 weighted sum of its cohort
+
+
+PARTIAL_CODEC = "float64"
+
+
+@dataclass(frozen=True)
+class TaskAssignment:
+    run_id: str
+    round: int
+    attempt: int
+    task_id: str
+    model_hash: str
+    model_bytes: int
+    config_json: str
+    schema: tuple[TensorSpec, ...]
+    deadline_unix: float
+    cohort_target: int
+    shared_seed: int
+
+
+@dataclass(frozen=True)
+class Idle:
+    retry_after_s: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class UploadHeader:
+    node_id: str
+    run_id: str
+    round: int
+    attempt: int
+    task_id: str
+    kind: UploadKind
+    schema: tuple[TensorSpec, ...]
+    payload_sizes: tuple[int, ...]
+    codec: str
+    payload_sha256: str
+    weight: float
+    count: int
+    num_examples: int = 0
+    num_steps: int = 0
+    metric_sums: dict[str, float] = field(default_factory=dict)
+    metric_weights: dict[str, float] = field(default_factory=dict)
+    bytes_up: int = 0
+    bytes_down: int = 0
+    tier_participants: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.payload_sizes)

@@ -1,0 +1,48 @@
+"""``orchard validate CONFIG``: every problem in a run (or simulation) config, at once.
+
+Like the CLI, this sits at the top of the dependency graph and imports the codec and
+task registries lazily.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from orchard.config import RunConfig, load_toml, parse_run_config
+from orchard.errors import ConfigError
+
+
+def run_problems(cfg: RunConfig) -> list[str]:
+    from orchard.server.validation import run_config_problems
+    from orchard.tasks import available_tasks
+
+    problems = run_config_problems(cfg)
+    if cfg.task not in available_tasks():
+        problems.append(f"task: {cfg.task!r} is not a registered task; available: {', '.join(available_tasks())}")
+    return problems
+
+
+def data_problems(data: dict[str, Any]) -> list[str]:
+    """Problems in a parsed config dict: a run config at the top or under [run], or a [simulation]."""
+    problems: list[str] = []
+    if "simulation" in data:
+        try:
+            from orchard.simulation.config import simulation_problems
+        except ImportError:
+            return ["simulation: this installation has no simulator"]
+        return simulation_problems(data)
+    try:
+        cfg = parse_run_config(data.get("run", data))
+    except ConfigError as err:
+        return list(err.problems)
+    problems += run_problems(cfg)
+    return problems
+
+
+def config_problems(path: str | Path) -> list[str]:
+    try:
+        data = load_toml(path)
+    except ConfigError as err:
+        return list(err.problems)
+    return data_problems(data)

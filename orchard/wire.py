@@ -1,0 +1,196 @@
+"""Wire format helpers: model blobs, chunked streams, and proto <-> domain conversion.
+
+A model travels as one safetensors blob identified by its sha256; streams split it into
+chunks of at most :data:`MAX_CHUNK_BYTES`. Servicers call only these helpers to turn
+protos into domain objects, so protobuf types never reach the round logic or the math.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from orchard.errors import IntegrityError, PayloadTooLargeError, UpdateSchemaError
+from orchard.messages import TaskAssignment, UploadHeader, UploadKind
+from orchard.typing import DeviceState, NDArrays, TensorSpec
+from orchard.v1 import orchard_pb2 as pb
+
+MAX_CHUNK_BYTES = 4 << 20  # 4 MiB: a chunk plus its envelope fits gRPC's default 4 MiB limit + margin
+DEFAULT_CHUNK_BYTES = 1 << 20
+# The server accepts messages a little over 4 MiB so that a full 4 MiB chunk and its
+# protobuf envelope always fit; nothing larger is ever needed.
+GRPC_MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (64 << 10)
+GRPC_OPTIONS = [
+    ("grpc.max_receive_message_length", GRPC_MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", GRPC_MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+def sha256_hex(data: bytes | bytearray | memoryview) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def arrays_to_blob(arrays: NDArrays) -> bytes:
+    """Serialise named arrays as safetensors (order and dtypes preserved)."""
+    return st_save({k: np.ascontiguousarray(v) for k, v in arrays.items()})
+
+
+def blob_to_arrays(blob: bytes) -> NDArrays:
+    try:
+        loaded = st_load(bytes(blob))
+    except (SafetensorError, ValueError, OSError) as err:
+        raise UpdateSchemaError(f"model blob is not a valid safetensors file: {err}") from None
+    return dict(loaded)
+
+
+def iter_chunks(blob: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES, offset: int = 0) -> Iterator[tuple[int, bytes]]:
+    if not 0 < chunk_bytes <= MAX_CHUNK_BYTES:
+        raise ValueError(f"chunk_bytes must be in (0, {MAX_CHUNK_BYTES}], got {chunk_bytes}")
+    mv = memoryview(blob)
+    for off in range(offset, len(blob), chunk_bytes):
+        yield off, bytes(mv[off : off + chunk_bytes])
+    if len(blob) == 0 and offset == 0:
+        yield 0, b""
+
+
+class ChunkAssembler:
+    """Reassembles a stream into one buffer, checking offsets, sizes and the final sha256.
+
+    ``expected_bytes`` is declared up front (header); the buffer is allocated once at
+    that size, so a stream can never grow past what it declared.
+    """
+
+    def __init__(self, expected_bytes: int, expected_sha256: str, max_bytes: int) -> None:
+        if expected_bytes < 0:
+            raise IntegrityError(f"declared size must be >= 0, got {expected_bytes}")
+        if expected_bytes > max_bytes:
+            raise PayloadTooLargeError(
+                f"stream declares {expected_bytes} bytes; this server accepts at most {max_bytes}"
+            )
+        self._buf = bytearray(expected_bytes)
+        self._n = 0
+        self._hash = hashlib.sha256()
+        self.expected_bytes = expected_bytes
+        self.expected_sha256 = expected_sha256.lower()
+
+    @property
+    def received(self) -> int:
+        return self._n
+
+    def add(self, data: bytes, offset: int | None = None) -> None:
+        if len(data) > MAX_CHUNK_BYTES:
+            raise PayloadTooLargeError(f"chunk of {len(data)} bytes exceeds the {MAX_CHUNK_BYTES}-byte chunk limit")
+        if offset is not None and offset != self._n:
+            raise IntegrityError(f"chunk at offset {offset}, expected offset {self._n}: chunks must arrive in order")
+        end = self._n + len(data)
+        if end > self.expected_bytes:
+            raise PayloadTooLargeError(
+                f"stream sent more than its declared {self.expected_bytes} bytes (at least {end})"
+            )
+        self._buf[self._n : end] = data
+        self._hash.update(data)
+        self._n = end
+
+    def finish(self) -> bytes:
+        if self._n != self.expected_bytes:
+            raise IntegrityError(
+                f"stream ended after {self._n} of {self.expected_bytes} declared bytes (truncated); send it again"
+            )
+        got = self._hash.hexdigest()
+        if got != self.expected_sha256:
+            raise IntegrityError(f"payload sha256 {got[:16]}... does not match the declared {self.expected_sha256[:16]}...")
+        return bytes(self._buf)
+
+
+# ------------------------------------------------------------------ proto conversions
+
+
+def device_to_proto(d: DeviceState | None) -> pb.DeviceState:
+    msg = pb.DeviceState()
+    if d is None:
+        return msg
+    if d.battery_percent is not None:
+        msg.battery_percent = float(d.battery_percent)
+    if d.charging is not None:
+        msg.charging = bool(d.charging)
+    if d.temperature_c is not None:
+        msg.temperature_c = float(d.temperature_c)
+    if d.unmetered_network is not None:
+        msg.unmetered_network = bool(d.unmetered_network)
+    if d.idle is not None:
+        msg.idle = bool(d.idle)
+    msg.extra.update({k: float(v) for k, v in d.extra.items()})
+    return msg
+
+
+def device_from_proto(m: pb.DeviceState) -> DeviceState:
+    def opt(name: str):  # proto3 optional: absent means unknown
+        return getattr(m, name) if m.HasField(name) else None
+
+    return DeviceState(
+        battery_percent=opt("battery_percent"),
+        charging=opt("charging"),
+        temperature_c=opt("temperature_c"),
+        unmetered_network=opt("unmetered_network"),
+        idle=opt("idle"),
+        extra=dict(m.extra),
+    )
+
+
+def specs_to_proto(specs: list[TensorSpec]) -> list[pb.TensorSpec]:
+    return [pb.TensorSpec(name=s.name, shape=list(s.shape), dtype=s.dtype) for s in specs]
+
+
+def specs_from_proto(specs) -> list[TensorSpec]:
+    out = []
+    for s in specs:
+        if any(d < 0 for d in s.shape):
+            raise UpdateSchemaError(f"tensor {s.name!r} declares a negative dimension {list(s.shape)}")
+        out.append(TensorSpec(s.name, tuple(int(d) for d in s.shape), s.dtype))
+    return out
+
+
+def task_to_proto(t: TaskAssignment) -> pb.TaskSpec:
+    return pb.TaskSpec(run_id=t.run_id, round=t.round, attempt=t.attempt, task_id=t.task_id,
+                       model_hash=t.model_hash, model_bytes=t.model_bytes, config_json=t.config_json,
+                       schema=specs_to_proto(list(t.schema)), deadline_unix=t.deadline_unix,
+                       cohort_target=t.cohort_target, shared_seed=t.shared_seed)
+
+
+def task_from_proto(m: pb.TaskSpec) -> TaskAssignment:
+    return TaskAssignment(run_id=m.run_id, round=m.round, attempt=m.attempt, task_id=m.task_id,
+                          model_hash=m.model_hash, model_bytes=m.model_bytes, config_json=m.config_json,
+                          schema=tuple(specs_from_proto(m.schema)), deadline_unix=m.deadline_unix,
+                          cohort_target=m.cohort_target, shared_seed=m.shared_seed)
+
+
+def header_to_proto(h: UploadHeader) -> pb.UploadHeader:
+    return pb.UploadHeader(
+        node_id=h.node_id, run_id=h.run_id, round=h.round, attempt=h.attempt, task_id=h.task_id,
+        kind=int(h.kind), schema=specs_to_proto(list(h.schema)), payload_sizes=list(h.payload_sizes),
+        codec=h.codec, payload_sha256=h.payload_sha256, weight=h.weight, count=h.count,
+        num_examples=h.num_examples, num_steps=h.num_steps, metric_sums=h.metric_sums,
+        metric_weights=h.metric_weights, bytes_up=h.bytes_up, bytes_down=h.bytes_down,
+        tier_participants=h.tier_participants)
+
+
+def header_from_proto(m: pb.UploadHeader) -> UploadHeader:
+    if m.kind not in (UploadKind.CLIENT_UPDATE, UploadKind.PARTIAL_SUM):
+        raise UpdateSchemaError(f"unknown upload kind {m.kind}; expected CLIENT_UPDATE (0) or PARTIAL_SUM (1)")
+    if any(s < 0 for s in m.payload_sizes):
+        raise UpdateSchemaError("payload_sizes must be non-negative")
+    return UploadHeader(
+        node_id=m.node_id, run_id=m.run_id, round=m.round, attempt=m.attempt, task_id=m.task_id,
+        kind=UploadKind(m.kind), schema=tuple(specs_from_proto(m.schema)),
+        payload_sizes=tuple(int(s) for s in m.payload_sizes), codec=m.codec, payload_sha256=m.payload_sha256,
+        weight=m.weight, count=m.count, num_examples=m.num_examples, num_steps=m.num_steps,
+        metric_sums=dict(m.metric_sums), metric_weights=dict(m.metric_weights), bytes_up=m.bytes_up,
+        bytes_down=m.bytes_down, tier_participants=dict(m.tier_participants))

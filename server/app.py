@@ -1,0 +1,204 @@
+"""Assemble a running tier: gRPC server, coordinator, and its root runner or upstream link.
+
+``start_root`` and ``start_aggregator`` are what ``orchard server start`` and
+``orchard aggregator start`` call, and what the tests and the demo use in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+import os
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import numpy as np
+from orchard.server.aggregator import UpstreamLink
+from orchard.server.auth import (
+    Authenticator,
+    OpenEnrollment,
+    StoreAuthenticator,
+    UpstreamAuthenticator,
+)
+from orchard.server.control import ControlServicer
+from orchard.server.coordinator import Coordinator
+from orchard.server.decoding import ClientUpdateDecoder
+from orchard.server.root import RootRunner
+from orchard.server.servicer import FleetServicer
+from orchard.server.store import Store, hash_token
+from orchard.server.tls import TlsPaths, init_certs, server_credentials
+
+from orchard import wire
+from orchard.config import ServerConfig
+from orchard.errors import ConfigError
+from orchard.link import FleetLink, LinkConfig
+from orchard.typing import Role
+from orchard.v1 import orchard_pb2_grpc as pbg
+
+log = logging.getLogger("orchard.server")
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, insecure: bool) -> None:
+    if insecure and not is_loopback(host):
+        raise ConfigError(f"--insecure serves without TLS or authentication and may only bind a loopback address "
+                          f"(127.0.0.1, ::1, localhost), not {host!r}")
+
+
+@dataclass
+class TierHandle:
+    role: str
+    server: grpc.aio.Server
+    host: str
+    port: int
+    coordinator: Coordinator
+    runner: RootRunner | None = None
+    upstream: UpstreamLink | None = None
+    store: Store | None = None
+    metrics_port: int | None = None
+    admin_token: str | None = None
+    ca_cert: Path | None = None
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def stop(self, grace: float = 1.0) -> None:
+        for t in self.tasks:
+            t.cancel()
+        if self.runner is not None:
+            await self.runner.close()
+        if self.upstream is not None:
+            self.upstream.stopped.set()
+            await self.upstream.link.close()
+        await self.server.stop(grace)
+        self.coordinator.shutdown()
+        if self.store is not None:
+            self.store.close()
+
+
+async def _sweeper(coord: Coordinator, wake: asyncio.Event | None = None) -> None:
+    while True:
+        await asyncio.sleep(0.25)
+        coord.sweep()
+        coord.expire_children()
+        if wake is not None:
+            wake.set()
+
+
+def _bind(server: grpc.aio.Server, host: str, port: int, creds) -> int:
+    addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
+    if bound == 0:
+        raise ConfigError(f"cannot bind {addr}: the port is in use or the address is not local")
+    return bound
+
+
+def _admin_token(store: Store, data_dir: Path) -> str | None:
+    """Create the admin token on first start; later starts only know its hash."""
+    if store.get_meta("admin_token_hash") is not None:
+        return None
+    tok = "orc_admin_" + secrets.token_urlsafe(32)
+    store.set_meta("admin_token_hash", hash_token(tok))
+    p = data_dir / "admin.token"
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(tok + "\n")
+    return tok
+
+
+async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, insecure: bool = False,
+                     server_cfg: ServerConfig | None = None, tls_dir: str | Path | None = None,
+                     metrics_port: int | None = None, start_grace_s: float = 5.0, seed: int | None = None) -> TierHandle:
+    check_bind(host, insecure)
+    data_dir = Path(data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    cfg = (server_cfg or ServerConfig()).model_copy(update={"host": host, "port": port})
+    store = Store(data_dir / "orchard.db")
+    coord = Coordinator("root", cfg, np.random.default_rng(seed), ClientUpdateDecoder())
+    runner = RootRunner(coord, store, data_dir, cfg, start_grace_s=start_grace_s)
+    auth: Authenticator
+    creds = None
+    ca = None
+    admin = None
+    if insecure:
+        auth = OpenEnrollment()
+        log.warning("INSECURE: no TLS, open enrollment, no admin token. Loopback development only.")
+    else:
+        admin = _admin_token(store, data_dir)
+        auth = StoreAuthenticator(store, store.get_meta("admin_token_hash") or "")
+        paths = TlsPaths.in_dir(tls_dir or data_dir / "tls")
+        if not paths.exists():
+            if tls_dir is not None:
+                raise ConfigError(f"no certificates in {tls_dir}: run `orchard certs init --out {tls_dir}`")
+            init_certs(paths.server_cert.parent)
+            log.info("created a CA and server certificate in %s", paths.server_cert.parent)
+        creds = server_credentials(paths)
+        ca = paths.ca_cert
+
+    def on_join(node_id: str, role: Role, token_hash: str, caps: dict[str, str]) -> None:
+        store.upsert_node(node_id, role.value, token_hash, caps)
+
+    server = grpc.aio.server(options=wire.GRPC_OPTIONS)
+    pbg.add_FleetServicer_to_server(FleetServicer(coord, auth, on_join=on_join), server)
+    pbg.add_ControlServicer_to_server(ControlServicer(runner, auth), server)
+    bound = _bind(server, host, port, creds)
+    await server.start()
+    h = TierHandle("root", server, host, bound, coord, runner=runner, store=store, admin_token=admin, ca_cert=ca)
+    if metrics_port is not None:
+        from orchard.server.metrics import serve_metrics
+
+        h.metrics_port = serve_metrics(coord, "root", host, metrics_port)
+    h.tasks.append(asyncio.create_task(_sweeper(coord, runner._wake)))
+    await runner.resume()
+    (data_dir / "server.json").write_text(json.dumps({
+        "host": host, "port": bound, "pid": os.getpid(), "tls": not insecure,
+        "ca_cert": str(ca) if ca else None, "metrics_port": h.metrics_port}))
+    return h
+
+
+async def start_aggregator(upstream: str, *, host: str = "127.0.0.1", port: int = 0, insecure: bool = False,
+                           token: str | None = None, ca_cert: str | Path | None = None,
+                           tls_dir: str | Path | None = None, node_id: str = "",
+                           server_cfg: ServerConfig | None = None, metrics_port: int | None = None,
+                           seed: int | None = None) -> TierHandle:
+    check_bind(host, insecure)
+    cfg = (server_cfg or ServerConfig()).model_copy(update={"host": host, "port": port})
+    link = FleetLink(LinkConfig(target=upstream, role=Role.AGGREGATOR, token=token,
+                                ca_cert=Path(ca_cert) if ca_cert else None, insecure=insecure, node_id=node_id))
+    await link.join()
+    coord = Coordinator(link.node_id, cfg, np.random.default_rng(seed), ClientUpdateDecoder())
+    auth: Authenticator = OpenEnrollment() if insecure else UpstreamAuthenticator(link.verify_token)
+    creds = None
+    if not insecure:
+        if tls_dir is None:
+            raise ConfigError("an aggregator serves TLS: pass --tls-dir with server.pem/server.key "
+                              "(from `orchard certs init`), or --insecure for loopback development")
+        creds = server_credentials(TlsPaths.in_dir(tls_dir))
+    server = grpc.aio.server(options=wire.GRPC_OPTIONS)
+    pbg.add_FleetServicer_to_server(
+        FleetServicer(coord, auth, verify_token_upstream=None if insecure else link.verify_token), server)
+    bound = _bind(server, host, port, creds)
+    await server.start()
+    up = UpstreamLink(coord, link)
+    h = TierHandle("aggregator", server, host, bound, coord, upstream=up)
+    if metrics_port is not None:
+        from orchard.server.metrics import serve_metrics
+
+        h.metrics_port = serve_metrics(coord, "aggregator", host, metrics_port)
+    h.tasks.append(asyncio.create_task(_sweeper(coord)))
+    h.tasks.append(asyncio.create_task(up.run()))
+    return h

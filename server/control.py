@@ -1,0 +1,84 @@
+"""Control API for operators (start a run, status, nodes, stop, download a global model).
+
+Every call needs the admin token (except on an ``--insecure`` loopback server).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import grpc
+from orchard.server.auth import Authenticator, bearer_token
+from orchard.server.root import RootRunner
+from orchard.server.servicer import mapped, mapped_stream
+from orchard.server.validation import validate_run_config
+
+from orchard import wire
+from orchard.config import RunConfig
+from orchard.errors import AuthError, ConfigError, UpdateSchemaError
+from orchard.v1 import orchard_pb2 as pb
+from orchard.v1 import orchard_pb2_grpc as pbg
+
+MAX_INITIAL_MODEL_BYTES = 8 << 30
+
+
+class ControlServicer(pbg.ControlServicer):
+    def __init__(self, runner: RootRunner, auth: Authenticator) -> None:
+        self.runner = runner
+        self.auth = auth
+
+    def _admin(self, context: grpc.aio.ServicerContext) -> None:
+        if not self.auth.admin_ok(bearer_token(context.invocation_metadata())):
+            raise AuthError("the control API needs the admin token (printed at first server start, "
+                            "stored in DATA_DIR/admin.token); pass --admin-token or set ORCHARD_ADMIN_TOKEN")
+
+    @mapped
+    async def StartRun(self, request_iterator: AsyncIterator[pb.StartRunPart],
+                       context: grpc.aio.ServicerContext) -> pb.StartRunReply:
+        self._admin(context)
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise UpdateSchemaError("StartRun must begin with its header (config and model size)")
+        h = first.header
+        try:
+            cfg = RunConfig.model_validate_json(h.config_json)
+        except ValueError as err:
+            raise ConfigError(f"run config is not valid: {err}") from None
+        validate_run_config(cfg)
+        asm = wire.ChunkAssembler(h.model_bytes, h.model_sha256, MAX_INITIAL_MODEL_BYTES)
+        async for part in request_iterator:
+            if part.WhichOneof("part") != "data":
+                raise UpdateSchemaError("only data parts may follow the StartRun header")
+            asm.add(part.data)
+        run_id = await self.runner.start_run(cfg, asm.finish())
+        return pb.StartRunReply(run_id=run_id)
+
+    @mapped
+    async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:
+        self._admin(context)
+        return pb.StatusReply(status_json=json.dumps(self.runner.status(request.run_id)))
+
+    @mapped
+    async def ListNodes(self, request: pb.ListNodesRequest, context: grpc.aio.ServicerContext) -> pb.ListNodesReply:
+        self._admin(context)
+        coord = self.runner.coord
+        nodes = []
+        for c in coord.children.values():
+            nodes.append({"node_id": c.node_id, "role": c.role.value, "live": coord.live(c),
+                          "pool_size": c.pool_size, "pool_eligible": c.pool_eligible,
+                          "device": {k: v for k, v in vars(c.device).items() if v not in (None, {})}})
+        return pb.ListNodesReply(nodes_json=json.dumps(nodes))
+
+    @mapped
+    async def StopRun(self, request: pb.StopRunRequest, context: grpc.aio.ServicerContext) -> pb.StopRunReply:
+        self._admin(context)
+        return pb.StopRunReply(stopped=self.runner.stop_run(request.run_id))
+
+    @mapped_stream
+    async def PullGlobal(self, request: pb.PullGlobalRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.Chunk]:
+        self._admin(context)
+        blob = self.runner.global_blob(request.run_id, request.round)
+        h = wire.sha256_hex(blob)
+        for off, data in wire.iter_chunks(blob, self.runner.server_cfg.chunk_bytes):
+            yield pb.Chunk(data=data, offset=off, total_bytes=len(blob), blob_sha256=h)

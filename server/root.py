@@ -1,0 +1,265 @@
+"""The root: runs rounds of a run, finalizes, steps the server optimizer, checkpoints.
+
+The root is a :class:`Coordinator` whose round tasks come from a run. After a round
+closes it divides (finalize), applies the server optimizer to the pseudo-gradient,
+writes the new global model as an atomic safetensors checkpoint, and only then indexes
+it in the store. A round that misses its minimum leaves the global model untouched and
+is retried; a killed root restarts into the last indexed round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from orchard.aggregation import ServerOptimizer, finalize
+from orchard.server.coordinator import Coordinator, RoundOutcome, RoundTask
+from orchard.server.store import Store, atomic_write
+
+from orchard import wire
+from orchard.config import RunConfig, ServerConfig
+from orchard.errors import ConfigError, RoundClosedError, StoreError, UpdateSchemaError
+from orchard.typing import NDArrays, schema_of
+
+log = logging.getLogger("orchard.server.root")
+
+
+@dataclass
+class ActiveRun:
+    run_id: str
+    config: RunConfig
+    config_json: str
+    arrays: NDArrays
+    blob: bytes
+    blob_hash: str
+    optimizer: ServerOptimizer
+    completed_rounds: int
+    stop_requested: bool = False
+    current: dict[str, Any] | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+class RootRunner:
+    def __init__(self, coordinator: Coordinator, store: Store, data_dir: Path, server_cfg: ServerConfig,
+                 start_grace_s: float = 5.0) -> None:
+        self.coord = coordinator
+        self.store = store
+        self.data_dir = data_dir
+        self.server_cfg = server_cfg
+        self.start_grace_s = start_grace_s
+        self.run: ActiveRun | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def resume(self) -> None:
+        """Continue a run that was active when the root stopped (crash or kill -9)."""
+        for row in self.store.active_runs():
+            ck = self.store.checkpoint(row.run_id)
+            if ck is None:
+                self.store.set_run_status(row.run_id, "failed", "no checkpoint to resume from")
+                continue
+            blob = Path(ck.path).read_bytes()
+            if wire.sha256_hex(blob) != ck.sha256:
+                raise StoreError(f"checkpoint {ck.path} does not match its recorded sha256; refusing to resume")
+            cfg = RunConfig.model_validate_json(row.config_json)
+            arrays = wire.blob_to_arrays(blob)
+            opt = ServerOptimizer(cfg.server_optimizer, arrays)
+            if ck.optimizer_path and Path(ck.optimizer_path).is_file():
+                opt.load_state_bytes(Path(ck.optimizer_path).read_bytes())
+            self.run = ActiveRun(row.run_id, cfg, row.config_json, arrays, blob, ck.sha256, opt, ck.round)
+            log.info("resuming run %s after round %d", row.run_id, ck.round)
+            self._task = asyncio.create_task(self._loop(self.run))
+            return
+
+    async def start_run(self, config: RunConfig, initial_blob: bytes) -> str:
+        if self.run is not None and self._task is not None and not self._task.done():
+            raise ConfigError(f"run {self.run.run_id} is still running; stop it first (`orchard run stop`)")
+        arrays = wire.blob_to_arrays(initial_blob)
+        if not arrays:
+            raise UpdateSchemaError("the initial model holds no tensors")
+        for k, v in arrays.items():
+            if v.dtype != np.float32:
+                raise UpdateSchemaError(f"initial tensor {k!r} is {v.dtype}; the global model must be float32")
+            if not np.isfinite(v).all():
+                raise UpdateSchemaError(f"initial tensor {k!r} holds NaN or Inf")
+        run_id = time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
+        config_json = config.model_dump_json()
+        self.store.create_run(run_id, config_json)
+        path = self._ckpt_path(run_id, 0)
+        atomic_write(path, initial_blob)
+        h = wire.sha256_hex(initial_blob)
+        self.store.index_checkpoint(run_id, 0, str(path), h)
+        opt = ServerOptimizer(config.server_optimizer, arrays)
+        self.run = ActiveRun(run_id, config, config_json, arrays, initial_blob, h, opt, 0)
+        self._task = asyncio.create_task(self._loop(self.run))
+        return run_id
+
+    def stop_run(self, run_id: str) -> bool:
+        r = self.run
+        if r is None or (run_id and r.run_id != run_id):
+            return False
+        r.stop_requested = True
+        if self.coord.current is not None:
+            self.coord.close_round(self.coord.current, "run stopped by operator")
+        self._wake.set()
+        return True
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    def _ckpt_path(self, run_id: str, rnd: int) -> Path:
+        return self.data_dir / "checkpoints" / run_id / f"round-{rnd:06d}.safetensors"
+
+    # ------------------------------------------------------------------ the run loop
+
+    async def _loop(self, run: ActiveRun) -> None:
+        cfg = run.config
+        try:
+            while run.completed_rounds < cfg.rounds and not run.stop_requested:
+                rnd = run.completed_rounds + 1
+                for attempt in range(cfg.cohort.max_retries + 1):
+                    if run.stop_requested:
+                        break
+                    ok = await self._one_round(run, rnd, attempt)
+                    if ok:
+                        break
+                else:
+                    self.store.set_run_status(run.run_id, "failed",
+                                              f"round {rnd} failed {cfg.cohort.max_retries + 1} times")
+                    log.error("run %s failed: round %d never reached its minimum", run.run_id, rnd)
+                    return
+            status = "stopped" if run.stop_requested else "completed"
+            self.store.set_run_status(run.run_id, status)
+            log.info("run %s %s after %d rounds", run.run_id, status, run.completed_rounds)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # record, never crash the server
+            log.exception("run %s failed", run.run_id)
+            self.store.set_run_status(run.run_id, "failed", f"{type(err).__name__}: {err}")
+        finally:
+            run.current = None
+
+    async def _wait_capacity(self, run: ActiveRun) -> None:
+        cfg = run.config
+        need_min = math.ceil(cfg.cohort.target * cfg.cohort.min_fraction)
+        waited_from = time.monotonic()
+        while not run.stop_requested:
+            _, eligible = self.coord.capacity(cfg)
+            if eligible >= cfg.cohort.target:
+                return
+            if eligible >= need_min and time.monotonic() - waited_from >= self.start_grace_s:
+                return
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout=0.25)
+
+    async def _one_round(self, run: ActiveRun, rnd: int, attempt: int) -> bool:
+        cfg = run.config
+        run.current = {"round": rnd, "attempt": attempt, "phase": "waiting for clients"}
+        await self._wait_capacity(run)
+        if run.stop_requested:
+            return False
+        started = time.time()
+        seed = int(np.random.default_rng([cfg.seed, rnd, attempt]).integers(0, 2**63 - 1))
+        task = RoundTask(run_id=run.run_id, round=rnd, attempt=attempt, config=cfg, config_json=run.config_json,
+                         model_blob=run.blob, model_hash=run.blob_hash, schema=tuple(schema_of(run.arrays)),
+                         deadline_unix=started + cfg.cohort.deadline_s, target=cfg.cohort.target,
+                         shared_seed=seed)
+        cr = self.coord.open_round(task)
+        run.current = {"round": rnd, "attempt": attempt, "phase": "training", "cohort": cr}
+        self.store.record_round(run.run_id, rnd, attempt, "running", started, None,
+                                {"selected": len(cr.assignments)})
+        out = await self.coord.wait_round(cr)
+        need = math.ceil(cfg.cohort.target * cfg.cohort.min_fraction)
+        record = self._record(out)
+        if run.stop_requested and out.partial.count < need:
+            self.store.record_round(run.run_id, rnd, attempt, "stopped", started, time.time(), record)
+            return False
+        if out.partial.count < need:
+            record["reason"] = (f"{out.partial.count} of the {need} updates needed arrived "
+                                f"({out.reason}); global model unchanged, round retried")
+            self.store.record_round(run.run_id, rnd, attempt, "failed", started, time.time(), record)
+            log.warning("round %d attempt %d failed: %s", rnd, attempt, record["reason"])
+            return False
+        loop = asyncio.get_running_loop()
+        mean, metrics = finalize(out.partial)
+        new_arrays = await loop.run_in_executor(None, run.optimizer.step, mean)
+        blob = await loop.run_in_executor(None, wire.arrays_to_blob, new_arrays)
+        path = self._ckpt_path(run.run_id, rnd)
+        opt_path = path.with_suffix(".optim.pt")
+        opt_bytes = run.optimizer.state_bytes()
+        await loop.run_in_executor(None, atomic_write, path, blob)
+        await loop.run_in_executor(None, atomic_write, opt_path, opt_bytes)
+        h = wire.sha256_hex(blob)
+        record["metrics"] = metrics
+        self.store.complete_round(run.run_id, rnd, attempt, started, record, str(path), h, str(opt_path))
+        run.arrays, run.blob, run.blob_hash, run.completed_rounds = new_arrays, blob, h, rnd
+        log.info("round %d done: %d updates, metrics %s", rnd, out.partial.count,
+                 {k: round(v, 4) for k, v in metrics.items()})
+        return True
+
+    @staticmethod
+    def _record(out: RoundOutcome) -> dict[str, Any]:
+        return {"participants": out.partial.count, "selected": out.selected, "dropped": out.dropped,
+                "tier_participants": out.tier_participants, "bytes_up": out.bytes_up,
+                "bytes_down": out.bytes_down, "seconds": round(out.seconds, 3), "closed_because": out.reason,
+                "rejected": out.rejected, "weight": out.partial.weight,
+                "metrics": out.partial.metrics.means()}
+
+    # ------------------------------------------------------------------ status
+
+    def status(self, run_id: str = "") -> dict[str, Any]:
+        row = self.store.get_run(run_id) if run_id else self.store.latest_run()
+        if row is None:
+            if run_id:
+                raise RoundClosedError(f"no run {run_id!r} on this server")
+            return {"run_id": None, "status": "idle", "completed_rounds": 0, "rounds": [], "nodes": self.nodes_summary()}
+        cfg = json.loads(row.config_json)
+        rounds = [r for r in self.store.rounds(row.run_id) if r["status"] in ("completed", "failed", "stopped")]
+        out: dict[str, Any] = {
+            "run_id": row.run_id, "status": row.status, "error": row.error, "task": cfg.get("task"),
+            "target_rounds": cfg.get("rounds"), "completed_rounds": row.completed_rounds,
+            "codec": cfg.get("codec", {}).get("name"),
+            "secure_aggregation": cfg.get("secure_aggregation", {}).get("enabled", False),
+            "rounds": rounds, "nodes": self.nodes_summary(),
+            "bytes_up_total": sum(r.get("bytes_up", 0) for r in rounds),
+            "bytes_down_total": sum(r.get("bytes_down", 0) for r in rounds),
+        }
+        r = self.run
+        if r is not None and r.run_id == row.run_id and r.current is not None:
+            cur = {k: v for k, v in r.current.items() if k != "cohort"}
+            cr = r.current.get("cohort")
+            if cr is not None:
+                cur.update(selected=len(cr.assignments), received=cr.received, target=cr.task.target,
+                           deadline_in_s=round(cr.task.deadline_unix - time.time(), 1))
+            out["current_round"] = cur
+        return out
+
+    def nodes_summary(self) -> dict[str, int]:
+        clients = sum(1 for c in self.coord.children.values() if c.role.value == "client" and self.coord.live(c))
+        aggs = [c for c in self.coord.children.values() if c.role.value == "aggregator" and self.coord.live(c)]
+        size, _ = self.coord.capacity()
+        return {"direct_clients": clients, "aggregators": len(aggs), "clients_total": size}
+
+    def global_blob(self, run_id: str, rnd: int) -> bytes:
+        row = self.store.get_run(run_id) if run_id else self.store.latest_run()
+        if row is None:
+            raise RoundClosedError("no run on this server")
+        ck = self.store.checkpoint(row.run_id, None if rnd < 0 else rnd)
+        if ck is None:
+            raise RoundClosedError(f"run {row.run_id} has no checkpoint for round {rnd}")
+        return Path(ck.path).read_bytes()

@@ -1,0 +1,221 @@
+"""gRPC servicers: translate protos to domain objects, call the coordinator, map errors.
+
+No round logic lives here. Every ``OrchardError`` becomes a specific status code with
+the error's own message, so a node always learns what was expected and what to do;
+anything else is a server bug and becomes INTERNAL without taking the server down.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from orchard.server.auth import Authenticator, bearer_token
+from orchard.server.coordinator import Coordinator
+
+from orchard import wire
+from orchard.errors import (
+    AuthError,
+    CodecError,
+    ConfigError,
+    DuplicateUploadError,
+    IntegrityError,
+    NotSelectedError,
+    OrchardError,
+    PayloadTooLargeError,
+    RoundClosedError,
+    SecAggError,
+    StoreError,
+    UnknownNodeError,
+    UpdateSchemaError,
+)
+from orchard.messages import Idle
+from orchard.typing import Role
+from orchard.v1 import orchard_pb2 as pb
+from orchard.v1 import orchard_pb2_grpc as pbg
+
+log = logging.getLogger("orchard.server")
+
+# Most specific first: the first match wins.
+STATUS_OF: list[tuple[type[OrchardError], grpc.StatusCode]] = [
+    (AuthError, grpc.StatusCode.UNAUTHENTICATED),
+    (UnknownNodeError, grpc.StatusCode.NOT_FOUND),
+    (DuplicateUploadError, grpc.StatusCode.ALREADY_EXISTS),
+    (NotSelectedError, grpc.StatusCode.PERMISSION_DENIED),
+    (RoundClosedError, grpc.StatusCode.FAILED_PRECONDITION),
+    (PayloadTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (IntegrityError, grpc.StatusCode.DATA_LOSS),
+    (UpdateSchemaError, grpc.StatusCode.INVALID_ARGUMENT),
+    (CodecError, grpc.StatusCode.INVALID_ARGUMENT),
+    (SecAggError, grpc.StatusCode.INVALID_ARGUMENT),
+    (ConfigError, grpc.StatusCode.INVALID_ARGUMENT),
+    (StoreError, grpc.StatusCode.INTERNAL),
+]
+
+
+def status_for(err: OrchardError) -> grpc.StatusCode:
+    for cls, code in STATUS_OF:
+        if isinstance(err, cls):
+            return code
+    return grpc.StatusCode.FAILED_PRECONDITION
+
+
+def code_for_error_name(name: str) -> grpc.StatusCode | None:
+    for cls, code in STATUS_OF:
+        if cls.__name__ == name:
+            return code
+    return None
+
+
+def mapped(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    """Map OrchardErrors to status codes for unary handlers."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(self, request, context)
+        except OrchardError as err:
+            await context.abort(status_for(err), str(err))
+        except grpc.aio.AbortError:
+            raise
+        except Exception:  # a bug must not take the server down; the caller sees INTERNAL
+            log.exception("unhandled error in %s", fn.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {fn.__name__}; see server log")
+
+    return wrapper
+
+
+def mapped_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    """The same for server-streaming handlers."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for item in fn(self, request, context):
+                yield item
+        except OrchardError as err:
+            await context.abort(status_for(err), str(err))
+        except grpc.aio.AbortError:
+            raise
+        except Exception:
+            log.exception("unhandled error in %s", fn.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error in {fn.__name__}; see server log")
+
+    return wrapper
+
+
+def parse_role(s: str) -> Role:
+    try:
+        return Role(s)
+    except ValueError:
+        raise UpdateSchemaError(f"role must be 'client' or 'aggregator', got {s!r}") from None
+
+
+class FleetServicer(pbg.FleetServicer):
+    """Fleet for one tier (root or aggregator): the same servicer at every level."""
+
+    def __init__(self, coordinator: Coordinator, auth: Authenticator,
+                 on_join: Callable[[str, Role, str, dict[str, str]], None] | None = None,
+                 verify_token_upstream: Callable[[str, Role], Awaitable[bool]] | None = None) -> None:
+        self.coord = coordinator
+        self.auth = auth
+        self._on_join = on_join
+        self._verify_upstream = verify_token_upstream
+
+    async def _caller(self, context: grpc.aio.ServicerContext, node_id: str) -> str:
+        """The token hash of the caller, checked against the node's registration."""
+        token = bearer_token(context.invocation_metadata())
+        c = self.coord.children.get(node_id)
+        if c is None:
+            # Authenticate before saying anything about which nodes exist.
+            try:
+                await self.auth.verify(token, Role.CLIENT)
+            except AuthError:
+                await self.auth.verify(token, Role.AGGREGATOR)
+            self.coord.child(node_id)  # raises UnknownNodeError
+        token_hash = await self.auth.verify(token, c.role if c else Role.CLIENT)
+        self.coord.child(node_id, token_hash)
+        return token_hash
+
+    @mapped
+    async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
+        role = parse_role(request.role)
+        token_hash = await self.auth.verify(bearer_token(context.invocation_metadata()), role)
+        node_id = self.coord.join(request.node_id, role, token_hash, wire.device_from_proto(request.device))
+        if self._on_join is not None:
+            self._on_join(node_id, role, token_hash, dict(request.capabilities))
+        cfg = self.coord.cfg
+        return pb.JoinReply(node_id=node_id, heartbeat_s=cfg.heartbeat_s, long_poll_s=cfg.long_poll_s,
+                            max_chunk_bytes=cfg.chunk_bytes, server_id=self.coord.name)
+
+    @mapped
+    async def Poll(self, request: pb.PollRequest, context: grpc.aio.ServicerContext) -> pb.PollReply:
+        await self._caller(context, request.node_id)
+        got = await self.coord.poll(request.node_id, wire.device_from_proto(request.device),
+                                    request.pool_size, request.pool_eligible, request.wait_s)
+        if isinstance(got, Idle):
+            return pb.PollReply(idle=pb.Idle(retry_after_s=got.retry_after_s, reason=got.reason))
+        return pb.PollReply(task=wire.task_to_proto(got))
+
+    @mapped
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatReply:
+        await self._caller(context, request.node_id)
+        wanted = self.coord.heartbeat(request.node_id, wire.device_from_proto(request.device), request.task_id)
+        return pb.HeartbeatReply(task_still_wanted=wanted)
+
+    @mapped_stream
+    async def PullModel(self, request: pb.PullModelRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.Chunk]:
+        await self._caller(context, request.node_id)
+        blob = self.coord.model_blob(request.model_hash)
+        if not 0 <= request.offset <= len(blob):
+            raise IntegrityError(f"offset {request.offset} outside the {len(blob)}-byte model")
+        for off, data in wire.iter_chunks(blob, self.coord.cfg.chunk_bytes, request.offset):
+            self.coord.count_bytes_down(len(data))
+            yield pb.Chunk(data=data, offset=off, total_bytes=len(blob), blob_sha256=request.model_hash)
+
+    @mapped
+    async def PushUpdate(self, request_iterator: AsyncIterator[pb.UploadPart],
+                         context: grpc.aio.ServicerContext) -> pb.UploadReply:
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("part") != "header":
+            raise UpdateSchemaError("an upload stream must start with its header")
+        header = wire.header_from_proto(first.header)
+        await self._caller(context, header.node_id)
+        try:
+            slot = self.coord.begin_upload(header.node_id, header)
+        except OrchardError as err:
+            self.coord.reject(err)
+            raise
+        try:
+            # Staged uploads are bounded: a tier never holds more than max_inflight_uploads payloads.
+            async with self.coord.upload_slots:
+                asm = wire.ChunkAssembler(header.total_bytes, header.payload_sha256, self.coord.cfg.max_upload_bytes)
+                async for part in request_iterator:
+                    if part.WhichOneof("part") != "data":
+                        raise UpdateSchemaError("only data parts may follow the header")
+                    asm.add(part.data)
+                payload = asm.finish()
+                await self.coord.complete_upload(slot, payload)
+        except OrchardError as err:
+            self.coord.abort_upload(slot, type(err).__name__)
+            raise
+        except BaseException:
+            self.coord.abort_upload(slot, "stream broken")
+            raise
+        return pb.UploadReply(accepted=True)
+
+    @mapped
+    async def VerifyToken(self, request: pb.VerifyTokenRequest, context: grpc.aio.ServicerContext) -> pb.VerifyTokenReply:
+        # Only an enrolled aggregator may ask, so the call cannot be used to probe tokens.
+        await self.auth.verify(bearer_token(context.invocation_metadata()), Role.AGGREGATOR)
+        role = parse_role(request.role)
+        if self._verify_upstream is not None:
+            return pb.VerifyTokenReply(valid=await self._verify_upstream(request.token, role))
+        try:
+            await self.auth.verify(request.token, role)
+        except AuthError:
+            return pb.VerifyTokenReply(valid=False)
+        return pb.VerifyTokenReply(valid=True)

@@ -1,0 +1,90 @@
+"""``orchard certs init``: a private CA and a server certificate, made with ``cryptography``.
+
+The CA signs one server certificate whose subject alternative names cover the given
+hosts (``localhost`` and ``127.0.0.1`` by default). Clients and aggregators trust the CA
+file; keys are written with mode 0600.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from orchard.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class TlsPaths:
+    ca_cert: Path
+    ca_key: Path
+    server_cert: Path
+    server_key: Path
+
+    @classmethod
+    def in_dir(cls, d: str | Path) -> TlsPaths:
+        d = Path(d)
+        return cls(d / "ca.pem", d / "ca.key", d / "server.pem", d / "server.key")
+
+    def exists(self) -> bool:
+        return self.server_cert.is_file() and self.server_key.is_file() and self.ca_cert.is_file()
+
+
+def _write(path: Path, data: bytes, private: bool) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def init_certs(out: str | Path, hosts: list[str] | None = None, days: int = 825) -> TlsPaths:
+    hosts = hosts or ["localhost", "127.0.0.1", "::1"]
+    paths = TlsPaths.in_dir(out)
+    now = dt.datetime.now(dt.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "Orchard CA")])
+    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+          .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+          .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                       content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                       key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    key = ec.generate_private_key(ec.SECP256R1())
+    sans: list[x509.GeneralName] = []
+    for h in hosts:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(h)))
+        except ValueError:
+            sans.append(x509.DNSName(h))
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    pem = serialization.Encoding.PEM
+    nopw = serialization.NoEncryption()
+    pkcs8 = serialization.PrivateFormat.PKCS8
+    _write(paths.ca_cert, ca.public_bytes(pem), private=False)
+    _write(paths.ca_key, ca_key.private_bytes(pem, pkcs8, nopw), private=True)
+    _write(paths.server_cert, cert.public_bytes(pem), private=False)
+    _write(paths.server_key, key.private_bytes(pem, pkcs8, nopw), private=True)
+    return paths
+
+
+def server_credentials(paths: TlsPaths):
+    import grpc
+
+    if not paths.exists():
+        raise ConfigError(f"TLS files missing in {paths.server_cert.parent}: run `orchard certs init --out DIR`")
+    return grpc.ssl_server_credentials([(paths.server_key.read_bytes(), paths.server_cert.read_bytes())])

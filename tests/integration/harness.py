@@ -1,0 +1,104 @@
+"""In-process federations over real gRPC on loopback (port 0), for the integration tests."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchard.client.runtime import ClientRuntime
+from orchard.server.app import TierHandle, start_aggregator, start_root
+from orchard.tasks import get_task
+
+from orchard import wire
+from orchard.config import RunConfig, ServerConfig
+from orchard.link import FleetLink, LinkConfig
+from orchard.ops import ControlClient
+from orchard.typing import Role
+
+FAST = ServerConfig(heartbeat_s=1.0, node_timeout_s=5.0, long_poll_s=2.0)
+
+
+@dataclass
+class Federation:
+    root: TierHandle
+    aggregators: list[TierHandle] = field(default_factory=list)
+    clients: list[ClientRuntime] = field(default_factory=list)
+    client_tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def stop(self) -> None:
+        for t in self.client_tasks:
+            t.cancel()
+        await asyncio.gather(*self.client_tasks, return_exceptions=True)
+        for c in self.clients:
+            await c.link.close()
+        for a in reversed(self.aggregators):
+            await a.stop(0.1)
+        await self.root.stop(0.1)
+
+
+def task_factory(num_partitions: int, task: str = "digits", **params: Any):
+    t = get_task(task, **params)
+
+    def make(partition: int):
+        return lambda cfg: t.client_trainer(partition, num_partitions, cfg.seed)
+
+    return make
+
+
+async def add_clients(fed: Federation, target: str, partitions: list[int], num_partitions: int,
+                      task: str = "digits", token: str | None = None, ca: Path | None = None,
+                      insecure: bool = True) -> list[ClientRuntime]:
+    make = task_factory(num_partitions, task)
+    new = []
+    for k in partitions:
+        link = FleetLink(LinkConfig(target=target, role=Role.CLIENT, token=token, ca_cert=ca, insecure=insecure,
+                                    node_id=f"client-{k}"))
+        rt = ClientRuntime(link, make(k), partition_id=k)
+        fed.clients.append(rt)
+        fed.client_tasks.append(asyncio.create_task(rt.run()))
+        new.append(rt)
+    return new
+
+
+async def start_run(root: TierHandle, cfg: RunConfig, insecure: bool = True) -> str:
+    blob = wire.arrays_to_blob(get_task(cfg.task, **cfg.task_params).initial_arrays(cfg.seed))
+    ctl = ControlClient(root.address, admin_token=root.admin_token, ca_cert=root.ca_cert, insecure=insecure)
+    try:
+        return await asyncio.to_thread(ctl.start_run, cfg, blob)
+    finally:
+        ctl.close()
+
+
+async def wait_status(root: TierHandle, pred, timeout: float = 120.0) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    st: dict[str, Any] = {}
+    while loop.time() < end:
+        st = root.runner.status() if root.runner else {}
+        if pred(st):
+            return st
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"condition not met within {timeout}s; last status: {st}")
+
+
+async def tree(tmp: Path, depth: int, clients_per_leaf: int, fanout: int = 1, seed: int = 0) -> Federation:
+    """root -> `depth - 1` levels of aggregators (fanout each) -> clients under the leaves."""
+    root = await start_root(tmp / "root", insecure=True, server_cfg=FAST, start_grace_s=0.5, seed=seed)
+    fed = Federation(root)
+    level = [root]
+    for _ in range(depth - 1):
+        nxt = []
+        for parent in level:
+            for _ in range(fanout):
+                a = await start_aggregator(parent.address, insecure=True, server_cfg=FAST, seed=seed)
+                fed.aggregators.append(a)
+                nxt.append(a)
+        level = nxt
+    n = len(level) * clients_per_leaf
+    k = 0
+    for leaf in level:
+        await add_clients(fed, leaf.address, list(range(k, k + clients_per_leaf)), n)
+        k += clients_per_leaf
+    return fed
