@@ -89,7 +89,7 @@ def as_float32(x: object) -> np.ndarray:
         raise CodecError(f"expected a real numeric array, got dtype {arr.dtype}")
     if arr.size > MAX_COUNT:
         raise CodecError(f"a tensor may hold at most {MAX_COUNT} elements, got {arr.size}")
-    return np.ascontiguousarray(arr, dtype=np.float32)
+    return np.asarray(arr, dtype=np.float32, order="C")  # ascontiguousarray would make 0-d 1-d
 
 
 def check_shape(shape: object) -> tuple[int, ...]:

@@ -43,9 +43,11 @@ def unpack_uint(data: bytes | memoryview, width: int, count: int) -> np.ndarray:
     if width == 1:
         return np.unpackbits(raw, count=count, bitorder="little")
     if width in (2, 4):
-        shifts = np.arange(0, 8, width, dtype=np.uint8)
-        codes = (raw[:, None] >> shifts[None, :]) & np.uint8((1 << width) - 1)
-        return codes.reshape(-1)[:count]
+        per, mask = 8 // width, np.uint8((1 << width) - 1)
+        lanes = np.empty((raw.size, per), dtype=np.uint8)
+        for lane in range(per):  # per <= 4 passes over the packed bytes
+            np.bitwise_and(raw >> np.uint8(lane * width), mask, out=lanes[:, lane])
+        return lanes.reshape(-1)[:count]
     bitmat = np.unpackbits(raw, count=count * width, bitorder="little").reshape(count, width)
     full = np.zeros((count, 32), dtype=np.uint8)
     full[:, :width] = bitmat

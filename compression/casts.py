@@ -19,33 +19,46 @@ from orchard.errors import CodecError
 FLOAT16_MAX = float(np.finfo(np.float16).max)
 
 
+FLOAT16_OVERFLOW = 65520.0  # the smallest |x| that float16 round-to-nearest sends to inf
+
+
+def _peak(x: np.ndarray) -> float:
+    """max |x| in two reductions (no |x| temporary); NaN when x holds a NaN."""
+    return max(float(x.max()), -float(x.min())) if x.size else 0.0
+
+
 def _to_float16(x: np.ndarray) -> np.ndarray:
-    h = x.astype(np.float16)
-    # A silent cast turns |x| > 65504 into inf, which would poison the whole sum.
-    if not np.isfinite(h).all():
-        overflow = np.isinf(h) & np.isfinite(x)
+    # A silent cast turns |x| >= 65520 into inf, which would poison the whole sum.
+    peak = _peak(x)
+    if not peak < FLOAT16_OVERFLOW:  # also true for NaN: look closer
+        overflow = (np.abs(x) >= FLOAT16_OVERFLOW) & np.isfinite(x)
         if overflow.any():
-            peak = float(np.abs(x[overflow]).max())
             raise CodecError(
-                f"float16 holds |x| <= {FLOAT16_MAX:g}, the tensor has |x| = {peak:g}; "
-                "use bfloat16 (float32 range) or scale the update"
+                f"float16 holds |x| <= {FLOAT16_MAX:g}, the tensor has |x| = "
+                f"{float(np.abs(x[overflow]).max()):g}; use bfloat16 (float32 range) or "
+                "scale the update"
             )
-    return h
+    return x.astype(np.float16)
 
 
 def _to_bfloat16(x: np.ndarray) -> np.ndarray:
     """Round float32 to bfloat16 bits (the top 16 bits), nearest-even like hardware does."""
     u = x.view(np.uint32)
-    rounded = u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
-    out = (rounded >> np.uint32(16)).astype(np.uint16)
-    nan = np.isnan(x)
-    if nan.any():  # the rounding carry could turn a NaN's payload into inf
-        out[nan] = np.uint16(0x7FC0)
+    t = u >> np.uint32(16)
+    t &= np.uint32(1)
+    t += np.uint32(0x7FFF)
+    t += u
+    t >>= np.uint32(16)
+    out = t.astype(np.uint16)
+    if np.isnan(_peak(x)):  # the rounding carry could turn a NaN's payload into inf
+        out[np.isnan(x)] = np.uint16(0x7FC0)
     return out
 
 
 def _from_bfloat16(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    out = bits.astype(np.uint32)
+    out <<= np.uint32(16)
+    return out.view(np.float32)
 
 
 class CastCodec(BaseCodec):

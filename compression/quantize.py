@@ -49,54 +49,85 @@ from orchard.errors import CodecError
 QUANT_BITS = (1, 2, 4, 8)
 
 
-def _blocked(x: np.ndarray, block: int) -> np.ndarray:
-    """``x`` as rows of ``block`` elements, the last row zero-padded (a view when it divides)."""
-    rows = -(-x.size // block)
-    if rows * block == x.size:
-        return x.reshape(rows, block)
-    padded = np.zeros(rows * block, dtype=x.dtype)
-    padded[: x.size] = x
-    return padded.reshape(rows, block)
+CHUNK = 1 << 16  # elements per pass: scratch stays in L2 and is reused, no page faults
+
+
+def _segments(size: int, block: int) -> list[tuple[int, int, int, int]]:
+    """Cover ``size`` elements with row-major views of at most ~CHUNK elements.
+
+    Each segment is ``(first element, first block, rows, row width)``: either several
+    whole blocks, or (for blocks larger than a chunk, and the last partial block) a
+    piece of one block. Views, not a zero-padded copy, and small enough that the
+    skeleton's temporaries are cache-resident scratch rather than fresh 40 MB arrays.
+    """
+    full, rem = divmod(size, block)
+    if block >= CHUNK:
+        return [
+            (start, b, 1, min(CHUNK, min(b * block + block, size) - start))
+            for b in range(full + (rem > 0))
+            for start in range(b * block, min(b * block + block, size), CHUNK)
+        ]
+    per = CHUNK // block
+    segs = [(b * block, b, min(per, full - b), block) for b in range(0, full, per)]
+    if rem:
+        segs.append((full * block, full, 1, rem))
+    return segs
 
 
 def block_absmax(x: np.ndarray, block: int) -> np.ndarray:
     """Max |x| per block, without an |x| temporary (two reductions instead)."""
-    rows = _blocked(x, block)
-    return np.maximum(rows.max(axis=1), -rows.min(axis=1)).astype(np.float32)
+    full, rem = divmod(x.size, block)
+    parts = []
+    if full:
+        rows = x[: full * block].reshape(full, block)
+        parts.append(np.maximum(rows.max(axis=1), -rows.min(axis=1)))
+    if rem:
+        tail = x[full * block :]
+        parts.append(np.array([max(tail.max(), -tail.min())], dtype=np.float32))
+    return np.concatenate(parts).astype(np.float32) if parts else np.zeros(0, np.float32)
 
 
 def quantize(
     x: np.ndarray, scales: np.ndarray, block: int, bits: int, rng: np.random.Generator | None
 ) -> np.ndarray:
     """Level indices (uint8) of flat float32 ``x``; ``rng=None`` rounds to nearest."""
-    if x.size == 0:
-        return np.zeros(0, dtype=np.uint8)
     half = np.float32(((1 << bits) - 1) / 2)
     with np.errstate(divide="ignore"):
         inv = np.where(scales > 0, half / scales, np.float32(0)).astype(np.float32)
-    u = _blocked(x, block) * inv[:, None]
-    if rng is None:
-        u += half + np.float32(0.5)
-    else:
-        u += half
-        u += rng.random(u.shape, dtype=np.float32)
-    # Clip: |x| > s (a fixed scale, or sign's mean-|x| scale) and float rounding of u + r.
-    np.clip(u, 0, 2 * half, out=u)
-    return u.astype(np.uint8).reshape(-1)[: x.size]
+    codes = np.empty(x.size, dtype=np.uint8)
+    u_buf = np.empty(min(x.size, CHUNK), dtype=np.float32)
+    r_buf = np.empty_like(u_buf)
+    shift = half + np.float32(0.5) if rng is None else half
+    for start, b0, rows, width in _segments(x.size, block):
+        n = rows * width
+        u = u_buf[:n].reshape(rows, width)
+        np.multiply(x[start : start + n].reshape(rows, width), inv[b0 : b0 + rows, None], out=u)
+        u += shift
+        if rng is not None:
+            r = r_buf[:n]
+            rng.random(out=r, dtype=np.float32)
+            u += r.reshape(rows, width)
+        # Clip: |x| > s (a fixed scale, or sign's mean-|x| scale) and float rounding of u + r.
+        np.clip(u, 0, 2 * half, out=u)
+        np.copyto(codes[start : start + n].reshape(rows, width), u, casting="unsafe")  # floor
+    return codes
 
 
 def dequantize(
-    codes: np.ndarray, scales: np.ndarray, block: int, bits: int, num_summands: int, size: int
+    codes: np.ndarray, scales: np.ndarray, block: int, bits: int, num_summands: int
 ) -> np.ndarray:
     """Inverse map of summed level indices: ``s * (2 J / L - n)`` per element."""
-    if size == 0:
-        return np.zeros(0, dtype=np.float32)
-    levels = (1 << bits) - 1
-    step = (scales * np.float32(2 / levels)).astype(np.float32)
-    out = _blocked(codes, block).astype(np.float32)
-    out *= step[:, None]
-    out -= (scales * np.float32(num_summands))[:, None]
-    return out.reshape(-1)[:size]
+    step = (scales * np.float32(2 / ((1 << bits) - 1))).astype(np.float32)
+    offset = (scales * np.float32(num_summands)).astype(np.float32)
+    out = np.empty(codes.size, dtype=np.float32)
+    for start, b0, rows, width in _segments(codes.size, block):
+        n = rows * width
+        view = out[start : start + n].reshape(rows, width)
+        np.multiply(
+            codes[start : start + n].reshape(rows, width), step[b0 : b0 + rows, None], out=view
+        )
+        view -= offset[b0 : b0 + rows, None]
+    return out
 
 
 class QuantCodec(BaseCodec):
@@ -141,6 +172,9 @@ class QuantCodec(BaseCodec):
             scales = np.array([np.abs(x).mean(dtype=np.float64)], dtype=np.float32)
         if not np.isfinite(scales).all():
             raise CodecError(f"{self.name} cannot scale a tensor that holds NaN or inf")
+        # Flush subnormal scales to zero: L / s would overflow float32, and such a block's
+        # values (all below 1.2e-38) are sent as exact zeros.
+        scales[scales < np.finfo(np.float32).tiny] = 0
         return scales
 
     def encode_parsed(
@@ -186,7 +220,7 @@ class QuantCodec(BaseCodec):
                 f"{self.bits}-bit codes reach at most {n * levels}: wrong num_summands?"
             )
         size = numel(enc.shape)
-        out = dequantize(codes, scales, self._block_size(size), self.bits, n, size)
+        out = dequantize(codes, scales, self._block_size(size), self.bits, n)
         return out.reshape(enc.shape)
 
     def add(self, a: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:

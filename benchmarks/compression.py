@@ -1,0 +1,145 @@
+"""Encode+decode throughput of every codec on one 10-million-element float32 tensor.
+
+    python benchmarks/compression.py [--numel N] [--repeat R] [--json PATH]
+
+MB/s counts 1e6 bytes of float32 input per second of encode plus decode (best of
+``--repeat`` runs each). ``compression_ratio`` is the dense float32 payload's size
+over the codec's, both measured in this run. The tensor is a 2-D matrix (so PowerSGD
+factorises it) of Gaussian values, seeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+from orchard.compression import build_codec
+
+from orchard.config import CodecSpec
+
+# Targets from the issue, MB/s of encode + decode.
+TARGETS = {"qsgd": 200.0, "sign": 200.0, "topk": 50.0}
+
+CASES: list[tuple[str, CodecSpec]] = [
+    ("float32", CodecSpec(name="float32")),
+    ("float16", CodecSpec(name="float16")),
+    ("bfloat16", CodecSpec(name="bfloat16")),
+    ("qsgd-8bit", CodecSpec(name="qsgd", params={"bits": 8})),
+    ("qsgd-4bit-block4096", CodecSpec(name="qsgd", params={"bits": 4, "block": 4096})),
+    ("qsgd-2bit", CodecSpec(name="qsgd", params={"bits": 2})),
+    ("qsgd-1bit", CodecSpec(name="qsgd", params={"bits": 1})),
+    ("sign", CodecSpec(name="sign")),
+    ("topk-1%", CodecSpec(name="topk", params={"fraction": 0.01})),
+    ("randk-1%", CodecSpec(name="randk", params={"fraction": 0.01})),
+    ("powersgd-r4", CodecSpec(name="powersgd", params={"rank": 4})),
+    (
+        "topk-1%+qsgd-8bit",
+        CodecSpec(
+            name="pipeline",
+            params={"stages": [{"name": "topk", "params": {"fraction": 0.01}}, {"name": "qsgd"}]},
+        ),
+    ),
+    (
+        "error_feedback(topk-1%)",
+        CodecSpec(name="error_feedback", params={"codec": {"name": "topk"}}),
+    ),
+]
+
+
+@dataclass
+class Row:
+    codec: str
+    mb_per_s: float
+    encode_ms: float
+    decode_ms: float
+    bytes: int
+    compression_ratio: float
+    target_mb_per_s: float | None
+    meets_target: bool | None
+
+
+def _shape(numel: int) -> tuple[int, int]:
+    rows = int(math.sqrt(numel))
+    while numel % rows:
+        rows -= 1
+    return rows, numel // rows
+
+
+def _best(fn, repeat: int) -> tuple[float, object]:
+    best, out = math.inf, None
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def measure(label: str, spec: CodecSpec, x: np.ndarray, repeat: int) -> tuple[float, float, int]:
+    codec = build_codec(spec)
+    rng = np.random.default_rng(1)
+    t_enc, (payload, _) = _best(lambda: codec.encode(x, rng, None, 7), repeat)
+    t_dec, _ = _best(lambda: codec.decode(payload, x.shape, 1, 7), repeat)
+    return t_enc, t_dec, len(payload)
+
+
+def run(numel: int, repeat: int) -> list[Row]:
+    x = np.random.default_rng(0).standard_normal(_shape(numel), dtype=np.float32)
+    mb = x.nbytes / 1e6
+    rows, dense_bytes = [], None
+    for label, spec in CASES:
+        t_enc, t_dec, size = measure(label, spec, x, repeat)
+        if dense_bytes is None:  # the first case is float32: the in-run baseline
+            dense_bytes = size
+        target = next((v for k, v in TARGETS.items() if label.startswith(k)), None)
+        speed = mb / (t_enc + t_dec)
+        rows.append(
+            Row(
+                codec=label,
+                mb_per_s=round(speed, 1),
+                encode_ms=round(t_enc * 1e3, 1),
+                decode_ms=round(t_dec * 1e3, 1),
+                bytes=size,
+                compression_ratio=round(dense_bytes / size, 2),
+                target_mb_per_s=target,
+                meets_target=None if target is None else speed >= target,
+            )
+        )
+    return rows
+
+
+def print_table(rows: list[Row], numel: int) -> None:
+    print(f"encode+decode of {numel:,} float32 elements ({numel * 4 / 1e6:.0f} MB), best of runs")
+    head = f"{'codec':<26}{'MB/s':>9}{'enc ms':>9}{'dec ms':>9}{'bytes':>13}{'ratio':>9}  target"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        target = (
+            ""
+            if r.target_mb_per_s is None
+            else (f">= {r.target_mb_per_s:.0f} {'ok' if r.meets_target else 'MISSED'}")
+        )
+        print(
+            f"{r.codec:<26}{r.mb_per_s:>9.1f}{r.encode_ms:>9.1f}{r.decode_ms:>9.1f}"
+            f"{r.bytes:>13,}{r.compression_ratio:>9.2f}  {target}"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--numel", type=int, default=10_000_000)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", metavar="PATH", help="write one JSON row per codec here")
+    args = ap.parse_args(argv)
+    rows = run(args.numel, args.repeat)
+    print_table(rows, args.numel)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump([asdict(r) for r in rows], fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
