@@ -87,8 +87,10 @@ def test_sign_sends_the_sign_scaled_by_mean_abs(x: np.ndarray) -> None:
         return
     scale = np.abs(x32).astype(np.float64).mean()
     np.testing.assert_allclose(np.abs(y), scale, rtol=1e-5, atol=TINY)
-    if scale > 0:
-        assert np.all(np.where(x32 >= 0, y > 0, y < 0))
+    # The level map x / s + 1 is float32: an element within 2^-23 s of zero may take
+    # either sign (its error then differs from the exact sign's by < 2^-22 s).
+    clear = np.abs(x32) > scale * 2.0**-22
+    assert np.all(np.where(x32 >= 0, y > 0, y < 0)[clear])
 
 
 @given(x=tensors(), k=st.integers(1, 20))
