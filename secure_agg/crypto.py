@@ -1,0 +1,126 @@
+"""Key agreement, key derivation and the authenticated share channel.
+
+Each client holds two X25519 key pairs (Bonawitz et al., 2017, §4, round 0,
+"AdvertiseKeys"): (c_pk, c_sk) for the channel that carries encrypted shares and
+(s_pk, s_sk) for pairwise mask agreement. Diffie-Hellman outputs are never used directly:
+HKDF-SHA256 binds each derived key to its purpose, the session id, the round and the
+ordered pair of nodes, so a key from one session or one direction is useless in another.
+
+Shares travel encrypted with AES-256-GCM (§4, round 1, "ShareKeys": AE.enc). The
+associated data binds sender, recipient, session id and round; a ciphertext replayed into
+another session or readdressed to another node fails authentication. Each channel key is
+derived per direction and per session and encrypts exactly one message, so a constant
+nonce never repeats under one key.
+"""
+
+from __future__ import annotations
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from cryptography.hazmat.primitives.serialization import (
+    Encoding,
+    NoEncryption,
+    PrivateFormat,
+    PublicFormat,
+)
+from orchard.secure_agg.errors import MalformedMessage, TamperedCiphertext
+from orchard.secure_agg.prg import SEED_BYTES
+
+KEY_BYTES = 32
+_LABEL = b"orchard-secagg/v1"
+_NONCE = bytes(12)
+
+__all__ = [
+    "KEY_BYTES",
+    "channel_key",
+    "decrypt_share",
+    "encrypt_share",
+    "hkdf",
+    "load_private",
+    "load_public",
+    "pairwise_seed",
+    "private_bytes",
+    "public_bytes",
+    "share_associated_data",
+]
+
+
+def hkdf(ikm: bytes, info: bytes, length: int) -> bytes:
+    return HKDF(algorithm=hashes.SHA256(), length=length, salt=None, info=_LABEL + info).derive(ikm)
+
+
+def _field(b: bytes) -> bytes:
+    return len(b).to_bytes(2, "big") + b
+
+
+def _context(kind: bytes, session_id: bytes, round_number: int, a: str, b: str) -> bytes:
+    return (_field(kind) + _field(session_id) + round_number.to_bytes(8, "big")
+            + _field(a.encode()) + _field(b.encode()))
+
+
+def load_private(raw: bytes) -> X25519PrivateKey:
+    if len(raw) != KEY_BYTES:
+        raise MalformedMessage(f"an X25519 private key is {KEY_BYTES} bytes, got {len(raw)}")
+    return X25519PrivateKey.from_private_bytes(raw)
+
+
+def load_public(raw: bytes) -> X25519PublicKey:
+    if len(raw) != KEY_BYTES:
+        raise MalformedMessage(f"an X25519 public key is {KEY_BYTES} bytes, got {len(raw)}")
+    return X25519PublicKey.from_public_bytes(raw)
+
+
+def private_bytes(key: X25519PrivateKey) -> bytes:
+    return key.private_bytes(Encoding.Raw, PrivateFormat.Raw, NoEncryption())
+
+
+def public_bytes(key: X25519PrivateKey) -> bytes:
+    return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+
+
+def _exchange(sk: X25519PrivateKey, pk: bytes) -> bytes:
+    try:
+        return sk.exchange(load_public(pk))
+    except ValueError as err:  # all-zero shared secret: a low-order public key
+        raise MalformedMessage(f"public key rejected by X25519: {err}") from None
+
+
+def pairwise_seed(s_sk: X25519PrivateKey, peer_s_pk: bytes, session_id: bytes,
+                  round_number: int, a: str, b: str) -> bytes:
+    """s_{a,b} = HKDF(DH(s_sk, peer_s_pk)) for the unordered pair {a, b} (§4, round 2).
+
+    Both ends (and the server, once it has reconstructed a dropped node's s_sk) derive the
+    same seed; ``a``/``b`` are put in sorted order so the derivation is symmetric.
+    """
+    lo, hi = sorted((a, b))
+    return hkdf(_exchange(s_sk, peer_s_pk), _context(b"mask", session_id, round_number, lo, hi),
+                SEED_BYTES)
+
+
+def channel_key(c_sk: X25519PrivateKey, peer_c_pk: bytes, session_id: bytes, round_number: int,
+                sender: str, recipient: str) -> bytes:
+    """The AES-256-GCM key for the one message ``sender`` -> ``recipient`` (directional)."""
+    return hkdf(_exchange(c_sk, peer_c_pk),
+                _context(b"channel", session_id, round_number, sender, recipient), 32)
+
+
+def share_associated_data(session_id: bytes, round_number: int, sender: str,
+                          recipient: str) -> bytes:
+    return _context(b"shares", session_id, round_number, sender, recipient)
+
+
+def encrypt_share(key: bytes, plaintext: bytes, associated_data: bytes) -> bytes:
+    return AESGCM(key).encrypt(_NONCE, plaintext, associated_data)
+
+
+def decrypt_share(key: bytes, ciphertext: bytes, associated_data: bytes, sender: str) -> bytes:
+    try:
+        return AESGCM(key).decrypt(_NONCE, ciphertext, associated_data)
+    except InvalidTag:
+        raise TamperedCiphertext(
+            f"the encrypted shares from {sender!r} failed authentication: the ciphertext was "
+            f"modified, addressed to another node, or replayed from another session/round"
+        ) from None

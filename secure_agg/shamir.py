@@ -1,0 +1,141 @@
+"""Shamir t-of-m secret sharing over GF(p), p = 2^31 - 1 (Shamir, 1979; used as
+SS.share / SS.recon in Bonawitz et al., 2017, §3.1 and Bell et al., 2020, §3).
+
+A byte secret is cut into 16-bit limbs; each limb is the constant term of its own random
+polynomial of degree t - 1, and all limbs are shared at once with numpy (Horner's rule
+on a (holders, limbs) array). Products of two field elements are below 2^62, so uint64
+arithmetic never overflows. Any t shares determine the polynomials (Lagrange
+interpolation at 0); t - 1 shares are independent of the secret (perfect hiding), which is
+why coefficients are drawn exactly uniformly (rejection of the single value 2^31 - 1).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+from orchard.secure_agg.errors import MalformedMessage, NotEnoughShares
+from orchard.secure_agg.prg import ByteStream
+
+PRIME = (1 << 31) - 1
+LIMB_BITS = 16
+
+__all__ = ["PRIME", "share_bytes", "reconstruct_bytes", "share_limbs", "reconstruct_limbs",
+           "share_size"]
+
+
+def share_size(secret_len: int) -> int:
+    """Bytes of one serialised share of a ``secret_len``-byte secret (4 bytes per limb)."""
+    return 4 * _num_limbs(secret_len)
+
+
+def _num_limbs(secret_len: int) -> int:
+    return (secret_len + 1) // 2
+
+
+def _uniform_field(rand: ByteStream, shape: tuple[int, ...]) -> np.ndarray:
+    count = int(np.prod(shape))
+    out = np.frombuffer(rand.read(4 * count), dtype="<u4").astype(np.uint64) & 0x7FFFFFFF
+    # 2^31 - 1 is the only 31-bit value outside the field: redraw it (probability 2^-31).
+    bad = np.flatnonzero(out == PRIME)
+    while bad.size:
+        out[bad] = np.frombuffer(rand.read(4 * bad.size), dtype="<u4").astype(np.uint64) & 0x7FFFFFFF
+        bad = bad[out[bad] == PRIME]
+    return out.reshape(shape)
+
+
+def _check_points(xs: Sequence[int]) -> np.ndarray:
+    arr = np.asarray(list(xs), dtype=np.int64)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError("need at least one evaluation point")
+    if np.any(arr <= 0) or np.any(arr >= PRIME):
+        raise ValueError(f"evaluation points must lie in 1..{PRIME - 1}")
+    if np.unique(arr).size != arr.size:
+        raise ValueError("evaluation points must be distinct")
+    return arr.astype(np.uint64)
+
+
+def share_limbs(secret: np.ndarray, threshold: int, xs: Sequence[int],
+                rand: ByteStream) -> np.ndarray:
+    """Shares of a vector of field elements: row i is the share for point ``xs[i]``.
+
+    ``secret`` has shape (L,) with entries < p; the result has shape (len(xs), L).
+    """
+    xs_arr = _check_points(xs)
+    if not 1 <= threshold <= xs_arr.size:
+        raise ValueError(f"threshold must be in 1..{xs_arr.size} (holders), got {threshold}")
+    secret = np.asarray(secret, dtype=np.uint64)
+    if np.any(secret >= PRIME):
+        raise ValueError("secret limbs must be field elements (< 2^31 - 1)")
+    coeffs = _uniform_field(rand, (threshold - 1, secret.size))
+    x = xs_arr[:, None]
+    acc = np.zeros((xs_arr.size, secret.size), dtype=np.uint64)
+    # Horner: f(x) = s + c1 x + ... + c_{t-1} x^{t-1}.
+    for j in range(threshold - 2, -1, -1):
+        acc = (acc * x + coeffs[j]) % PRIME
+    return (acc * x + secret) % PRIME
+
+
+def _lagrange_at_zero(xs: np.ndarray) -> np.ndarray:
+    """lambda_j = prod_{m != j} x_m / (x_m - x_j) mod p, for distinct points ``xs``."""
+    t = xs.size
+    num = np.ones(t, dtype=np.uint64)
+    den = np.ones(t, dtype=np.uint64)
+    for m in range(t):
+        xm = xs[m]
+        diff = (xm + PRIME - xs) % PRIME  # x_m - x_j
+        diff[m] = 1
+        numf = np.full(t, xm, dtype=np.uint64)
+        numf[m] = 1
+        num = (num * numf) % PRIME
+        den = (den * diff) % PRIME
+    inv = np.array([pow(int(v), PRIME - 2, PRIME) for v in den], dtype=np.uint64)
+    return (num * inv) % PRIME
+
+
+def reconstruct_limbs(shares: Mapping[int, np.ndarray], threshold: int) -> np.ndarray:
+    """The secret limbs from any ``threshold`` of the shares (point -> share row).
+
+    Raises :class:`NotEnoughShares` with fewer than ``threshold`` shares. With more, the
+    ``threshold`` lowest points are used.
+    """
+    if threshold < 1:
+        raise ValueError(f"threshold must be >= 1, got {threshold}")
+    if len(shares) < threshold:
+        raise NotEnoughShares(
+            f"reconstruction needs {threshold} shares, got {len(shares)}: "
+            f"too many holders dropped out"
+        )
+    points = sorted(shares)[:threshold]
+    xs = _check_points(points)
+    rows = np.stack([np.asarray(shares[p], dtype=np.uint64) for p in points])
+    if np.any(rows >= PRIME):
+        raise MalformedMessage("a share holds a value outside the field (>= 2^31 - 1)")
+    lam = _lagrange_at_zero(xs)
+    return ((rows * lam[:, None]) % PRIME).sum(axis=0) % PRIME
+
+
+def share_bytes(secret: bytes, threshold: int, xs: Sequence[int],
+                rand: ByteStream) -> list[bytes]:
+    """Shamir shares of a byte string, one serialised share per point in ``xs``."""
+    padded = secret + b"\x00" * (len(secret) % 2)
+    limbs = np.frombuffer(padded, dtype="<u2").astype(np.uint64)
+    rows = share_limbs(limbs, threshold, xs, rand)
+    return [row.astype("<u4").tobytes() for row in rows]
+
+
+def reconstruct_bytes(shares: Mapping[int, bytes], threshold: int, secret_len: int) -> bytes:
+    """The ``secret_len``-byte secret from any ``threshold`` serialised shares."""
+    expected = share_size(secret_len)
+    rows: dict[int, np.ndarray] = {}
+    for x, s in shares.items():
+        if len(s) != expected:
+            raise MalformedMessage(f"a share of a {secret_len}-byte secret is {expected} bytes, "
+                                   f"got {len(s)}")
+        rows[x] = np.frombuffer(s, dtype="<u4")
+    limbs = reconstruct_limbs(rows, threshold)
+    if np.any(limbs >= 1 << LIMB_BITS):
+        # Honest shares of a byte secret interpolate to 16-bit limbs; anything else means
+        # the shares are of different secrets or were altered.
+        raise MalformedMessage("shares are inconsistent: they do not interpolate to a byte secret")
+    return limbs.astype("<u2").tobytes()[:secret_len]
