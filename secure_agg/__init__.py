@@ -1,1 +1,178 @@
-"""Orchard subpackage."""
+"""Secure aggregation: SecAgg+ (Bell et al., 2020) as transport-free state machines, with
+the original protocol (Bonawitz et al., 2017) as the complete-graph case.
+
+The server learns the sum of the clients' quantised vectors modulo 2^b and nothing else
+about any one of them, while tolerating clients that drop out at any stage up to a
+threshold. Nothing here does I/O: a transport (gRPC, the simulator, a test) moves the
+messages' bytes.
+
+API
+---
+Parameters::
+
+    params = choose_parameters(n, dropout_rate, corrupt_fraction=0.05)  # k, t, reasoning
+    config = SessionConfig.create(participant_ids, vector_length,
+                                  neighbours=params.neighbours, threshold=params.threshold,
+                                  round_number=r, entropy=secrets.token_bytes(32))
+
+Server (one per cohort and round; not thread-safe, serialise calls)::
+
+    server = SecAggServer(config)
+    server.stage                          # Stage.ADVERTISE_KEYS, ..., DONE or ABORTED
+    server.broadcast_for(node) -> Message # what `node` needs to act in the current stage
+    server.receive(stage, node, msg_or_bytes)   # one client message; refusals raise
+    server.pending() -> frozenset[str]    # who may still send in this stage
+    server.close_stage() -> StageReport   # at the deadline: go on with whoever sent
+    server.result() -> SecAggResult       # .total (uint32 sum mod 2^b), .contributors
+
+Client (one per session)::
+
+    client = SecAggClient(node_id, entropy=secrets.token_bytes(32))
+    reply = client.respond(broadcast, vector=None)   # vector: at the MASKED_INPUT stage
+
+Messages are frozen dataclasses with ``to_bytes()`` / ``from_bytes()``; :func:`decode`
+parses any of them. Stage by stage (server -> client, then client -> server):
+
+================  ===================  ===============  ==================================
+stage             broadcast_for(node)  client reply     what happens
+================  ===================  ===============  ==================================
+ADVERTISE_KEYS    SessionSetup         AdvertiseKeys    two fresh X25519 public keys
+SHARE_KEYS        KeysBroadcast        ShareKeys        Shamir shares of s_sk and b_u,
+                                                        AES-GCM encrypted per neighbour
+MASKED_INPUT      SharesBroadcast      MaskedInput      y_u = x_u + masks (mod 2^b)
+UNMASKING         UnmaskRequest        UnmaskShares     b-shares of survivors, s_sk-shares
+                                                        of dropped neighbours
+DONE / ABORTED    --                   --               result() / SecAggAbort
+================  ===================  ===============  ==================================
+
+Encoding floats: ``quantize(x, clip, bits, rng)`` -> uint32 in [0, 2^bits);
+``dequantize(total, clip, bits, num_summands=len(result.contributors))``;
+``check_headroom(n, bits, modulus_bits)`` refuses configurations whose sum could wrap.
+
+Errors (all subclasses of ``orchard.errors.SecAggError``): ``WrongStage``,
+``WrongSession`` (other session id or round: replays across rounds), ``DuplicateMessage``
+(replay within a stage), ``UnknownPeer``, ``ExcludedNode``, ``MalformedMessage``,
+``TamperedCiphertext``, ``NotEnoughShares``; ``SecAggAbort`` when too few clients are
+left; ``SecAggConfigError`` (an ``orchard.errors.ConfigError``) for impossible parameters.
+A refused message changes no state: the session goes on with the other clients.
+
+Why the masks cancel
+--------------------
+Each client u draws a self-mask seed b_u and, for each neighbour v, agrees on a pairwise
+seed s_uv = HKDF(DH(s_sk_u, s_pk_v)) (Bonawitz §4, round 2). It sends
+
+    y_u = x_u + PRG(b_u) + sum_{v in N(u), v < u} -PRG(s_uv) + sum_{v in N(u), v > u} PRG(s_uv)
+
+with every term in Z_{2^b}. For a pair u < v both present, u adds PRG(s_uv) and v
+subtracts it: the pair cancels in sum_u y_u. What is left is sum x_u + sum PRG(b_u) plus
+the masks that survivors share with nodes that dropped after sharing keys. In the
+unmasking stage survivors reveal their Shamir shares of b_u for every surviving u and of
+s_sk_d for every dropped d; the server reconstructs both from t shares each, expands
+PRG(b_u) and recomputes s_dv for each surviving neighbour v of d, and subtracts. The
+result is exactly sum_{u in U3} x_u mod 2^b, where U3 are the clients whose masked input
+arrived (``result.contributors``).
+
+What the server learns
+----------------------
+Every masked input it sees is uniform in Z_{2^b}: PRG(b_u) is a one-time pad under
+AES-CTR's pseudorandomness, whatever x_u is (the tests check this with a chi-square
+test). It never learns b_u of a dropped client (its input is not in the sum) nor s_sk_u
+of a surviving one, because an honest client reveals, per neighbour, only one of the two
+shares, and t is a strict majority of the k neighbours: even a server that lies about who
+dropped out cannot gather t shares of both kinds for one client unless more than 2t - k
+of that client's neighbours collude with it (Bell et al., 2020, §3.3). With the
+neighbour graph connected among honest survivors (the third bound in
+:mod:`~orchard.secure_agg.params`), the only function of the inputs it can compute is
+their total over the survivors. Threshold t therefore trades two things: a larger t
+resists more collusion, a smaller one tolerates more dropped neighbours (k - t per
+client); :func:`choose_parameters` picks both from n, the dropout rate and the corrupt
+fraction with failure probabilities 2^-20 (correctness) and 2^-40 (privacy), and reports
+the reasoning.
+
+Threat model and limits: semi-honest clients and a server that follows the protocol or
+lies about dropouts; no consistency round with signatures (Bonawitz §6, the actively
+secure variant) and no public-key infrastructure: binding keys to node identities is the
+transport's job (authenticated channels, ``from_node`` in ``receive``). Inputs are not
+checked for range beyond < 2^b: a malicious client can skew the sum, as in the papers.
+
+Cost (n clients, k neighbours, d coordinates): a client does 2k key agreements and k + 1
+mask expansions (AES-CTR, several GB/s); a client uploads d words plus O(k) keys and
+shares; the server keeps one running sum (O(d)) and, at the end, expands one mask per
+survivor and one per (dropped, surviving neighbour) pair.
+"""
+
+from __future__ import annotations
+
+from orchard.secure_agg.client import SecAggClient
+from orchard.secure_agg.errors import (
+    DuplicateMessage,
+    ExcludedNode,
+    MalformedMessage,
+    NotEnoughShares,
+    SecAggAbort,
+    SecAggConfigError,
+    SecAggError,
+    TamperedCiphertext,
+    UnknownPeer,
+    WrongSession,
+    WrongStage,
+)
+from orchard.secure_agg.graph import NeighbourGraph
+from orchard.secure_agg.messages import (
+    AdvertiseKeys,
+    KeysBroadcast,
+    MaskedInput,
+    Message,
+    PeerKeys,
+    SessionConfig,
+    SessionSetup,
+    ShareKeys,
+    SharesBroadcast,
+    Stage,
+    UnmaskRequest,
+    UnmaskShares,
+    decode,
+)
+from orchard.secure_agg.params import SecAggParameters, choose_parameters, parameters_from_config
+from orchard.secure_agg.prg import expand_mask
+from orchard.secure_agg.quantize import check_headroom, dequantize, quantize
+from orchard.secure_agg.server import SecAggResult, SecAggServer, StageReport
+
+__all__ = [
+    "AdvertiseKeys",
+    "DuplicateMessage",
+    "ExcludedNode",
+    "KeysBroadcast",
+    "MalformedMessage",
+    "MaskedInput",
+    "Message",
+    "NeighbourGraph",
+    "NotEnoughShares",
+    "PeerKeys",
+    "SecAggAbort",
+    "SecAggClient",
+    "SecAggConfigError",
+    "SecAggError",
+    "SecAggParameters",
+    "SecAggResult",
+    "SecAggServer",
+    "SessionConfig",
+    "SessionSetup",
+    "ShareKeys",
+    "SharesBroadcast",
+    "Stage",
+    "StageReport",
+    "TamperedCiphertext",
+    "UnknownPeer",
+    "UnmaskRequest",
+    "UnmaskShares",
+    "WrongSession",
+    "WrongStage",
+    "check_headroom",
+    "choose_parameters",
+    "decode",
+    "dequantize",
+    "expand_mask",
+    "parameters_from_config",
+    "quantize",
+]

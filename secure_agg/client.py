@@ -1,0 +1,240 @@
+"""The client side of SecAgg+ as a state machine (Bonawitz et al., 2017, Fig. 2 / §4,
+user side of rounds 0-4; Bell et al., 2020, Alg. 2 restricted to the neighbour graph).
+
+One :class:`SecAggClient` serves one session: it draws fresh keys and a fresh self-mask
+seed from the entropy it is given, so nothing links two sessions. The transport feeds it
+each broadcast it polls from the server and posts back what :meth:`SecAggClient.respond`
+returns.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from orchard.secure_agg import crypto
+from orchard.secure_agg._wire import ciphertext_size, pack_shares, unpack_shares
+from orchard.secure_agg.errors import (
+    DuplicateMessage,
+    MalformedMessage,
+    SecAggAbort,
+    UnknownPeer,
+    WrongSession,
+    WrongStage,
+)
+from orchard.secure_agg.graph import NeighbourGraph
+from orchard.secure_agg.messages import (
+    AdvertiseKeys,
+    KeysBroadcast,
+    MaskedInput,
+    Message,
+    SessionConfig,
+    SessionSetup,
+    ShareKeys,
+    SharesBroadcast,
+    Stage,
+    UnmaskRequest,
+    UnmaskShares,
+)
+from orchard.secure_agg.prg import SEED_BYTES, ByteStream, MaskExpander, modulus_mask, word_dtype
+from orchard.secure_agg.shamir import share_bytes
+
+from orchard.errors import UpdateSchemaError
+
+__all__ = ["SecAggClient"]
+
+
+class SecAggClient:
+    """One client's part in one session.
+
+    ``entropy`` (>= 32 unpredictable bytes, e.g. ``secrets.token_bytes(32)``) seeds every
+    secret the client draws: both X25519 key pairs, the self-mask seed b_u and the Shamir
+    polynomials. Reusing it across sessions would reuse b_u: never do that.
+    """
+
+    def __init__(self, node_id: str, *, entropy: bytes) -> None:
+        if len(entropy) < 32:
+            raise ValueError(f"entropy must be at least 32 bytes, got {len(entropy)}")
+        self.node_id = node_id
+        self._rand = ByteStream(crypto.hkdf(entropy, b"client:" + node_id.encode(), 32))
+        self.stage = Stage.ADVERTISE_KEYS  # the stage whose broadcast it waits for
+        self.config: SessionConfig | None = None
+        self._neighbours: frozenset[str] = frozenset()
+        self._index: dict[str, int] = {}
+        self._peers: dict[str, tuple[bytes, bytes]] = {}  # U1 neighbours -> (c_pk, s_pk)
+        self._held: dict[str, tuple[bytes, bytes]] = {}  # U2 neighbours -> (key share, seed share)
+        self.masks_expanded = 0  # measurement
+
+    # ------------------------------------------------------------------ dispatch
+
+    def respond(self, msg: Message, vector: np.ndarray | None = None) -> Message:
+        """The reply to the server's broadcast for the current stage.
+
+        ``vector`` (the quantised input: ``vector_length`` unsigned integers < 2^b) is
+        needed with the :class:`SharesBroadcast`. Raises :class:`WrongStage` for a message
+        of another stage, :class:`WrongSession` for another session or round, other
+        :class:`~orchard.errors.SecAggError` subclasses for bad content, and
+        :class:`~orchard.errors.SecAggAbort` when the protocol cannot go on safely.
+        """
+        if self.stage in (Stage.DONE, Stage.ABORTED):
+            raise WrongStage(f"client {self.node_id!r} has finished its session ({self.stage.value})")
+        if msg.STAGE is not self.stage or not isinstance(
+                msg, SessionSetup | KeysBroadcast | SharesBroadcast | UnmaskRequest):
+            raise WrongStage(f"client {self.node_id!r} waits for the {self.stage.value} broadcast, "
+                             f"got a {type(msg).__name__}")
+        if msg.node != self.node_id:
+            raise UnknownPeer(f"broadcast addressed to {msg.node!r}, this is {self.node_id!r}")
+        if self.config is not None:
+            self._check_session(msg)
+        try:
+            if isinstance(msg, SessionSetup):
+                return self._advertise(msg)
+            if isinstance(msg, KeysBroadcast):
+                return self._share(msg)
+            if isinstance(msg, SharesBroadcast):
+                if vector is None:
+                    raise UpdateSchemaError("the masked-input stage needs the quantised vector")
+                return self._mask(msg, vector)
+            return self._unmask(msg)
+        except SecAggAbort:
+            self.stage = Stage.ABORTED
+            raise
+
+    def _check_session(self, msg: Message) -> None:
+        assert self.config is not None
+        if msg.session_id != self.config.session_id or msg.round_number != self.config.round_number:
+            raise WrongSession(
+                f"message for session {msg.session_id.hex()} round {msg.round_number}, this "
+                f"client is in session {self.config.session_id.hex()} round "
+                f"{self.config.round_number}: replayed or misrouted"
+            )
+
+    def _require_config(self) -> SessionConfig:
+        if self.config is None:
+            raise WrongStage("no session set up yet")
+        return self.config
+
+    # ------------------------------------------------------------------ stages
+
+    def _advertise(self, msg: SessionSetup) -> AdvertiseKeys:
+        """Round 0: two fresh X25519 key pairs (c for the channel, s for masks)."""
+        cfg = msg.config
+        if self.node_id not in cfg.participants:
+            raise UnknownPeer(f"{self.node_id!r} is not among the session's participants")
+        self._index = {p: i for i, p in enumerate(cfg.participants)}
+        graph = NeighbourGraph(len(cfg.participants), cfg.neighbours, cfg.graph_seed)
+        self._neighbours = frozenset(cfg.participants[j]
+                                     for j in graph.neighbours(self._index[self.node_id]))
+        self._c_sk = crypto.load_private(self._rand.read(32))
+        self._s_sk = crypto.load_private(self._rand.read(32))
+        self._seed = self._rand.read(SEED_BYTES)  # b_u
+        self.config = cfg
+        self.stage = Stage.SHARE_KEYS
+        return AdvertiseKeys(cfg.session_id, cfg.round_number, self.node_id,
+                             crypto.public_bytes(self._c_sk), crypto.public_bytes(self._s_sk))
+
+    def _share(self, msg: KeysBroadcast) -> ShareKeys:
+        """Round 1: Shamir-share s_sk and b_u among the neighbours that advertised keys,
+        each share encrypted under the pairwise channel key."""
+        cfg = self._require_config()
+        own = {crypto.public_bytes(self._c_sk), crypto.public_bytes(self._s_sk)}
+        seen_keys: set[bytes] = set(own)
+        peers: dict[str, tuple[bytes, bytes]] = {}
+        for k in msg.keys:
+            if k.node not in self._neighbours:
+                raise UnknownPeer(f"keys for {k.node!r}, which is not a neighbour of {self.node_id!r}")
+            if k.node in peers:
+                raise DuplicateMessage(f"keys for {k.node!r} listed twice")
+            # Distinct keys (Bonawitz §4, round 1): a repeated key means a replay or a
+            # server substituting keys.
+            if k.channel_pk in seen_keys or k.mask_pk in seen_keys or k.channel_pk == k.mask_pk:
+                raise MalformedMessage(f"keys of {k.node!r} repeat a key already seen")
+            seen_keys.update((k.channel_pk, k.mask_pk))
+            peers[k.node] = (k.channel_pk, k.mask_pk)
+        if len(peers) < cfg.threshold:
+            raise SecAggAbort(f"only {len(peers)} neighbours of {self.node_id!r} advertised keys, "
+                              f"threshold is {cfg.threshold}: its secrets could not be recovered")
+        self._peers = peers
+        holders = sorted(peers, key=self._index.__getitem__)
+        xs = [self._index[h] + 1 for h in holders]
+        key_shares = share_bytes(crypto.private_bytes(self._s_sk), cfg.threshold, xs, self._rand)
+        seed_shares = share_bytes(self._seed, cfg.threshold, xs, self._rand)
+        out = []
+        for holder, ks, ss in zip(holders, key_shares, seed_shares, strict=True):
+            key = crypto.channel_key(self._c_sk, peers[holder][0], cfg.session_id,
+                                     cfg.round_number, self.node_id, holder)
+            ad = crypto.share_associated_data(cfg.session_id, cfg.round_number, self.node_id, holder)
+            out.append((holder, crypto.encrypt_share(key, pack_shares(self.node_id, holder, ks, ss), ad)))
+        self.stage = Stage.MASKED_INPUT
+        return ShareKeys(cfg.session_id, cfg.round_number, self.node_id, tuple(out))
+
+    def _mask(self, msg: SharesBroadcast, vector: np.ndarray) -> MaskedInput:
+        """Round 2: decrypt the shares held for neighbours, then
+        y_u = x_u + PRG(b_u) + sum_{v in U2 nbrs} sign(u, v) PRG(s_uv)  (mod 2^b)."""
+        cfg = self._require_config()
+        held: dict[str, tuple[bytes, bytes]] = {}
+        for sender, ct in msg.ciphertexts:
+            if sender not in self._peers:
+                raise UnknownPeer(f"shares from {sender!r}, which did not advertise keys as a "
+                                  f"neighbour of {self.node_id!r}")
+            if sender in held:
+                raise DuplicateMessage(f"shares from {sender!r} delivered twice")
+            if len(ct) != ciphertext_size(sender, self.node_id):
+                raise MalformedMessage(f"ciphertext from {sender!r} has the wrong length {len(ct)}")
+            key = crypto.channel_key(self._c_sk, self._peers[sender][0], cfg.session_id,
+                                     cfg.round_number, sender, self.node_id)
+            ad = crypto.share_associated_data(cfg.session_id, cfg.round_number, sender, self.node_id)
+            u, v, ks, ss = unpack_shares(crypto.decrypt_share(key, ct, ad, sender))
+            if (u, v) != (sender, self.node_id):
+                raise MalformedMessage(f"shares from {sender!r} name {u!r} -> {v!r} inside")
+            held[sender] = (ks, ss)
+        if len(held) < cfg.threshold:
+            raise SecAggAbort(f"only {len(held)} neighbours of {self.node_id!r} shared keys, "
+                              f"threshold is {cfg.threshold}")
+        x = self._check_vector(vector, cfg)
+        dtype = word_dtype(cfg.modulus_bits)
+        y = x.astype(dtype, copy=True)
+        exp = MaskExpander(cfg.vector_length, cfg.modulus_bits)
+        exp.add_into(y, self._seed)
+        me = self._index[self.node_id]
+        for peer in held:
+            seed = crypto.pairwise_seed(self._s_sk, self._peers[peer][1], cfg.session_id,
+                                        cfg.round_number, self.node_id, peer)
+            # The lower-indexed node of a pair adds the mask, the higher one subtracts it,
+            # so the pair's masks cancel in the sum (§4, "masking with one-time pads").
+            exp.add_into(y, seed, 1 if me < self._index[peer] else -1)
+        y &= np.asarray(modulus_mask(cfg.modulus_bits), dtype=dtype)
+        self.masks_expanded += exp.expansions
+        self._held = held
+        self.stage = Stage.UNMASKING
+        return MaskedInput(cfg.session_id, cfg.round_number, self.node_id, y)
+
+    def _check_vector(self, vector: np.ndarray, cfg: SessionConfig) -> np.ndarray:
+        x = np.asarray(vector)
+        if x.shape != (cfg.vector_length,) or x.dtype.kind != "u":
+            raise UpdateSchemaError(f"expected {cfg.vector_length} unsigned integers, got "
+                                    f"{x.dtype} with shape {x.shape}")
+        if x.size and cfg.modulus_bits < 8 * x.dtype.itemsize and int(x.max()) >> cfg.modulus_bits:
+            raise UpdateSchemaError(f"input values must be < 2^{cfg.modulus_bits}; quantise first")
+        return x
+
+    def _unmask(self, msg: UnmaskRequest) -> UnmaskShares:
+        """Round 4: reveal b-shares of survivors and s_sk-shares of dropped neighbours,
+        never both kinds for the same node."""
+        cfg = self._require_config()
+        survivors, dropped = set(msg.survivors), set(msg.dropped)
+        if len(survivors) != len(msg.survivors) or len(dropped) != len(msg.dropped):
+            raise DuplicateMessage("the unmask request lists a node twice")
+        both = survivors & dropped
+        if both:
+            raise MalformedMessage(f"the server asks for both shares of {sorted(both)}: that "
+                                   f"would unmask their inputs; refusing")
+        unknown = (survivors | dropped) - set(self._held)
+        if unknown:
+            raise UnknownPeer(f"unmask request names {sorted(unknown)}, whose shares "
+                              f"{self.node_id!r} does not hold")
+        if len(survivors) < cfg.threshold:
+            raise SecAggAbort(f"only {len(survivors)} neighbours of {self.node_id!r} survived, "
+                              f"threshold is {cfg.threshold}")
+        seed_shares = tuple((u, self._held[u][1]) for u in msg.survivors)
+        key_shares = tuple((u, self._held[u][0]) for u in msg.dropped)
+        self.stage = Stage.DONE
+        return UnmaskShares(cfg.session_id, cfg.round_number, self.node_id, seed_shares, key_shares)

@@ -1,0 +1,419 @@
+"""The server side of SecAgg+ as a state machine driven one message at a time
+(Bonawitz et al., 2017, Fig. 2 / §4, server side of rounds 0-4; Bell et al., 2020,
+Alg. 2 restricted to the neighbour graph).
+
+Driving it::
+
+    server = SecAggServer(config)
+    # for each stage, until server.stage is DONE:
+    #   clients poll server.broadcast_for(node) and post server.receive(stage, node, msg)
+    #   at the deadline (or once server.pending() is empty) call server.close_stage()
+    result = server.result()   # sum of the contributors' inputs mod 2^b
+
+Node sets follow the paper: U1 advertised keys, U2 shared keys, U3 sent masked inputs,
+U4 sent unmasking shares. A node missing a stage has dropped out; the session goes on as
+long as every secret that must be reconstructed still has ``threshold`` holders, and
+otherwise raises :class:`~orchard.errors.SecAggAbort` and stays aborted.
+
+Masked inputs are added to one running sum as they arrive: memory is O(d + n k), never
+O(n d).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from orchard.secure_agg import crypto
+from orchard.secure_agg._wire import ciphertext_size
+from orchard.secure_agg.errors import (
+    DuplicateMessage,
+    ExcludedNode,
+    MalformedMessage,
+    NotEnoughShares,
+    SecAggAbort,
+    UnknownPeer,
+    WrongSession,
+    WrongStage,
+)
+from orchard.secure_agg.graph import NeighbourGraph
+from orchard.secure_agg.messages import (
+    AdvertiseKeys,
+    KeysBroadcast,
+    MaskedInput,
+    Message,
+    PeerKeys,
+    SessionConfig,
+    SessionSetup,
+    ShareKeys,
+    SharesBroadcast,
+    Stage,
+    UnmaskRequest,
+    UnmaskShares,
+    decode,
+)
+from orchard.secure_agg.prg import SEED_BYTES, MaskExpander, modulus_mask, word_dtype
+from orchard.secure_agg.shamir import reconstruct_bytes
+
+__all__ = ["SecAggResult", "SecAggServer", "StageReport"]
+
+_CLIENT_MESSAGE = {
+    Stage.ADVERTISE_KEYS: AdvertiseKeys,
+    Stage.SHARE_KEYS: ShareKeys,
+    Stage.MASKED_INPUT: MaskedInput,
+    Stage.UNMASKING: UnmaskShares,
+}
+_NEXT = {
+    Stage.ADVERTISE_KEYS: Stage.SHARE_KEYS,
+    Stage.SHARE_KEYS: Stage.MASKED_INPUT,
+    Stage.MASKED_INPUT: Stage.UNMASKING,
+    Stage.UNMASKING: Stage.DONE,
+}
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """What closing a stage did: who sent, who dropped out, who was pruned."""
+
+    stage: Stage
+    next_stage: Stage
+    received: tuple[str, ...]
+    dropped: tuple[str, ...]  # expected in this stage, did not send
+    excluded: tuple[str, ...] = ()  # sent, but left with fewer than t live neighbours
+
+
+@dataclass(frozen=True, eq=False)
+class SecAggResult:
+    """The unmasked sum of the contributors' inputs, modulo 2^modulus_bits."""
+
+    total: np.ndarray
+    contributors: tuple[str, ...]  # U3: whose inputs are in ``total`` (pass len() to decode)
+    dropped: tuple[str, ...]  # participants whose inputs are not in ``total``
+    measurements: dict[str, float] = field(default_factory=dict)
+
+
+class SecAggServer:
+    """The server's side of one session. Not thread-safe: the caller serialises calls."""
+
+    def __init__(self, config: SessionConfig) -> None:
+        self.config = config
+        self.stage = Stage.ADVERTISE_KEYS
+        self.abort_reason: str | None = None
+        ids = config.participants
+        self._ids = ids
+        self._index = {p: i for i, p in enumerate(ids)}
+        graph = NeighbourGraph(len(ids), config.neighbours, config.graph_seed)
+        self._nbrs: list[frozenset[int]] = graph.adjacency()
+        self._live: set[int] = set(range(len(ids)))  # may send in the current stage
+        self._sent: set[int] = set()  # sent in the current stage
+        self._keys: dict[int, tuple[bytes, bytes]] = {}  # U1: (c_pk, s_pk)
+        self._seen_keys: set[bytes] = set()
+        self._inbox: dict[int, list[tuple[str, bytes]]] = {}  # recipient -> (sender, ct)
+        self._outbox: dict[int, list[tuple[int, bytes]]] = {}  # sender -> (recipient, ct)
+        self._u2: frozenset[int] = frozenset()
+        self._u3: frozenset[int] = frozenset()
+        self._dtype = word_dtype(config.modulus_bits)
+        self._total: np.ndarray | None = None
+        self._seed_shares: dict[int, dict[int, bytes]] = {}  # owner -> {x: share}
+        self._key_shares: dict[int, dict[int, bytes]] = {}
+        self._result: SecAggResult | None = None
+        self._measurements: dict[str, float] = {"bytes_received": 0.0}
+
+    # ------------------------------------------------------------------ queries
+
+    def pending(self) -> frozenset[str]:
+        """Nodes that may still send in the current stage (empty: close now)."""
+        if self.stage in (Stage.DONE, Stage.ABORTED):
+            return frozenset()
+        return frozenset(self._ids[i] for i in self._live - self._sent)
+
+    def received(self) -> frozenset[str]:
+        return frozenset(self._ids[i] for i in self._sent)
+
+    def _check_open(self) -> None:
+        if self.stage is Stage.ABORTED:
+            raise SecAggAbort(f"session aborted: {self.abort_reason}")
+
+    def _node(self, node: str) -> int:
+        i = self._index.get(node)
+        if i is None:
+            raise UnknownPeer(f"{node!r} is not a participant of this session")
+        return i
+
+    # ------------------------------------------------------------------ broadcasts
+
+    def broadcast_for(self, node: str) -> Message:
+        """The message ``node`` needs to act in the current stage.
+
+        Raises :class:`ExcludedNode` for a node that dropped out earlier, :class:`WrongStage`
+        once the session is done, :class:`~orchard.errors.SecAggAbort` once it aborted.
+        """
+        self._check_open()
+        i = self._node(node)
+        cfg = self.config
+        if self.stage is Stage.DONE:
+            raise WrongStage("the session is done: there is nothing more to broadcast")
+        if i not in self._live:
+            raise ExcludedNode(f"{node!r} dropped out before stage {self.stage.value}")
+        if self.stage is Stage.ADVERTISE_KEYS:
+            return SessionSetup(node, cfg)
+        sid, rnd = cfg.session_id, cfg.round_number
+        if self.stage is Stage.SHARE_KEYS:
+            peers = sorted(self._nbrs[i] & self._keys.keys())
+            return KeysBroadcast(sid, rnd, node, tuple(
+                PeerKeys(self._ids[j], *self._keys[j]) for j in peers))
+        if self.stage is Stage.MASKED_INPUT:
+            return SharesBroadcast(sid, rnd, node, tuple(self._inbox.get(i, ())))
+        nb = self._nbrs[i] & self._u2
+        return UnmaskRequest(sid, rnd, node,
+                             tuple(self._ids[j] for j in sorted(nb & self._u3)),
+                             tuple(self._ids[j] for j in sorted(nb - self._u3)))
+
+    # ------------------------------------------------------------------ receive
+
+    def receive(self, stage: Stage, from_node: str, msg: Message | bytes) -> None:
+        """Accept one client message of ``stage`` from the authenticated ``from_node``.
+
+        Refuses (without changing any state) with a :class:`~orchard.errors.SecAggError`
+        subclass that says why: wrong stage, other session or round, a sender that is not
+        ``from_node``, a replay, unknown peers, or malformed content.
+        """
+        self._check_open()
+        if isinstance(msg, bytes | bytearray | memoryview):
+            nbytes = len(msg)
+            msg = decode(msg)
+        else:
+            nbytes = 0
+        if stage is not self.stage:
+            raise WrongStage(f"message for stage {Stage(stage).value}, the session is in "
+                             f"{self.stage.value}")
+        expected = _CLIENT_MESSAGE.get(stage)
+        if expected is None or not isinstance(msg, expected):
+            raise WrongStage(f"stage {stage.value} takes a "
+                             f"{expected.__name__ if expected else 'nothing'}, "
+                             f"got a {type(msg).__name__}")
+        cfg = self.config
+        if msg.session_id != cfg.session_id or msg.round_number != cfg.round_number:
+            raise WrongSession(
+                f"message for session {msg.session_id.hex()} round {msg.round_number}, this "
+                f"is session {cfg.session_id.hex()} round {cfg.round_number}: replayed or misrouted")
+        if msg.node != from_node:
+            raise UnknownPeer(f"message claims sender {msg.node!r} but came from {from_node!r}")
+        i = self._node(from_node)
+        if i not in self._live:
+            raise ExcludedNode(f"{from_node!r} dropped out before stage {stage.value}")
+        if i in self._sent:
+            raise DuplicateMessage(f"{from_node!r} already sent in stage {stage.value}; "
+                                   f"the first message stands")
+        if isinstance(msg, AdvertiseKeys):
+            self._on_keys(i, msg)
+        elif isinstance(msg, ShareKeys):
+            self._on_shares(i, msg)
+        elif isinstance(msg, MaskedInput):
+            self._on_masked(i, msg)
+        else:
+            assert isinstance(msg, UnmaskShares)
+            self._on_unmask(i, msg)
+        self._sent.add(i)
+        self._measurements["bytes_received"] += nbytes
+
+    def _on_keys(self, i: int, msg: AdvertiseKeys) -> None:
+        for pk in (msg.channel_pk, msg.mask_pk):
+            crypto.load_public(pk)
+        if msg.channel_pk == msg.mask_pk or {msg.channel_pk, msg.mask_pk} & self._seen_keys:
+            raise DuplicateMessage(f"{msg.sender!r} advertises a public key already in use: "
+                                   f"keys must be fresh and distinct")
+        self._seen_keys.update((msg.channel_pk, msg.mask_pk))
+        self._keys[i] = (msg.channel_pk, msg.mask_pk)
+
+    def _on_shares(self, i: int, msg: ShareKeys) -> None:
+        expected = self._nbrs[i] & self._keys.keys()
+        got: list[tuple[int, bytes]] = []
+        for recipient, ct in msg.ciphertexts:
+            j = self._index.get(recipient)
+            if j is None or j not in expected:
+                raise UnknownPeer(f"{msg.sender!r} sends shares to {recipient!r}, which is not "
+                                  f"one of its neighbours that advertised keys")
+            if len(ct) != ciphertext_size(msg.sender, recipient):
+                raise MalformedMessage(f"ciphertext {msg.sender!r} -> {recipient!r} has length "
+                                       f"{len(ct)}, expected {ciphertext_size(msg.sender, recipient)}")
+            got.append((j, ct))
+        recipients = [j for j, _ in got]
+        if len(set(recipients)) != len(recipients):
+            raise DuplicateMessage(f"{msg.sender!r} sends two ciphertexts to the same neighbour")
+        if set(recipients) != expected:
+            missing = sorted(self._ids[j] for j in expected - set(recipients))
+            raise MalformedMessage(f"{msg.sender!r} must send shares to every neighbour that "
+                                   f"advertised keys; missing {missing}")
+        self._outbox[i] = got
+
+    def _on_masked(self, i: int, msg: MaskedInput) -> None:
+        cfg = self.config
+        v = msg.vector
+        if v.shape != (cfg.vector_length,) or v.dtype.itemsize != self._dtype.itemsize:
+            raise MalformedMessage(f"masked input of {msg.sender!r}: expected "
+                                   f"{cfg.vector_length} words of {self._dtype}, got "
+                                   f"{v.size} of {v.dtype}")
+        if v.size and cfg.modulus_bits < 8 * self._dtype.itemsize and int(v.max()) >> cfg.modulus_bits:
+            raise MalformedMessage(f"masked input of {msg.sender!r} has values >= 2^{cfg.modulus_bits}")
+        if self._total is None:
+            self._total = np.zeros(cfg.vector_length, dtype=self._dtype)
+        np.add(self._total, v.astype(self._dtype, copy=False), out=self._total)
+
+    def _on_unmask(self, i: int, msg: UnmaskShares) -> None:
+        from orchard.secure_agg._wire import MASK_KEY_SHARE_BYTES, SELF_MASK_SHARE_BYTES
+
+        nb = self._nbrs[i] & self._u2
+        want_seed = {self._ids[j] for j in nb & self._u3}
+        want_key = {self._ids[j] for j in nb - self._u3}
+        parsed: list[tuple[dict[int, dict[int, bytes]], int, bytes]] = []
+        for pairs, want, size, store in (
+            (msg.self_mask_shares, want_seed, SELF_MASK_SHARE_BYTES, self._seed_shares),
+            (msg.mask_key_shares, want_key, MASK_KEY_SHARE_BYTES, self._key_shares),
+        ):
+            owners = [o for o, _ in pairs]
+            if len(set(owners)) != len(owners):
+                raise DuplicateMessage(f"{msg.sender!r} sends two shares for one node")
+            if set(owners) != want:
+                raise UnknownPeer(f"{msg.sender!r} sends shares for {sorted(set(owners) - want)} "
+                                  f"and misses {sorted(want - set(owners))}: not what was asked")
+            for owner, share in pairs:
+                if len(share) != size:
+                    raise MalformedMessage(f"share of {owner!r} from {msg.sender!r} is "
+                                           f"{len(share)} bytes, expected {size}")
+                parsed.append((store, self._index[owner], share))
+        x = i + 1
+        for store, owner, share in parsed:
+            store.setdefault(owner, {})[x] = share
+
+    # ------------------------------------------------------------------ close
+
+    def close_stage(self) -> StageReport:
+        """End the current stage with whoever has sent; everyone else has dropped out.
+
+        Raises :class:`~orchard.errors.SecAggAbort` (and the session stays aborted) when too
+        few nodes are left to reconstruct what the next stages need.
+        """
+        self._check_open()
+        if self.stage is Stage.DONE:
+            raise WrongStage("the session is already done")
+        stage = self.stage
+        sent, live = set(self._sent), set(self._live)
+        dropped = live - sent
+        excluded: set[int] = set()
+        try:
+            if stage is Stage.ADVERTISE_KEYS:
+                excluded = self._prune(sent)
+                self._keys = {j: k for j, k in self._keys.items() if j in sent}
+            elif stage is Stage.SHARE_KEYS:
+                excluded = self._prune(sent)
+                self._u2 = frozenset(sent)
+                for s, outs in self._outbox.items():
+                    if s in sent:
+                        for r, ct in outs:
+                            if r in sent:
+                                self._inbox.setdefault(r, []).append((self._ids[s], ct))
+                self._outbox.clear()
+            elif stage is Stage.MASKED_INPUT:
+                self._u3 = frozenset(sent)
+                self._check_reconstructible(self._u3, "will be able to respond")
+                self._inbox.clear()
+            else:
+                self._unmask(sent)
+        except SecAggAbort as err:
+            self.stage = Stage.ABORTED
+            self.abort_reason = str(err)
+            raise
+        self._live = sent - excluded
+        self._sent = set()
+        self.stage = _NEXT[stage]
+        ids = self._ids
+        return StageReport(stage, self.stage, tuple(ids[j] for j in sorted(sent)),
+                           tuple(ids[j] for j in sorted(dropped)),
+                           tuple(ids[j] for j in sorted(excluded)))
+
+    def _prune(self, alive: set[int]) -> set[int]:
+        """Drop nodes left with fewer than t live neighbours (their secrets could never be
+        reconstructed), repeatedly, since each removal can starve a neighbour."""
+        t = self.config.threshold
+        removed: set[int] = set()
+        changed = True
+        while changed:
+            changed = False
+            for j in sorted(alive):
+                if len(self._nbrs[j] & alive) < t:
+                    alive.discard(j)
+                    removed.add(j)
+                    changed = True
+        if len(alive) < t:
+            raise SecAggAbort(f"only {len(alive)} clients are left with enough live neighbours, "
+                              f"threshold is {t}")
+        return removed
+
+    def _check_reconstructible(self, holders: frozenset[int], how: str) -> None:
+        t = self.config.threshold
+        short = []
+        for u in sorted(self._u2):
+            need = u in self._u3 or bool(self._nbrs[u] & self._u3)
+            have = len(self._nbrs[u] & self._u2 & holders)
+            if need and have < t:
+                short.append(f"{self._ids[u]!r} ({have} holders)")
+        if len(self._u3) < t or short:
+            raise SecAggAbort(
+                f"{len(self._u3)} masked inputs arrived; the secrets of {len(short)} node(s) "
+                f"have fewer than t={t} share holders that {how}: "
+                + ", ".join(short[:10]) + (" ..." if len(short) > 10 else "")
+            )
+
+    def _unmask(self, responders: set[int]) -> None:
+        """Round 4 server side: reconstruct b_u of survivors and s_sk of dropped nodes,
+        then remove PRG(b_u) and the dropped nodes' pairwise masks from the sum."""
+        cfg = self.config
+        t = cfg.threshold
+        self._check_reconstructible(frozenset(responders), "responded")
+        total = self._total if self._total is not None else np.zeros(cfg.vector_length, self._dtype)
+        exp = MaskExpander(cfg.vector_length, cfg.modulus_bits)
+        try:
+            for u in sorted(self._u3):
+                seed = reconstruct_bytes(self._seed_shares.get(u, {}), t, SEED_BYTES)
+                exp.add_into(total, seed, -1)
+            agreements = 0
+            for d in sorted(self._u2 - self._u3):
+                partners = sorted(self._nbrs[d] & self._u3)
+                if not partners:
+                    continue
+                raw = reconstruct_bytes(self._key_shares.get(d, {}), t, crypto.KEY_BYTES)
+                s_sk = crypto.load_private(raw)
+                if crypto.public_bytes(s_sk) != self._keys[d][1]:
+                    raise SecAggAbort(f"the mask key reconstructed for {self._ids[d]!r} does not "
+                                      f"match its advertised public key: a share was corrupted")
+                for v in partners:
+                    seed = crypto.pairwise_seed(s_sk, self._keys[v][1], cfg.session_id,
+                                                cfg.round_number, self._ids[d], self._ids[v])
+                    # v added +PRG(s_vd) if v < d, else -PRG(s_vd): take off the same term.
+                    exp.add_into(total, seed, -1 if v < d else 1)
+                    agreements += 1
+        except (NotEnoughShares, MalformedMessage) as err:
+            raise SecAggAbort(f"reconstruction failed: {err}") from None
+        total &= np.asarray(modulus_mask(cfg.modulus_bits), dtype=self._dtype)
+        m = self._measurements
+        m["mask_expansions"] = float(exp.expansions)
+        m["key_agreements"] = float(agreements)
+        m["contributors"] = float(len(self._u3))
+        m["dropped_pairwise_removed"] = float(agreements)
+        self._result = SecAggResult(
+            total=total,
+            contributors=tuple(self._ids[j] for j in sorted(self._u3)),
+            dropped=tuple(p for j, p in enumerate(self._ids) if j not in self._u3),
+            measurements=dict(m),
+        )
+        self._total = None
+        self._seed_shares.clear()
+        self._key_shares.clear()
+
+    def result(self) -> SecAggResult:
+        """The unmasked sum once the UNMASKING stage has closed."""
+        self._check_open()
+        if self._result is None:
+            raise WrongStage(f"no result yet: the session is in stage {self.stage.value}")
+        return self._result
