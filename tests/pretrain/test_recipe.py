@@ -1,0 +1,121 @@
+"""The recipe in one process: exact resume, SIGTERM, and the exported base model."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from orchard.pretrain import checkpoint
+from orchard.pretrain.export import BaseModelError, load_base_model
+from orchard.pretrain.recipe import run
+
+
+def test_stopped_and_resumed_run_repeats_the_uninterrupted_losses(tmp_path, tiny_config) -> None:
+    tiny = tiny_config
+    full = run(tiny(tmp_path / "full", steps=12, log_every=1))
+    first = run(tiny(tmp_path / "split", steps=12, log_every=1, stop_after=5))
+    assert (first.step, first.finished, first.stopped_by) == (5, False, "stop_after")
+    second = run(tiny(tmp_path / "split", steps=12, log_every=1))
+    assert (second.start_step, second.step, second.finished) == (5, 12, True)
+    # Same batches (a function of the step), same optimizer/scheduler/RNG state: same floats.
+    assert first.losses + second.losses == full.losses
+    assert second.val_loss == full.val_loss
+
+
+def _wait_for(condition, timeout_s: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited early: {proc.communicate()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("condition not met in time")
+        time.sleep(0.05)
+
+
+def _flags(data: dict, prefix: str = "") -> list[str]:
+    """A config as command-line overrides: ``--model.n_layer 2 ...``."""
+    out = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            out += _flags(value, f"{prefix}{key}.")
+        elif value is not None:
+            out += [f"--{prefix}{key}", json.dumps(value) if not isinstance(value, str) else value]
+    return out
+
+
+def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, tiny_config) -> None:
+    tiny = tiny_config
+    out = tmp_path / "run"
+    base = {"steps": 100000, "checkpoint_every": 3, "log_every": 1, "eval_batches": 0}
+    args = [sys.executable, "-m", "orchard.pretrain"] + _flags(
+        tiny(out, **base).model_dump(mode="json")
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    _wait_for(lambda: (out / "checkpoints" / "latest").is_file(), 120, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    stopped = checkpoint.latest(out / "checkpoints")
+    assert stopped is not None
+    k = int((stopped / "done").read_text())
+    assert k >= 3
+
+    resumed = run(tiny(out, stop_after=3, **base))
+    assert resumed.start_step == k
+    straight = run(tiny(tmp_path / "straight", stop_after=k + 3, **base))
+    assert straight.losses[k:] == resumed.losses
+
+
+def test_exported_base_model_loads_back_and_matches_onnx(tmp_path, tiny_config) -> None:
+    tiny = tiny_config
+    import onnxruntime as ort
+
+    result = run(tiny(tmp_path, steps=6, export=True))
+    assert result.finished and result.export["onnx_max_abs_diff"] <= 1e-4
+    names = {p.name for p in tmp_path.iterdir()}
+    assert {
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "model.onnx",
+        "lora_targets.json",
+    } <= names
+
+    model, tok = load_base_model(tmp_path)
+    assert model.lm_head.weight is model.wte.weight
+    assert tok.vocab_size == model.config.vocab_size == 65
+    assert json.loads((tmp_path / "lora_targets.json").read_text())["target_modules"] == (
+        model.lora_target_modules()
+    )
+    idx = torch.tensor([tok.encode("ROMEO:\nWhat light through yonder")])
+    with torch.no_grad():
+        ref = model(idx).numpy()
+    session = ort.InferenceSession(str(tmp_path / "model.onnx"))
+    got = session.run(["logits"], {"input_ids": idx.numpy()})[0]
+    assert np.abs(got - ref).max() <= 1e-4
+    # The weights are the trained ones, not a fresh init: they predict text better.
+    torch.manual_seed(0)
+    fresh = type(model)(model.config).eval()
+    with torch.no_grad():
+
+        def loss(m):
+            return F.cross_entropy(m(idx[:, :-1])[0], idx[0, 1:]).item()
+
+        assert loss(model) < loss(fresh)
+
+
+def test_load_base_model_names_what_is_missing(tmp_path) -> None:
+    with pytest.raises(BaseModelError, match="config.json"):
+        load_base_model(tmp_path)
