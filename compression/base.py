@@ -97,8 +97,10 @@ def check_shape(shape: object) -> tuple[int, ...]:
         dims = tuple(int(d) for d in shape)  # type: ignore[union-attr]
     except (TypeError, ValueError):
         raise CodecError(f"shape must be a tuple of ints, got {shape!r}") from None
-    if any(d < 0 or d > MAX_COUNT for d in dims) or len(dims) > 255:
-        raise CodecError(f"shape must have at most 255 dims in 0..{MAX_COUNT}, got {dims}")
+    if any(d < 0 for d in dims) or len(dims) > 255 or math.prod(dims) > MAX_COUNT:
+        raise CodecError(
+            f"shape must have at most 255 non-negative dims and {MAX_COUNT} elements, got {dims}"
+        )
     return dims
 
 

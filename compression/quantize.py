@@ -30,8 +30,6 @@ sign(x)``). Biased: pair it with error feedback.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from orchard.compression.base import (
     Algebra,
@@ -131,7 +129,11 @@ def dequantize(
 
 
 class QuantCodec(BaseCodec):
-    """The skeleton as a codec; ``qsgd`` and ``sign`` differ only in scale and rounding."""
+    """The skeleton as a codec; ``qsgd`` and ``sign`` differ only in scale and rounding.
+
+    ``stochastic``: stochastic (unbiased) or nearest rounding. ``mean_scale``: one scale
+    per tensor, ``mean |x|`` (sign's), instead of the max |x| of each block.
+    """
 
     def __init__(
         self,
@@ -140,6 +142,7 @@ class QuantCodec(BaseCodec):
         block: int | None = None,
         fixed_scale: float | None = None,
         stochastic: bool = True,
+        mean_scale: bool = False,
     ) -> None:
         self.name = name
         self.codec_id = CODEC_IDS["sign" if name == "sign" else "qsgd"]
@@ -147,17 +150,18 @@ class QuantCodec(BaseCodec):
         self.block = block
         self.fixed_scale = None if fixed_scale is None else np.float32(fixed_scale)
         self.stochastic = stochastic
+        self.mean_scale = mean_scale
         fixed = fixed_scale is not None
         self.algebra = Algebra(
             linear=fixed,
             field_linear=fixed,
             stateful=False,
             unbiased=stochastic,
-            needs_num_summands=stochastic,
+            needs_num_summands=not mean_scale,
         )
 
     def _block_size(self, size: int) -> int:
-        if self.block is None or self.fixed_scale is not None:
+        if self.block is None or self.fixed_scale is not None or self.mean_scale:
             return max(size, 1)
         return self.block
 
@@ -166,10 +170,10 @@ class QuantCodec(BaseCodec):
             return np.full(1, self.fixed_scale, dtype=np.float32)
         if x.size == 0:
             return np.zeros(0, dtype=np.float32)
-        if self.stochastic:
-            scales = block_absmax(x, block)
-        else:
+        if self.mean_scale:
             scales = np.array([np.abs(x).mean(dtype=np.float64)], dtype=np.float32)
+        else:
+            scales = block_absmax(x, block)
         if not np.isfinite(scales).all():
             raise CodecError(f"{self.name} cannot scale a tensor that holds NaN or inf")
         # Flush subnormal scales to zero: L / s would overflow float32, and such a block's
@@ -225,7 +229,7 @@ class QuantCodec(BaseCodec):
 
     def add(self, a: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
         """Sum codes when both payloads share every scale (always, with a fixed scale)."""
-        if not self.stochastic:
+        if self.mean_scale:  # sign: per-client mean |x| scales never coincide in practice
             return None
         (sa, ca), (sb, cb) = self._parts(a), self._parts(b)
         if not np.array_equal(sa, sb):
@@ -240,9 +244,9 @@ def qsgd_codec(bits: int = 8, block: int | None = None, scale: float | None = No
 
 
 def sign_codec() -> QuantCodec:
-    return QuantCodec("sign", 1, block=None, stochastic=False)
+    return QuantCodec("sign", 1, block=None, stochastic=False, mean_scale=True)
 
 
 def qsgd_variance_bound(scale: float, bits: int) -> float:
     """Per-element variance bound ``(s / L)**2`` of the stochastic quantiser."""
-    return (scale / ((1 << bits) - 1)) ** 2 if bits else math.inf
+    return (scale / ((1 << bits) - 1)) ** 2

@@ -16,7 +16,7 @@ Layout (little-endian)::
         data        packed_nbytes(count, bits) or count * itemsize bytes
 
 A payload's reported size is ``len(payload)``, header included: there is no other
-accounting. The header costs ``11 + 4*ndim + 6*nfields`` bytes. Nested payloads (the
+accounting. The header costs ``7 + 4*ndim + 6*nfields`` bytes. Nested payloads (the
 kept values of a sparsifier, encoded by another codec) travel as a ``uint8`` field
 holding a complete payload with its own header, so every layer can refuse what it
 did not make.
