@@ -94,7 +94,7 @@ def as_float32(x: object) -> np.ndarray:
 
 def check_shape(shape: object) -> tuple[int, ...]:
     try:
-        dims = tuple(int(d) for d in shape)  # type: ignore[union-attr]
+        dims = tuple(int(d) for d in shape)  # type: ignore[attr-defined]
     except (TypeError, ValueError):
         raise CodecError(f"shape must be a tuple of ints, got {shape!r}") from None
     if any(d < 0 for d in dims) or len(dims) > 255 or math.prod(dims) > MAX_COUNT:

@@ -45,6 +45,7 @@ from orchard.compression.wire import CODEC_IDS, EncodedTensor, Field
 from orchard.errors import CodecError
 
 QUANT_BITS = (1, 2, 4, 8)
+FLUSH_SCALE = np.float32(2.0**-118)  # 255 / 2 / FLUSH_SCALE stays below float32's max
 
 
 CHUNK = 1 << 16  # elements per pass: scratch stays in L2 and is reused, no page faults
@@ -176,9 +177,9 @@ class QuantCodec(BaseCodec):
             scales = block_absmax(x, block)
         if not np.isfinite(scales).all():
             raise CodecError(f"{self.name} cannot scale a tensor that holds NaN or inf")
-        # Flush subnormal scales to zero: L / s would overflow float32, and such a block's
-        # values (all below 1.2e-38) are sent as exact zeros.
-        scales[scales < np.finfo(np.float32).tiny] = 0
+        # Flush tiny scales to zero: L / (2 s) would overflow float32, and such a block's
+        # values (all below FLUSH_SCALE ~ 3e-36) are sent as exact zeros.
+        scales[scales < FLUSH_SCALE] = 0
         return scales
 
     def encode_parsed(

@@ -110,7 +110,8 @@ def states_from_bytes(blob: bytes) -> States:
             f"not a codec state blob: expected magic {_STATE_MAGIC!r} version 1, "
             f"got {bytes(magic)!r} version {version}"
         )
-    off, states = _STATE_HEAD.size, {}
+    off = _STATE_HEAD.size
+    states: States = {}
     for _ in range(count):  # one entry per tensor and key
         key, arr, off = _state_entry(buf, off)
         tensor, _, name = key.rpartition("/")

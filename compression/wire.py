@@ -89,7 +89,7 @@ class EncodedTensor:
         return CODEC_NAMES.get(self.codec_id, f"<unknown codec id {self.codec_id}>")
 
     def to_bytes(self) -> bytes:
-        parts = [
+        parts: list[bytes | memoryview] = [
             _HEAD.pack(MAGIC, WIRE_VERSION, self.codec_id, self.codec_version, len(self.shape)),
             struct.pack(f"<{len(self.shape)}I", *self.shape),
             _NFIELDS.pack(len(self.fields)),
@@ -115,7 +115,7 @@ def _field_bytes(f: Field) -> list[bytes | memoryview]:
         )
     # A memoryview, not .tobytes(): bytes.join then copies the data once, not twice.
     data = np.ascontiguousarray(f.data, dtype=dt)
-    return [_FIELD.pack(kind, 0, f.data.size), memoryview(data).cast("B")]
+    return [_FIELD.pack(kind, 0, f.data.size), memoryview(data).cast("B")]  # type: ignore[arg-type]
 
 
 def parse_payload(payload: bytes | bytearray | memoryview) -> EncodedTensor:

@@ -10,10 +10,11 @@ from codec_cases import SPECS, matrices, tensors
 from hypothesis import given
 from hypothesis import strategies as st
 from orchard.compression import build_codec
+from orchard.compression.quantize import FLUSH_SCALE
 from orchard.compression.wire import parse_payload
 
 F32 = np.float32
-TINY = float(np.finfo(F32).tiny)
+TINY = float(FLUSH_SCALE)  # blocks whose max |x| is below this are sent as zeros
 
 
 def roundtrip(name: str, x: np.ndarray, seed: int = 0, shared_seed: int = 3):
@@ -70,7 +71,7 @@ def test_bfloat16_rounds_to_nearest_even_and_keeps_specials() -> None:
 @given(x=tensors())
 def test_qsgd_error_below_one_step(name: str, bits: int, block: int | None, x: np.ndarray) -> None:
     # Stochastic rounding moves each element by less than one level step 2 s / L, where s
-    # is the max |x| of its block (blocks whose max is subnormal are flushed to zero).
+    # is the max |x| of its block (blocks whose max is below FLUSH_SCALE are flushed to zero).
     x32, y, _, _ = roundtrip(name, x)
     flat, err = x32.reshape(-1), np.abs(y - x32).reshape(-1)
     b = block or max(flat.size, 1)
