@@ -62,6 +62,7 @@ class SecAggClient:
         self._peers: dict[str, tuple[bytes, bytes]] = {}  # U1 neighbours -> (c_pk, s_pk)
         self._held: dict[str, tuple[bytes, bytes]] = {}  # U2 neighbours -> (key share, seed share)
         self.masks_expanded = 0  # measurement
+        self._last: tuple[Message, Message] | None = None  # (broadcast, reply) for retries
 
     # ------------------------------------------------------------------ dispatch
 
@@ -74,6 +75,10 @@ class SecAggClient:
         :class:`~orchard.errors.SecAggError` subclasses for bad content, and
         :class:`~orchard.errors.SecAggAbort` when the protocol cannot go on safely.
         """
+        if self._last is not None and msg == self._last[0]:
+            # The same broadcast again (the reply was lost in transit): answer identically.
+            # Recomputing would draw fresh Shamir polynomials and hand out extra shares.
+            return self._last[1]
         if self.stage in (Stage.DONE, Stage.ABORTED):
             raise WrongStage(f"client {self.node_id!r} has finished its session ({self.stage.value})")
         if msg.STAGE is not self.stage or not isinstance(
@@ -85,18 +90,22 @@ class SecAggClient:
         if self.config is not None:
             self._check_session(msg)
         try:
+            reply: Message
             if isinstance(msg, SessionSetup):
-                return self._advertise(msg)
-            if isinstance(msg, KeysBroadcast):
-                return self._share(msg)
-            if isinstance(msg, SharesBroadcast):
+                reply = self._advertise(msg)
+            elif isinstance(msg, KeysBroadcast):
+                reply = self._share(msg)
+            elif isinstance(msg, SharesBroadcast):
                 if vector is None:
                     raise UpdateSchemaError("the masked-input stage needs the quantised vector")
-                return self._mask(msg, vector)
-            return self._unmask(msg)
+                reply = self._mask(msg, vector)
+            else:
+                reply = self._unmask(msg)
         except SecAggAbort:
             self.stage = Stage.ABORTED
             raise
+        self._last = (msg, reply)
+        return reply
 
     def _check_session(self, msg: Message) -> None:
         assert self.config is not None
