@@ -25,7 +25,8 @@ float32 per block.
 
 ``sign``: scaled sign, 1 bit per element, deterministic nearest rounding with
 ``s = mean |x|`` (EF-SignSGD, Karimireddy et al. 2019, eq. (3): ``C(x) = |x|_1 / d *
-sign(x)``). Biased: pair it with error feedback.
+sign(x)``). Biased: pair it with error feedback. The level map is float32, so an
+element within ``2**-23 * s`` of zero may take either sign.
 """
 
 from __future__ import annotations
