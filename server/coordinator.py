@@ -153,7 +153,9 @@ class Coordinator:
         self._wall = wall
         self.children: dict[str, Child] = {}
         self.current: CohortRound | None = None
-        self._changed = asyncio.Condition()
+        # Long-pollers wait on the current event; a change sets it and installs a fresh one,
+        # so waiting needs no lock and a timeout cannot leave one half-held.
+        self._changed = asyncio.Event()
         self._ids = itertools.count()
         # One fold at a time (the accumulator is not thread-safe); decoding runs beside it.
         self._fold_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchard-fold")
@@ -291,9 +293,9 @@ class Coordinator:
             remaining = deadline - self._mono()
             if remaining <= 0:
                 return Idle(retry_after_s=0.0, reason=self._idle_reason(node_id))
-            async with self._changed:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._changed.wait(), timeout=remaining)
+            ev = self._changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ev.wait(), timeout=remaining)
             self.touch(node_id)
 
     def _idle_reason(self, node_id: str) -> str:
@@ -381,6 +383,8 @@ class Coordinator:
         for got, want in zip(h.schema, t.schema, strict=True):
             if tuple(got.shape) != tuple(want.shape):
                 raise UpdateSchemaError(f"tensor {want.name!r} declared shape {got.shape}, expected {want.shape}")
+            if got.dtype != want.dtype:
+                raise UpdateSchemaError(f"tensor {want.name!r} declared dtype {got.dtype!r}, expected {want.dtype!r}")
         if len(h.payload_sizes) != len(t.schema):
             raise UpdateSchemaError(f"{len(h.payload_sizes)} payload sizes for {len(t.schema)} tensors")
         if h.total_bytes > self.cfg.max_upload_bytes:
@@ -504,15 +508,8 @@ class Coordinator:
                             seconds=self._mono() - cr.started, rejected=dict(cr.rejected))
 
     def _notify(self) -> None:
-        async def _n() -> None:
-            async with self._changed:
-                self._changed.notify_all()
-
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            return  # no loop (unit use): nobody can be waiting
-        loop.create_task(_n())
+        ev, self._changed = self._changed, asyncio.Event()
+        ev.set()
 
     def shutdown(self) -> None:
         self._fold_pool.shutdown(wait=False, cancel_futures=True)

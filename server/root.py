@@ -72,6 +72,7 @@ class RootRunner:
             blob = Path(ck.path).read_bytes()
             if wire.sha256_hex(blob) != ck.sha256:
                 raise StoreError(f"checkpoint {ck.path} does not match its recorded sha256; refusing to resume")
+            self.store.interrupt_open_rounds(row.run_id)
             cfg = RunConfig.model_validate_json(row.config_json)
             arrays = wire.blob_to_arrays(blob)
             opt = ServerOptimizer(cfg.server_optimizer, arrays)
@@ -229,7 +230,8 @@ class RootRunner:
                 raise RoundClosedError(f"no run {run_id!r} on this server")
             return {"run_id": None, "status": "idle", "completed_rounds": 0, "rounds": [], "nodes": self.nodes_summary()}
         cfg = json.loads(row.config_json)
-        rounds = [r for r in self.store.rounds(row.run_id) if r["status"] in ("completed", "failed", "stopped")]
+        rounds = [r for r in self.store.rounds(row.run_id)
+                  if r["status"] in ("completed", "failed", "stopped", "interrupted")]
         out: dict[str, Any] = {
             "run_id": row.run_id, "status": row.status, "error": row.error, "task": cfg.get("task"),
             "target_rounds": cfg.get("rounds"), "completed_rounds": row.completed_rounds,

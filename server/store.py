@@ -163,6 +163,12 @@ class Store:
             (run_id, rnd, attempt, status, started, finished, json.dumps(record)),
         )
 
+    def interrupt_open_rounds(self, run_id: str) -> int:
+        """Rounds left 'running' by a crash: their partial work is gone; say so."""
+        cur = self._db.execute("UPDATE rounds SET status='interrupted', finished=? WHERE run_id=? AND status='running'",
+                               (time.time(), run_id))
+        return cur.rowcount
+
     def rounds(self, run_id: str) -> list[dict[str, Any]]:
         rows = self._db.execute("SELECT round, attempt, status, started, finished, record_json FROM rounds "
                                 "WHERE run_id=? ORDER BY round, attempt", (run_id,)).fetchall()
