@@ -7,14 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchard.client.runtime import ClientRuntime
-from orchard.server.app import TierHandle, start_aggregator, start_root
-from orchard.tasks import get_task
-
 from orchard import wire
+from orchard.client.runtime import ClientRuntime
 from orchard.config import RunConfig, ServerConfig
 from orchard.link import FleetLink, LinkConfig
 from orchard.ops import ControlClient
+from orchard.server.app import TierHandle, start_aggregator, start_root
+from orchard.tasks import get_task
 from orchard.typing import Role
 
 FAST = ServerConfig(heartbeat_s=1.0, node_timeout_s=5.0, long_poll_s=2.0)

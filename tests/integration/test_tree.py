@@ -3,24 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from harness import FAST, Federation, add_clients, start_run, tree, wait_status
 
-sys.path.insert(0, str(Path(__file__).parent))
-from harness import FAST, Federation, add_clients, start_run, tree, wait_status  # noqa: E402
-
-from orchard import wire  # noqa: E402
-from orchard.client.runtime import ClientRuntime  # noqa: E402
-from orchard.config import CohortConfig, RunConfig  # noqa: E402
-from orchard.link import FleetLink, LinkConfig  # noqa: E402
-from orchard.ops import ControlClient  # noqa: E402
-from orchard.server.app import start_root  # noqa: E402
-from orchard.tasks import get_task  # noqa: E402
-from orchard.typing import Role  # noqa: E402
+from orchard import wire
+from orchard.client.runtime import ClientRuntime
+from orchard.config import CohortConfig, RunConfig
+from orchard.link import FleetLink, LinkConfig
+from orchard.ops import ControlClient
+from orchard.server.app import start_root
+from orchard.tasks import get_task
+from orchard.typing import Role
 
 ALL_IN = CohortConfig(target=4, over_selection=1.0, min_fraction=1.0, deadline_s=60)
 
