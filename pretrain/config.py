@@ -22,8 +22,10 @@ class _Strict(BaseModel):
 
 
 class ModelSection(_Strict):
-    """The GPT's shape. ``vocab_size`` is not here: the tokenizer fixes it."""
+    """The GPT's shape. ``vocab_size`` None takes the tokenizer's; a larger value pads
+    the embedding (a multiple of 64, e.g. 50304 for GPT-2, keeps matmuls on fast paths)."""
 
+    vocab_size: int | None = Field(None, ge=1)
     seq_len: int = Field(128, ge=2)
     n_layer: int = Field(4, ge=1)
     n_head: int = Field(4, ge=1)
@@ -93,7 +95,7 @@ class PretrainConfig(_Strict):
     log_every: int = Field(10, ge=1)
     eval_batches: int = Field(8, ge=0)  # validation batches at the end; 0: skip
     peak_flops: float | None = Field(None, gt=0.0)  # per device; overrides the GPU table
-    progress: bool = True
+    progress: bool = True  # a rich progress bar on rank 0; log lines are printed either way
     export: bool = True
     export_onnx: bool = True
 

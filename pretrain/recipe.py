@@ -15,6 +15,7 @@ rendezvous. The order of things:
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import signal
 import threading
@@ -44,7 +45,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from orchard.errors import ConfigError
 from orchard.gpt import GPT, GPTConfig
+
+METRICS_FILE = "metrics.jsonl"
 
 
 @dataclass
@@ -111,7 +115,14 @@ def build(cfg: PretrainConfig, env: DistEnv) -> Components:
     distributed.barrier(env)
     index = ShardIndex.load(shard_dir)
 
-    gpt_cfg = GPTConfig(vocab_size=index.tokenizer.vocab_size, **cfg.model.model_dump())
+    shape = cfg.model.model_dump()
+    vocab = shape.pop("vocab_size") or index.tokenizer.vocab_size
+    if vocab < index.tokenizer.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size = {vocab} is smaller than the tokenizer's "
+            f"{index.tokenizer.vocab_size} tokens; leave it unset to use the tokenizer's"
+        )
+    gpt_cfg = GPTConfig(vocab_size=vocab, **shape)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank
     gpt = GPT(gpt_cfg).to(env.device)
     gpt.activation_checkpointing = cfg.activation_checkpointing
@@ -242,6 +253,21 @@ def _progress(enabled: bool, total: int, start: int) -> Iterator[tuple[Progress 
         yield progress, progress.add_task("train", total=total, completed=start, status="")
 
 
+def _append_metrics(
+    out: Path, step: int, losses: list[float], rate: float, util: float | None
+) -> None:
+    """One JSON line per step in ``metrics.jsonl`` (a resumed run appends), with
+    throughput on the last step of each log interval."""
+    out.mkdir(parents=True, exist_ok=True)
+    first = step - len(losses) + 1
+    with (out / METRICS_FILE).open("a") as f:
+        for i, loss in enumerate(losses):
+            row: dict[str, Any] = {"step": first + i, "loss": loss}
+            if first + i == step:
+                row.update(tokens_per_s=rate, mfu=util)
+            f.write(json.dumps(row) + "\n")
+
+
 class _Meter:
     """Training throughput: tokens over wall time of the intervals between laps."""
 
@@ -316,9 +342,12 @@ def _run(cfg: PretrainConfig, env: DistEnv) -> PretrainResult:
                     status = f"loss {means[-1]:.4f}  {meter.rate:,.0f} tok/s" + (
                         f"  MFU {100 * util:.1f}%" if util is not None else ""
                     )
+                    if env.is_main:
+                        _append_metrics(cfg.output_dir, step, means, meter.rate, util)
                     if bar is not None:
                         bar.update(task, completed=step, status=status)
-                    elif env.is_main and cfg.progress:
+                        bar.console.print(f"step {step}/{cfg.steps}  {status}")
+                    elif env.is_main:
                         console.print(f"step {step}/{cfg.steps}  {status}")
                     if distributed.any_rank(stop.set, env):
                         stopped_by = "signal"
@@ -372,7 +401,7 @@ def _run(cfg: PretrainConfig, env: DistEnv) -> PretrainResult:
                 plain, c.index.tokenizer, cfg.output_dir, onnx=cfg.export_onnx
             )
         distributed.barrier(env)
-    if env.is_main and cfg.progress:
+    if env.is_main:
         val = f"{result.val_loss:.4f}" if result.val_loss is not None else "-"
         console.print(
             f"done: step {step}, train loss {losses[-1] if losses else float('nan'):.4f}, "
