@@ -10,6 +10,8 @@ returns.
 from __future__ import annotations
 
 import numpy as np
+
+from orchard.errors import UpdateSchemaError
 from orchard.secure_agg import crypto
 from orchard.secure_agg._wire import ciphertext_size, pack_shares, unpack_shares
 from orchard.secure_agg.errors import (
@@ -37,8 +39,6 @@ from orchard.secure_agg.messages import (
 from orchard.secure_agg.prg import SEED_BYTES, ByteStream, MaskExpander, modulus_mask, word_dtype
 from orchard.secure_agg.shamir import share_bytes
 
-from orchard.errors import UpdateSchemaError
-
 __all__ = ["SecAggClient"]
 
 
@@ -61,6 +61,7 @@ class SecAggClient:
         self._index: dict[str, int] = {}
         self._peers: dict[str, tuple[bytes, bytes]] = {}  # U1 neighbours -> (c_pk, s_pk)
         self._held: dict[str, tuple[bytes, bytes]] = {}  # U2 neighbours -> (key share, seed share)
+        self._channel: dict[str, bytes] = {}  # U1 neighbours -> X25519 agreement of c keys
         self.masks_expanded = 0  # measurement
         self._last: tuple[Message, Message] | None = None  # (broadcast, reply) for retries
 
@@ -168,8 +169,9 @@ class SecAggClient:
         seed_shares = share_bytes(self._seed, cfg.threshold, xs, self._rand)
         out = []
         for holder, ks, ss in zip(holders, key_shares, seed_shares, strict=True):
-            key = crypto.channel_key(self._c_sk, peers[holder][0], cfg.session_id,
-                                     cfg.round_number, self.node_id, holder)
+            self._channel[holder] = crypto.agree(self._c_sk, peers[holder][0])
+            key = crypto.channel_key(self._channel[holder], cfg.session_id, cfg.round_number,
+                                     self.node_id, holder)
             ad = crypto.share_associated_data(cfg.session_id, cfg.round_number, self.node_id, holder)
             out.append((holder, crypto.encrypt_share(key, pack_shares(self.node_id, holder, ks, ss), ad)))
         self.stage = Stage.MASKED_INPUT
@@ -188,8 +190,8 @@ class SecAggClient:
                 raise DuplicateMessage(f"shares from {sender!r} delivered twice")
             if len(ct) != ciphertext_size(sender, self.node_id):
                 raise MalformedMessage(f"ciphertext from {sender!r} has the wrong length {len(ct)}")
-            key = crypto.channel_key(self._c_sk, self._peers[sender][0], cfg.session_id,
-                                     cfg.round_number, sender, self.node_id)
+            key = crypto.channel_key(self._channel[sender], cfg.session_id, cfg.round_number,
+                                     sender, self.node_id)
             ad = crypto.share_associated_data(cfg.session_id, cfg.round_number, sender, self.node_id)
             u, v, ks, ss = unpack_shares(crypto.decrypt_share(key, ct, ad, sender))
             if (u, v) != (sender, self.node_id):
@@ -213,6 +215,7 @@ class SecAggClient:
         y &= np.asarray(modulus_mask(cfg.modulus_bits), dtype=dtype)
         self.masks_expanded += exp.expansions
         self._held = held
+        self._channel.clear()
         self.stage = Stage.UNMASKING
         return MaskedInput(cfg.session_id, cfg.round_number, self.node_id, y)
 

@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.serialization import (
     PrivateFormat,
     PublicFormat,
 )
+
 from orchard.secure_agg.errors import MalformedMessage, TamperedCiphertext
 from orchard.secure_agg.prg import SEED_BYTES
 
@@ -35,6 +36,7 @@ _NONCE = bytes(12)
 
 __all__ = [
     "KEY_BYTES",
+    "agree",
     "channel_key",
     "decrypt_share",
     "encrypt_share",
@@ -100,11 +102,16 @@ def pairwise_seed(s_sk: X25519PrivateKey, peer_s_pk: bytes, session_id: bytes,
                 SEED_BYTES)
 
 
-def channel_key(c_sk: X25519PrivateKey, peer_c_pk: bytes, session_id: bytes, round_number: int,
-                sender: str, recipient: str) -> bytes:
-    """The AES-256-GCM key for the one message ``sender`` -> ``recipient`` (directional)."""
-    return hkdf(_exchange(c_sk, peer_c_pk),
-                _context(b"channel", session_id, round_number, sender, recipient), 32)
+def agree(sk: X25519PrivateKey, peer_pk: bytes) -> bytes:
+    """The raw X25519 shared secret (feed it to :func:`channel_key`, never use it as a key)."""
+    return _exchange(sk, peer_pk)
+
+
+def channel_key(shared: bytes, session_id: bytes, round_number: int, sender: str,
+                recipient: str) -> bytes:
+    """The AES-256-GCM key for the one message ``sender`` -> ``recipient`` (directional),
+    from the channel agreement ``shared = agree(c_sk, peer_c_pk)``."""
+    return hkdf(shared, _context(b"channel", session_id, round_number, sender, recipient), 32)
 
 
 def share_associated_data(session_id: bytes, round_number: int, sender: str,

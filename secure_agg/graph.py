@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
 from orchard.secure_agg.errors import SecAggConfigError
 from orchard.secure_agg.prg import ByteStream
 

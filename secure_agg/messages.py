@@ -23,12 +23,14 @@ al., 2020, Alg. 2)::
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import ClassVar, TypeVar
 
 import numpy as np
+
 from orchard.secure_agg.crypto import KEY_BYTES
 from orchard.secure_agg.errors import MalformedMessage, SecAggConfigError
 from orchard.secure_agg.prg import word_dtype
@@ -89,14 +91,14 @@ class _Writer:
         self.parts.append(struct.pack(">Q", v))
 
     def blob(self, b: bytes) -> None:
-        self.u32(len(b))
+        self.parts.append(len(b).to_bytes(4, "big"))
         self.parts.append(b)
 
     def string(self, s: str) -> None:
         enc = s.encode("utf-8")
         if len(enc) > 0xFFFF:
             raise MalformedMessage(f"node id too long ({len(enc)} bytes)")
-        self.u16(len(enc))
+        self.parts.append(len(enc).to_bytes(2, "big"))
         self.parts.append(enc)
 
     def getvalue(self) -> bytes:
@@ -108,27 +110,36 @@ class _Reader:
         self.buf = memoryview(data).cast("B")
         self.pos = 0
 
-    def take(self, n: int) -> memoryview:
+    def _need(self, n: int) -> None:
         if n < 0 or self.pos + n > len(self.buf):
             raise MalformedMessage(
                 f"message truncated: needed {n} bytes at offset {self.pos}, "
                 f"{len(self.buf) - self.pos} left"
             )
+
+    def take(self, n: int) -> memoryview:
+        self._need(n)
         out = self.buf[self.pos:self.pos + n]
         self.pos += n
         return out
 
+    def _unpack(self, fmt: struct.Struct) -> int:
+        self._need(fmt.size)
+        (v,) = fmt.unpack_from(self.buf, self.pos)
+        self.pos += fmt.size
+        return int(v)
+
     def u8(self) -> int:
-        return self.take(1)[0]
+        return self._unpack(_U8)
 
     def u16(self) -> int:
-        return int(struct.unpack(">H", self.take(2))[0])
+        return self._unpack(_U16)
 
     def u32(self) -> int:
-        return int(struct.unpack(">I", self.take(4))[0])
+        return self._unpack(_U32)
 
     def u64(self) -> int:
-        return int(struct.unpack(">Q", self.take(8))[0])
+        return self._unpack(_U64)
 
     def blob(self) -> bytes:
         return bytes(self.take(self.u32()))
@@ -139,7 +150,7 @@ class _Reader:
     def string(self) -> str:
         raw = self.take(self.u16())
         try:
-            return bytes(raw).decode("utf-8")
+            return str(raw, "utf-8")
         except UnicodeDecodeError:
             raise MalformedMessage("a node id is not valid UTF-8") from None
 
@@ -152,6 +163,9 @@ class _Reader:
     def end(self) -> None:
         if self.pos != len(self.buf):
             raise MalformedMessage(f"{len(self.buf) - self.pos} trailing bytes after the message")
+
+
+_U8, _U16, _U32, _U64 = (struct.Struct(f) for f in (">B", ">H", ">I", ">Q"))
 
 
 _M = TypeVar("_M", bound="Message")
@@ -281,6 +295,15 @@ class SessionConfig:
         if problems:
             raise SecAggConfigError(problems)
 
+    @functools.cached_property
+    def encoded_participants(self) -> bytes:
+        """The participant list in wire form, encoded once (it goes to every client)."""
+        w = _Writer()
+        w.u32(len(self.participants))
+        for p in self.participants:
+            w.string(p)
+        return w.getvalue()
+
     @classmethod
     def create(cls, participants: list[str] | tuple[str, ...], vector_length: int, *,
                neighbours: int, threshold: int, round_number: int, entropy: bytes,
@@ -329,9 +352,7 @@ class SessionSetup(Message):
 
     def _write(self, w: _Writer) -> None:
         c = self.config
-        w.u32(len(c.participants))
-        for p in c.participants:
-            w.string(p)
+        w.raw(c.encoded_participants)
         w.u32(c.neighbours)
         w.u32(c.threshold)
         w.raw(c.graph_seed)

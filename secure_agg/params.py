@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+
 from orchard.secure_agg.errors import SecAggConfigError
 
 __all__ = ["SecAggParameters", "choose_parameters", "parameters_from_config"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
 from orchard.secure_agg.errors import SecAggConfigError
 
 SEED_BYTES = 16

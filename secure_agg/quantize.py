@@ -14,6 +14,7 @@ offset of c.
 from __future__ import annotations
 
 import numpy as np
+
 from orchard.secure_agg.errors import SecAggConfigError
 
 __all__ = ["check_headroom", "dequantize", "quantize"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from orchard.secure_agg import crypto
 from orchard.secure_agg._wire import ciphertext_size
 from orchard.secure_agg.errors import (

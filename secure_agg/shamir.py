@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+
 from orchard.secure_agg.errors import MalformedMessage, NotEnoughShares
 from orchard.secure_agg.prg import ByteStream
 

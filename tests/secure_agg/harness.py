@@ -7,6 +7,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+
 from orchard.secure_agg import SecAggClient, SecAggServer, SessionConfig, Stage, decode
 
 STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING)

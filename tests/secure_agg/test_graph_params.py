@@ -7,14 +7,14 @@ import math
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from orchard.config import SecureAggregationConfig
 from orchard.secure_agg import (
     NeighbourGraph,
     SecAggConfigError,
     choose_parameters,
     parameters_from_config,
 )
-
-from orchard.config import SecureAggregationConfig
 
 
 @settings(max_examples=50, deadline=None)

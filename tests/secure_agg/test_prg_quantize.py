@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from uniformity import chi_square_uniform_bytes
+
 from orchard.secure_agg import (
     SecAggConfigError,
     check_headroom,
@@ -14,7 +16,6 @@ from orchard.secure_agg import (
     quantize,
 )
 from orchard.secure_agg.prg import MaskExpander
-from uniformity import chi_square_uniform_bytes
 
 
 def test_mask_is_deterministic_and_seed_dependent() -> None:

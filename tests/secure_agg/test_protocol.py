@@ -9,8 +9,9 @@ import pytest
 from harness import STAGES, make_config, run_session
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from orchard.secure_agg import SecAggAbort, Stage, dequantize, quantize
 from uniformity import chi_square_uniform_bytes
+
+from orchard.secure_agg import SecAggAbort, Stage, dequantize, quantize
 
 
 def _plain_sum(inputs, contributors, modulus_bits: int) -> np.ndarray:

@@ -8,6 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 from harness import entropy, make_config
+
 from orchard.secure_agg import (
     AdvertiseKeys,
     DuplicateMessage,

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from orchard.secure_agg.errors import MalformedMessage, NotEnoughShares
 from orchard.secure_agg.prg import ByteStream
 from orchard.secure_agg.shamir import (
