@@ -15,6 +15,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+from torch import nn
+
+from orchard.errors import ConfigError
 from orchard.tasks.partition import Partition
 from orchard.tasks.torch_trainer import (
     TensorData,
@@ -23,9 +26,6 @@ from orchard.tasks.torch_trainer import (
     evaluate_model,
     load_arrays,
 )
-from torch import nn
-
-from orchard.errors import ConfigError
 from orchard.trainer import Trainer
 from orchard.typing import NDArrays
 
@@ -49,6 +49,18 @@ class Task(Protocol):
     def partition(self, num_partitions: int, seed: int) -> Partition: ...
 
     def client_trainer(self, partition_id: int, num_partitions: int, seed: int) -> Trainer: ...
+
+    def pooled_trainer(self, seed: int = 0) -> Trainer:
+        """A trainer over the whole training pool that evaluates on the central test
+        set: the centralised baseline, and the reference for what federation loses."""
+        fixed = self._fixed_seed
+        return self._trainer_factory(
+            lambda: self._model(fixed),
+            self.train_data,
+            self._central_test,
+            trainable=self.trainable,
+            seed=seed,
+        )
 
     def evaluate(self, arrays: NDArrays, split: str = "test") -> dict[str, float]: ...
 
@@ -83,16 +95,17 @@ class SupervisedTask:
         name: str,
         train: TensorData,
         test: TensorData,
-        train_labels: np.ndarray,
-        test_labels: np.ndarray,
         num_classes: int,
         model: SeededModelFactory,
         partitioner: Partitioner,
         params: dict[str, Any],
+        train_labels: np.ndarray | None = None,
+        test_labels: np.ndarray | None = None,
         trainable: Sequence[str] | None = None,
         fixed_seed: int = 0,
         trainer_factory: TrainerFactory = TorchTrainer,
         central_test: TensorData | None = None,
+        info: dict[str, Any] | None = None,
     ) -> None:
         self.name = name
         self.train_data = train
@@ -101,6 +114,8 @@ class SupervisedTask:
         self.test_labels = test_labels
         self.num_classes = num_classes
         self.params = dict(params)
+        # Descriptive facts a caller may report (natural client count, feature names).
+        self.info: dict[str, Any] = dict(info or {})
         self._model = model
         self._partitioner = partitioner
         self._fixed_seed = fixed_seed
@@ -151,6 +166,18 @@ class SupervisedTask:
             test,
             trainable=self.trainable,
             seed=seed * 1_000_003 + partition_id,
+        )
+
+    def pooled_trainer(self, seed: int = 0) -> Trainer:
+        """A trainer over the whole training pool that evaluates on the central test
+        set: the centralised baseline, and the reference for what federation loses."""
+        fixed = self._fixed_seed
+        return self._trainer_factory(
+            lambda: self._model(fixed),
+            self.train_data,
+            self._central_test,
+            trainable=self.trainable,
+            seed=seed,
         )
 
     def evaluate(self, arrays: NDArrays, split: str = "test") -> dict[str, float]:

@@ -14,10 +14,11 @@ import gzip
 from pathlib import Path
 
 import numpy as np
+from torch import nn
+
 from orchard.tasks.core import SupervisedTask, seeded_model
 from orchard.tasks.partition import label_partitioner, stratified_split
 from orchard.tasks.torch_trainer import TensorData
-from torch import nn
 
 DATA_DIR = Path(__file__).parent / "data" / "digits"
 NUM_CLASSES = 10

@@ -14,13 +14,15 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from orchard.tasks.core import Task
-
 from orchard.errors import ConfigError
+from orchard.tasks.core import Task
 
 # name -> module whose ``build`` makes the task. A constant, not a mutable registry.
 _TASK_MODULES: dict[str, str] = {
     "digits": "orchard.tasks.digits",
+    "heart": "orchard.tasks.heart",
+    "mnist": "orchard.tasks.mnist",
+    "shakespeare": "orchard.tasks.shakespeare",
 }
 
 

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
-from orchard.tasks import get_task
-from orchard.tasks.digits import load_digits
 
 from orchard.errors import ConfigError, UpdateSchemaError
+from orchard.tasks import get_task
+from orchard.tasks.digits import load_digits
 from orchard.trainer import TrainConfig
 
 

@@ -2,6 +2,8 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from orchard.errors import ConfigError
 from orchard.tasks.partition import (
     dirichlet_partition,
     iid_partition,
@@ -10,8 +12,6 @@ from orchard.tasks.partition import (
     shard_partition,
     stratified_split,
 )
-
-from orchard.errors import ConfigError
 
 RNG = np.random.default_rng(123)
 TRAIN = RNG.integers(0, 10, size=2000)

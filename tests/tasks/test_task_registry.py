@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
-from orchard.tasks import Task, available_tasks, get_task, task_params
 
 from orchard.errors import ConfigError
+from orchard.tasks import Task, available_tasks, get_task, task_params
 from orchard.trainer import Trainer
 
 

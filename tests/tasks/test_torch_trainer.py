@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
 import torch
-from orchard.tasks import get_task
-from orchard.tasks.torch_trainer import TensorData, TorchTrainer
 
 from orchard.errors import ConfigError
+from orchard.tasks import get_task
+from orchard.tasks.torch_trainer import TensorData, TorchTrainer
 from orchard.trainer import TrainConfig
 
 
