@@ -89,7 +89,7 @@ class SecAggClient:
         if msg.node != self.node_id:
             raise UnknownPeer(f"broadcast addressed to {msg.node!r}, this is {self.node_id!r}")
         if self.config is not None:
-            self._check_session(msg)
+            self._check_session(msg, self.config)
         try:
             reply: Message
             if isinstance(msg, SessionSetup):
@@ -108,13 +108,13 @@ class SecAggClient:
         self._last = (msg, reply)
         return reply
 
-    def _check_session(self, msg: Message) -> None:
-        assert self.config is not None
-        if msg.session_id != self.config.session_id or msg.round_number != self.config.round_number:
+    @staticmethod
+    def _check_session(msg: Message, cfg: SessionConfig) -> None:
+        if msg.session_id != cfg.session_id or msg.round_number != cfg.round_number:
             raise WrongSession(
                 f"message for session {msg.session_id.hex()} round {msg.round_number}, this "
-                f"client is in session {self.config.session_id.hex()} round "
-                f"{self.config.round_number}: replayed or misrouted"
+                f"client is in session {cfg.session_id.hex()} round {cfg.round_number}: "
+                f"replayed or misrouted"
             )
 
     def _require_config(self) -> SessionConfig:

@@ -527,7 +527,7 @@ class MaskedInput(Message):
         v = np.ascontiguousarray(self.vector, dtype=self.vector.dtype.newbyteorder("<"))
         w.u8(v.dtype.itemsize)
         w.u64(v.size)
-        w.raw(memoryview(v).cast("B"))
+        w.raw(v.data.cast("B"))
 
     @classmethod
     def _read(cls, r: _Reader, session_id: bytes, round_number: int, node: str) -> MaskedInput:

@@ -24,10 +24,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from orchard.secure_agg.errors import SecAggConfigError
+
+if TYPE_CHECKING:  # the config module pulls in pydantic; the math does not need it
+    from orchard.config import SecureAggregationConfig
 
 __all__ = ["SecAggParameters", "choose_parameters", "parameters_from_config"]
 
@@ -215,12 +219,10 @@ def choose_parameters(
     )
 
 
-def parameters_from_config(config: object, num_clients: int, *,
+def parameters_from_config(config: SecureAggregationConfig, num_clients: int, *,
                            corrupt_fraction: float = 0.05) -> SecAggParameters:
-    """:func:`choose_parameters` from an :class:`orchard.config.SecureAggregationConfig`."""
+    """:func:`choose_parameters` from the run's secure-aggregation settings."""
     return choose_parameters(
-        num_clients, config.dropout_rate,  # type: ignore[attr-defined]
-        corrupt_fraction=corrupt_fraction,
-        neighbours=config.neighbours,  # type: ignore[attr-defined]
-        threshold=config.threshold,  # type: ignore[attr-defined]
+        num_clients, config.dropout_rate, corrupt_fraction=corrupt_fraction,
+        neighbours=config.neighbours, threshold=config.threshold,
     )

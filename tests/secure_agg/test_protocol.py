@@ -141,3 +141,22 @@ def test_the_uniformity_test_has_power() -> None:
     mask = rng.integers(0, 2**32, 20_000, dtype=np.uint32)
     assert chi_square_uniform_bytes(x + mask)[0]
     assert not chi_square_uniform_bytes((x + mask) - (np.zeros_like(x) + mask))[0]
+
+
+@pytest.mark.slow
+def test_paper_parameters_at_a_few_hundred_clients() -> None:
+    # k and t from choose_parameters (sparse graph), 10% of clients drop after sharing
+    # keys, so the server must rebuild their pairwise masks with surviving neighbours.
+    from orchard.secure_agg import choose_parameters
+
+    n, d = 300, 20_000
+    params = choose_parameters(n, 0.1)
+    assert not params.complete_graph
+    cfg = make_config(n, d, params.neighbours, params.threshold, seed=9)
+    inputs = _inputs(cfg, 16, 9)
+    rng = np.random.default_rng(9)
+    gone = list(rng.choice(cfg.participants, size=n // 10, replace=False))
+    server, _ = run_session(cfg, inputs, {Stage.MASKED_INPUT: gone}, seed=9)
+    r = server.result()
+    assert len(r.contributors) == n - n // 10
+    assert np.array_equal(r.total, _plain_sum(inputs, r.contributors, 32))
