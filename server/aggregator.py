@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from orchard.server.coordinator import Coordinator, RoundOutcome, RoundTask
-
 from orchard.config import RunConfig
 from orchard.errors import AuthError, OrchardError
 from orchard.link import FleetLink, UploadRefused
 from orchard.messages import PARTIAL_CODEC, Idle, TaskAssignment, UploadHeader, UploadKind
+from orchard.server.coordinator import Coordinator, RoundOutcome, RoundTask
 from orchard.updates import encode_partial
 from orchard.wire import sha256_hex
 

@@ -17,6 +17,11 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+
+from orchard import wire
+from orchard.config import ServerConfig
+from orchard.errors import ConfigError
+from orchard.link import FleetLink, LinkConfig
 from orchard.server.aggregator import UpstreamLink
 from orchard.server.auth import (
     Authenticator,
@@ -31,11 +36,6 @@ from orchard.server.root import RootRunner
 from orchard.server.servicer import FleetServicer
 from orchard.server.store import Store, hash_token
 from orchard.server.tls import TlsPaths, init_certs, server_credentials
-
-from orchard import wire
-from orchard.config import ServerConfig
-from orchard.errors import ConfigError
-from orchard.link import FleetLink, LinkConfig
 from orchard.typing import Role
 from orchard.v1 import orchard_pb2_grpc as pbg
 

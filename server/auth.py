@@ -12,9 +12,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
-from orchard.server.store import Store, hash_token
-
 from orchard.errors import AuthError
+from orchard.server.store import Store, hash_token
 from orchard.typing import Role
 
 

@@ -9,14 +9,14 @@ import json
 from collections.abc import AsyncIterator
 
 import grpc
-from orchard.server.auth import Authenticator, bearer_token
-from orchard.server.root import RootRunner
-from orchard.server.servicer import mapped, mapped_stream
-from orchard.server.validation import validate_run_config
 
 from orchard import wire
 from orchard.config import RunConfig
 from orchard.errors import AuthError, ConfigError, UpdateSchemaError
+from orchard.server.auth import Authenticator, bearer_token
+from orchard.server.root import RootRunner
+from orchard.server.servicer import mapped, mapped_stream
+from orchard.server.validation import validate_run_config
 from orchard.v1 import orchard_pb2 as pb
 from orchard.v1 import orchard_pb2_grpc as pbg
 

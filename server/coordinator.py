@@ -36,9 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
-from orchard.aggregation import Accumulator, MetricSums, Partial
-from orchard.server.selection import allocate, device_eligible, over_select
 
+from orchard.aggregation import Accumulator, MetricSums, Partial
 from orchard.config import RunConfig, ServerConfig
 from orchard.errors import (
     DuplicateUploadError,
@@ -49,6 +48,7 @@ from orchard.errors import (
     UpdateSchemaError,
 )
 from orchard.messages import PARTIAL_CODEC, Idle, TaskAssignment, UploadHeader, UploadKind
+from orchard.server.selection import allocate, device_eligible, over_select
 from orchard.typing import DeviceState, NDArrays, Role, TensorSpec
 from orchard.updates import decode_partial
 

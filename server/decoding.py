@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+
 from orchard.aggregation.fedavg import check_update
 from orchard.compression import Codec, build_codec, decode_update
-
 from orchard.config import CodecSpec
 from orchard.errors import CodecError, UpdateSchemaError
 from orchard.messages import UploadHeader

@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from orchard.aggregation import ServerOptimizer, finalize
-from orchard.server.coordinator import Coordinator, RoundOutcome, RoundTask
-from orchard.server.store import Store, atomic_write
 
 from orchard import wire
+from orchard.aggregation import ServerOptimizer, finalize
 from orchard.config import RunConfig, ServerConfig
 from orchard.errors import ConfigError, RoundClosedError, StoreError, UpdateSchemaError
+from orchard.server.coordinator import Coordinator, RoundOutcome, RoundTask
+from orchard.server.store import Store, atomic_write
 from orchard.typing import NDArrays, schema_of
 
 log = logging.getLogger("orchard.server.root")
@@ -132,7 +132,8 @@ class RootRunner:
         try:
             while run.completed_rounds < cfg.rounds and not run.stop_requested:
                 rnd = run.completed_rounds + 1
-                for attempt in range(cfg.cohort.max_retries + 1):
+                first = self.store.attempts(run.run_id, rnd)  # > 0 after a restart mid-round
+                for attempt in range(first, first + cfg.cohort.max_retries + 1):
                     if run.stop_requested:
                         break
                     ok = await self._one_round(run, rnd, attempt)

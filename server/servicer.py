@@ -13,8 +13,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
-from orchard.server.auth import Authenticator, bearer_token
-from orchard.server.coordinator import Coordinator
 
 from orchard import wire
 from orchard.errors import (
@@ -33,6 +31,8 @@ from orchard.errors import (
     UpdateSchemaError,
 )
 from orchard.messages import Idle
+from orchard.server.auth import Authenticator, bearer_token
+from orchard.server.coordinator import Coordinator
 from orchard.typing import Role
 from orchard.v1 import orchard_pb2 as pb
 from orchard.v1 import orchard_pb2_grpc as pbg

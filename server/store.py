@@ -163,6 +163,10 @@ class Store:
             (run_id, rnd, attempt, status, started, finished, json.dumps(record)),
         )
 
+    def attempts(self, run_id: str, rnd: int) -> int:
+        row = self._db.execute("SELECT COUNT(*) FROM rounds WHERE run_id=? AND round=?", (run_id, rnd)).fetchone()
+        return int(row[0])
+
     def interrupt_open_rounds(self, run_id: str) -> int:
         """Rounds left 'running' by a crash: their partial work is gone; say so."""
         cur = self._db.execute("UPDATE rounds SET status='interrupted', finished=? WHERE run_id=? AND status='running'",

@@ -21,7 +21,7 @@ FAST = ServerConfig(heartbeat_s=1.0, node_timeout_s=5.0, long_poll_s=2.0)
 
 @dataclass
 class Federation:
-    root: TierHandle
+    root: TierHandle | None = None  # None when the root is a separate process
     aggregators: list[TierHandle] = field(default_factory=list)
     clients: list[ClientRuntime] = field(default_factory=list)
     client_tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -34,7 +34,8 @@ class Federation:
             await c.link.close()
         for a in reversed(self.aggregators):
             await a.stop(0.1)
-        await self.root.stop(0.1)
+        if self.root is not None:
+            await self.root.stop(0.1)
 
 
 def task_factory(num_partitions: int, task: str = "digits", **params: Any):
@@ -48,13 +49,17 @@ def task_factory(num_partitions: int, task: str = "digits", **params: Any):
 
 async def add_clients(fed: Federation, target: str, partitions: list[int], num_partitions: int,
                       task: str = "digits", token: str | None = None, ca: Path | None = None,
-                      insecure: bool = True) -> list[ClientRuntime]:
+                      insecure: bool = True, wrap: Any = None, max_backoff_s: float = 30.0) -> list[ClientRuntime]:
+    """Clients for the given partitions; ``wrap(trainer)`` may decorate each trainer."""
     make = task_factory(num_partitions, task)
     new = []
     for k in partitions:
         link = FleetLink(LinkConfig(target=target, role=Role.CLIENT, token=token, ca_cert=ca, insecure=insecure,
-                                    node_id=f"client-{k}"))
-        rt = ClientRuntime(link, make(k), partition_id=k)
+                                    node_id=f"client-{k}", max_backoff_s=max_backoff_s))
+        factory = make(k)
+        if wrap is not None:
+            factory = (lambda f: lambda cfg: wrap(f(cfg)))(factory)
+        rt = ClientRuntime(link, factory, partition_id=k)
         fed.clients.append(rt)
         fed.client_tasks.append(asyncio.create_task(rt.run()))
         new.append(rt)
