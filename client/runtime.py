@@ -21,18 +21,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from orchard.compression import build_codec, encode_update
-from orchard.compression.update import states_from_bytes, states_to_bytes
-
 from orchard import wire
+from orchard.client.update import build_upload, delta_of, train_seed
+from orchard.compression import build_codec
+from orchard.compression.update import states_from_bytes, states_to_bytes
 from orchard.config import RunConfig
-from orchard.errors import AuthError, OrchardError, UpdateSchemaError
+from orchard.errors import AuthError, OrchardError
 from orchard.link import FleetLink, UploadRefused
-from orchard.messages import Idle, TaskAssignment, UploadHeader, UploadKind
+from orchard.messages import Idle, TaskAssignment, UploadHeader
 from orchard.trainer import Trainer, TrainResult
 from orchard.typing import DeviceState, NDArrays
-from orchard.updates import pack
 
 log = logging.getLogger("orchard.client")
 
@@ -48,14 +46,6 @@ class TaskReport:
     num_examples: int = 0
     bytes_up: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
-
-
-def weight_of(result: TrainResult, weighting: str) -> float:
-    if weighting == "steps":
-        return float(result.num_steps)
-    if weighting == "uniform":
-        return 1.0
-    return float(result.weight)
 
 
 class ClientRuntime:
@@ -109,8 +99,7 @@ class ClientRuntime:
         blob = await self.link.pull_model(t.model_hash)
         global_arrays = wire.blob_to_arrays(blob)
         trainer = self.trainer_for(cfg)
-        # Deterministic per (run seed, round, partition): same seed, same update.
-        seed = int(np.random.default_rng([cfg.seed, t.round, self.partition_id]).integers(0, 2**31 - 1))
+        seed = train_seed(cfg.seed, t.round, self.partition_id)
         train_cfg = dataclasses.replace(cfg.train, seed=seed)
         loop = asyncio.get_running_loop()
         beat = asyncio.create_task(self._heartbeats(t))
@@ -118,7 +107,7 @@ class ClientRuntime:
             result: TrainResult = await loop.run_in_executor(None, trainer.train, global_arrays, train_cfg)
         finally:
             beat.cancel()
-        delta = self._delta(t, global_arrays, result)
+        delta = delta_of(t, global_arrays, result)
         header, payload = await loop.run_in_executor(None, self._encode, t, cfg, delta, result, seed)
         await self.link.push_update(header, payload)
         self._save_state(t.run_id)
@@ -130,40 +119,13 @@ class ClientRuntime:
             await asyncio.sleep(max(0.5, self.link.heartbeat_s / 2))
             await self.link.heartbeat(t.task_id, self.device())
 
-    @staticmethod
-    def _delta(t: TaskAssignment, global_arrays: NDArrays, result: TrainResult) -> NDArrays:
-        names = [s.name for s in t.schema]
-        missing = [n for n in names if n not in result.arrays]
-        if missing:
-            raise UpdateSchemaError(f"the trainer returned no value for {missing[:5]}; it must return every "
-                                    "tensor of the global model")
-        out: NDArrays = {}
-        for n in names:
-            new = np.asarray(result.arrays[n], dtype=np.float32)
-            if new.shape != global_arrays[n].shape:
-                raise UpdateSchemaError(f"trainer returned {n!r} with shape {new.shape}, "
-                                        f"the model has {global_arrays[n].shape}")
-            out[n] = new - global_arrays[n]
-        return out
-
     def _encode(self, t: TaskAssignment, cfg: RunConfig, delta: NDArrays, result: TrainResult,
                 seed: int) -> tuple[UploadHeader, bytes]:
-        codec = build_codec(cfg.codec)
-        rng = np.random.default_rng([seed, 0xC0DEC])
         states = self._codec_state.get(t.run_id) or self._load_state(t.run_id)
-        payloads, new_states = encode_update(codec, delta, rng, states, t.shared_seed)
+        header, payload, new_states = build_upload(t, cfg, build_codec(cfg.codec), self.link.node_id, delta,
+                                                   result, seed, states)
         if new_states:
             self._codec_state[t.run_id] = new_states
-        payload, sizes = pack([payloads[s.name] for s in t.schema])
-        w = weight_of(result, cfg.cohort.weighting)
-        metric_w = float(max(result.num_examples, 1))
-        metrics = {k: float(v) for k, v in result.metrics.items() if np.isfinite(v)}
-        header = UploadHeader(
-            node_id=self.link.node_id, run_id=t.run_id, round=t.round, attempt=t.attempt, task_id=t.task_id,
-            kind=UploadKind.CLIENT_UPDATE, schema=t.schema, payload_sizes=sizes, codec=cfg.codec.name,
-            payload_sha256=wire.sha256_hex(payload), weight=w, count=1, num_examples=result.num_examples,
-            num_steps=result.num_steps, metric_sums={k: v * metric_w for k, v in metrics.items()},
-            metric_weights={k: metric_w for k in metrics})
         return header, payload
 
     # ------------------------------------------------------------------ device-side codec state
