@@ -31,14 +31,6 @@ CFG = GPTConfig(vocab_size=11, seq_len=8, n_layer=1, n_head=2, d_model=16)
 CONFIG = TrainConfig(epochs=2, batch_size=4, learning_rate=0.05, optimizer="adam", seed=1)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():  # type: ignore[no-untyped-def]
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def base() -> GPT:
     gen_state = torch.get_rng_state()
     torch.manual_seed(42)

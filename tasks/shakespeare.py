@@ -1,0 +1,392 @@
+"""``shakespeare``: next-character prediction on tiny Shakespeare, one client per role.
+
+Clients follow LEAF (Caldas et al., 2018): a client is a speaking role, here a speaker
+name of tiny Shakespeare (which has no play boundaries, so a name such as GLOUCESTER
+spans several plays). Roles longer than ``max_chars_per_client`` are cut into equal
+consecutive pieces, each its own client, so the population exceeds 1,000 (1,170 with
+the defaults); roles shorter than ``min_chars`` are dropped. Each client's text is
+split by position: the first ``1 - test_fraction`` trains, the rest is its local test
+set, so a client never tests on text it trained on.
+
+Examples are non-overlapping windows of ``seq_len + 1`` characters; the model predicts
+every next character of a window (GPT-style), and accuracy and loss are per predicted
+character. LEAF scores only the last character of an 80-character window, which is a
+different (easier) number.
+
+The model is :class:`orchard.gpt.GPT` with the shared character tokenizer of
+:mod:`orchard.text`. By default (``lora=True``) the task is a LoRA task: the base is
+frozen and the global state is the adapter (FFA-LoRA: ``B`` only; see
+:mod:`orchard.edge_runtime.lora`). An adapter on a random base learns
+little (its loss barely moves), hence the pretrained default below.
+``lora=False`` trains every parameter instead.
+
+The base is ``base="pretrained"`` by default: ``data/shakespeare/base_gpt.safetensors``,
+a GPT pretrained on the *public* roles only (:func:`is_public_role`, about a fifth of
+the text), which are never federated clients; see :func:`pretrain_base`. So the
+federation adapts a base to text it has not seen, as it would a base from
+``orchard pretrain``. ``base="random"`` starts from ``base_seed`` instead, and ``base``
+may also be the path of a safetensors state dict of a GPT with the task's sizes.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from orchard.edge_runtime.lora import LoRASpec, LoRATrainer, apply_lora, trainable_names
+from orchard.errors import ConfigError
+from orchard.gpt import GPT, GPTConfig, lora_target_modules
+from orchard.tasks.core import SupervisedTask, seeded_model
+from orchard.tasks.partition import Partition, label_skew
+from orchard.tasks.torch_trainer import TensorData, TorchTrainer
+from orchard.text import CharTokenizer
+
+DATA_DIR = Path(__file__).parent / "data" / "shakespeare"
+DATA_FILE = DATA_DIR / "tinyshakespeare_input.txt"
+SHIPPED_BASE = DATA_DIR / "base_gpt.safetensors"
+# Architecture of the shipped base (see pretrain_base); ``base="pretrained"`` needs it.
+SHIPPED_BASE_ARCH = {"seq_len": 80, "n_layer": 2, "n_head": 4, "d_model": 64}
+
+
+def load_text() -> str:
+    return DATA_FILE.read_text(encoding="ascii")
+
+
+def speeches(text: str) -> dict[str, str]:
+    """Speaker name -> everything the speaker says, in order of appearance.
+
+    Speeches are blank-line-separated blocks whose first line is ``Name:``.
+    """
+    by_speaker: dict[str, list[str]] = defaultdict(list)
+    for block in text.split("\n\n"):
+        block = block.strip("\n")
+        head, _, body = block.partition("\n")
+        if not head.endswith(":") or not body:
+            continue
+        by_speaker[head[:-1]].append(body + "\n")
+    return {name: "".join(parts) for name, parts in sorted(by_speaker.items())}
+
+
+def is_public_role(name: str) -> bool:
+    """Roles held out of the federation as the base model's "public" pretraining text
+    (about a fifth of the roles and of the text). crc32, not ``hash``: the split must
+    not change with Python's hash seed."""
+    return zlib.crc32(name.encode("utf-8")) % 5 == 0
+
+
+def public_text(text: str) -> str:
+    return "".join(role for name, role in speeches(text).items() if is_public_role(name))
+
+
+def client_texts(text: str, max_chars_per_client: int, min_chars: int) -> list[tuple[str, str]]:
+    """(client name, text) per client: roles cut into equal pieces of at most
+    ``max_chars_per_client``, public and short (< ``min_chars``) roles dropped; sorted
+    by role."""
+    out = []
+    for name, role in speeches(text).items():
+        if len(role) < min_chars or is_public_role(name):
+            continue
+        # As many pieces as max_chars_per_client asks for, but none shorter than
+        # min_chars, so that every client keeps a local test window.
+        pieces = max(1, min(math.ceil(len(role) / max_chars_per_client), len(role) // min_chars))
+        cuts = np.linspace(0, len(role), pieces + 1).astype(int)
+        for k in range(pieces):
+            out.append((f"{name}#{k}", role[cuts[k] : cuts[k + 1]]))
+    return out
+
+
+def windows(ids: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Non-overlapping (input, target) windows: x[t] = ids[t], y[t] = ids[t + 1]."""
+    n = (len(ids) - 1) // seq_len
+    if n <= 0:
+        return np.empty((0, seq_len), np.int64), np.empty((0, seq_len), np.int64)
+    x = ids[: n * seq_len].reshape(n, seq_len)
+    y = ids[1 : n * seq_len + 1].reshape(n, seq_len)
+    return x.astype(np.int64), y.astype(np.int64)
+
+
+def build(
+    *,
+    seq_len: int = 80,
+    n_layer: int = 2,
+    n_head: int = 4,
+    d_model: int = 64,
+    max_chars_per_client: int = 700,
+    min_chars: int = 0,
+    test_fraction: float = 0.2,
+    lora: bool = True,
+    lora_rank: int = 8,
+    lora_alpha: float = 16.0,
+    lora_variant: str = "ffa",
+    lora_seed: int = 0,
+    base_seed: int = 0,
+    base: str = "pretrained",
+    central_test_windows: int = 256,
+) -> SupervisedTask:
+    """Build the Shakespeare task.
+
+    ``min_chars`` 0 means "long enough for one test window":
+    ``ceil((seq_len + 1) / test_fraction)``. ``central_test_windows`` caps the held-out
+    windows :meth:`evaluate` scores (a fixed seeded subset of all clients' test
+    windows) so that central evaluation stays a few seconds on a CPU.
+    """
+    problems = []
+    if not 0.0 < test_fraction < 1.0:
+        problems.append(f"test_fraction must be in (0, 1), got {test_fraction}")
+    if seq_len < 1 or max_chars_per_client < 2 * (seq_len + 1):
+        problems.append(
+            f"max_chars_per_client ({max_chars_per_client}) must hold at least two windows of seq_len + 1 = {seq_len + 1}"
+        )
+    if problems:
+        raise ConfigError(problems)
+    min_chars = min_chars or math.ceil((seq_len + 1) / test_fraction)
+
+    text = load_text()
+    tokenizer = CharTokenizer.from_text(text)
+    clients = client_texts(text, max_chars_per_client, min_chars)
+    train_x, train_y, test_x, test_y = [], [], [], []
+    train_owner, test_owner = [], []
+    for i, (_, body) in enumerate(clients):
+        ids = tokenizer.encode_array(body)
+        cut = int(round(len(ids) * (1.0 - test_fraction)))
+        for ids_part, xs, ys, owner in (
+            (ids[:cut], train_x, train_y, train_owner),
+            (ids[cut:], test_x, test_y, test_owner),
+        ):
+            x, y = windows(ids_part, seq_len)
+            xs.append(x)
+            ys.append(y)
+            owner.append(np.full(len(x), i, np.int64))
+    tx, ty = np.concatenate(train_x), np.concatenate(train_y)
+    vx, vy = np.concatenate(test_x), np.concatenate(test_y)
+    train_owner_all, test_owner_all = np.concatenate(train_owner), np.concatenate(test_owner)
+    num_clients = len(clients)
+
+    cfg = GPTConfig(
+        vocab_size=tokenizer.vocab_size,
+        seq_len=seq_len,
+        n_layer=n_layer,
+        n_head=n_head,
+        d_model=d_model,
+    )
+    spec = LoRASpec(
+        target_modules=tuple(lora_target_modules()),
+        rank=lora_rank,
+        alpha=lora_alpha,
+        variant=lora_variant,
+        init_seed=lora_seed,
+    )
+
+    checkpoint = _base_checkpoint(
+        base, seq_len=seq_len, n_layer=n_layer, n_head=n_head, d_model=d_model
+    )
+    base_state = _read_base(checkpoint) if checkpoint is not None else None
+
+    def base_model() -> nn.Module:
+        model = seeded_model(lambda: GPT(cfg), base_seed)
+        if base_state is not None:
+            _load_base(model, base_state, checkpoint)
+        return model
+
+    def model(seed: int) -> nn.Module:
+        # A LoRA model's base and A are shared by every client (base_seed, lora_seed);
+        # only a full-parameter model is initialised from the run seed.
+        return apply_lora(base_model(), spec) if lora else seeded_model(lambda: GPT(cfg), seed)
+
+    def partitioner(num_partitions: int, seed: int) -> Partition:
+        return _group_clients(
+            num_clients,
+            num_partitions,
+            seed,
+            train_owner_all,
+            test_owner_all,
+            ty,
+            tokenizer.vocab_size,
+        )
+
+    def lora_trainer(model_factory, train, test, trainable, seed):  # type: ignore[no-untyped-def]
+        return LoRATrainer(
+            base_model,
+            spec,
+            lambda factory, names: TorchTrainer(factory, train, test, trainable=names, seed=seed),
+            trainable=trainable,
+        )
+
+    rng = np.random.default_rng(0)
+    central = np.sort(rng.permutation(len(vx))[:central_test_windows])
+    probe = model(0)
+    return SupervisedTask(
+        name="shakespeare",
+        train=TensorData.from_numpy(tx, ty),
+        test=TensorData.from_numpy(vx, vy),
+        num_classes=tokenizer.vocab_size,
+        model=model,
+        partitioner=partitioner,
+        params=dict(
+            seq_len=seq_len,
+            n_layer=n_layer,
+            n_head=n_head,
+            d_model=d_model,
+            max_chars_per_client=max_chars_per_client,
+            min_chars=min_chars,
+            test_fraction=test_fraction,
+            lora=lora,
+            lora_rank=lora_rank,
+            lora_alpha=lora_alpha,
+            lora_variant=lora_variant,
+            lora_seed=lora_seed,
+            base_seed=base_seed,
+            base=base,
+            central_test_windows=central_test_windows,
+        ),
+        info={"num_natural_clients": num_clients, "vocab": tokenizer.chars},
+        trainable=trainable_names(probe, spec) if lora else None,
+        trainer_factory=lora_trainer if lora else TorchTrainer,
+        central_test=TensorData.from_numpy(vx[central], vy[central]),
+    )
+
+
+def _base_checkpoint(base: str, **arch: int) -> Path | None:
+    """``base``: "pretrained" (the shipped base), "random" (from ``base_seed``) or a path."""
+    if base == "random":
+        return None
+    if base == "pretrained":
+        if arch != SHIPPED_BASE_ARCH:
+            raise ConfigError(
+                f"the shipped pretrained base has architecture {SHIPPED_BASE_ARCH}, the task asks for {arch}; "
+                "use those sizes, base='random', or base=<path to a safetensors base of your sizes>"
+            )
+        return SHIPPED_BASE
+    path = Path(base)
+    if not path.is_file():
+        raise ConfigError(
+            f"base {base!r} is neither 'pretrained', 'random' nor an existing safetensors file"
+        )
+    return path
+
+
+def _read_base(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise ConfigError(f"base checkpoint {path} is missing; use base='random' or pass a path")
+    return load_file(str(path))
+
+
+def _load_base(model: nn.Module, state: dict[str, torch.Tensor], path: Path | None) -> None:
+    state = dict(state)
+    # The LM head is tied to the token embedding; a checkpoint may hold either name.
+    if "lm_head.weight" not in state and "wte.weight" in state:
+        state["lm_head.weight"] = state["wte.weight"]
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ConfigError(
+            f"base checkpoint {path} does not fit the task's GPT: missing {missing[:5]}, unexpected {unexpected[:5]}; "
+            "set seq_len, n_layer, n_head, d_model to the checkpoint's architecture"
+        )
+
+
+def _group_clients(
+    num_clients: int,
+    num_partitions: int,
+    seed: int,
+    train_owner: np.ndarray,
+    test_owner: np.ndarray,
+    train_targets: np.ndarray,
+    vocab_size: int,
+) -> Partition:
+    """The natural clients as partitions; fewer partitions group them (seeded)."""
+    if not 1 <= num_partitions <= num_clients:
+        raise ConfigError(
+            f"shakespeare has {num_clients} natural clients (roles and role pieces); num_partitions must be "
+            f"in [1, {num_clients}], got {num_partitions}; lower max_chars_per_client for more"
+        )
+    if num_partitions == num_clients:
+        groups = np.arange(num_clients)
+    else:
+        groups = np.empty(num_clients, np.int64)
+        order = np.random.default_rng(seed).permutation(num_clients)
+        for g, members in enumerate(np.array_split(order, num_partitions)):
+            groups[members] = g
+    train_group, test_group = groups[train_owner], groups[test_owner]
+    train_idx = _indices_by_group(train_group, num_partitions)
+    test_idx = _indices_by_group(test_group, num_partitions)
+    # Label skew over next-character targets: per client, the histogram of the
+    # characters it learns to predict.
+    per_window = train_targets.shape[1]
+    positions = [(i[:, None] * per_window + np.arange(per_window)).reshape(-1) for i in train_idx]
+    skew = label_skew(train_targets.reshape(-1), positions, vocab_size)
+    return Partition(
+        indices=train_idx,
+        test_indices=test_idx,
+        sizes=[len(i) for i in train_idx],
+        label_skew=skew,
+        scheme="natural(role)"
+        if num_partitions == num_clients
+        else f"natural(role) grouped into {num_partitions}",
+    )
+
+
+def _indices_by_group(groups: np.ndarray, n: int) -> list[np.ndarray]:
+    order = np.argsort(groups, kind="stable")
+    return np.split(order.astype(np.int64), np.cumsum(np.bincount(groups, minlength=n))[:-1])
+
+
+def pretrain_base(
+    steps: int = 3000, seed: int = 0, batch_size: int = 32, learning_rate: float = 3e-3
+) -> dict[str, np.ndarray]:
+    """Train the shipped base: a GPT of ``SHIPPED_BASE_ARCH`` on the public roles only
+    (never on a federated client's text), full-parameter Adam, non-overlapping windows.
+
+    This is how ``data/shakespeare/base_gpt.safetensors`` was made
+    (``python -m orchard.tasks.shakespeare OUT.safetensors``).
+    """
+    from orchard.trainer import TrainConfig
+
+    text = load_text()
+    tokenizer = CharTokenizer.from_text(text)
+    arch = SHIPPED_BASE_ARCH
+    cfg = GPTConfig(vocab_size=tokenizer.vocab_size, **arch)
+    ids = tokenizer.encode_array(public_text(text))
+    cut = int(len(ids) * 0.95)
+    x, y = windows(ids[:cut], arch["seq_len"])
+    vx, vy = windows(ids[cut:], arch["seq_len"])
+    trainer = TorchTrainer(
+        lambda: seeded_model(lambda: GPT(cfg), seed),
+        TensorData.from_numpy(x, y),
+        TensorData.from_numpy(vx, vy),
+        seed=seed,
+    )
+    init = {
+        n: p.detach().numpy().copy()
+        for n, p in seeded_model(lambda: GPT(cfg), seed).named_parameters()
+    }
+    result = trainer.train(
+        init,
+        TrainConfig(
+            steps=steps,
+            batch_size=batch_size,
+            learning_rate=learning_rate,
+            optimizer="adam",
+            seed=seed,
+        ),
+    )
+    held_out = trainer.evaluate(result.arrays, TrainConfig())
+    print(f"base: {steps} steps, train {result.metrics}, held-out public text {held_out.metrics}")
+    return result.arrays
+
+
+if __name__ == "__main__":
+    import sys
+
+    from safetensors.numpy import save_file
+
+    out = sys.argv[1] if len(sys.argv) > 1 else str(SHIPPED_BASE)
+    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 3000
+    save_file(pretrain_base(steps=steps), out, metadata={"arch": str(SHIPPED_BASE_ARCH)})
