@@ -41,6 +41,7 @@ from orchard.aggregation import Accumulator, MetricSums, Partial
 from orchard.config import RunConfig, ServerConfig
 from orchard.errors import (
     DuplicateUploadError,
+    IntegrityError,
     NotSelectedError,
     OrchardError,
     RoundClosedError,
@@ -51,6 +52,7 @@ from orchard.messages import PARTIAL_CODEC, Idle, TaskAssignment, UploadHeader, 
 from orchard.server.selection import allocate, device_eligible, over_select
 from orchard.typing import DeviceState, NDArrays, Role, TensorSpec
 from orchard.updates import decode_partial
+from orchard.wire import sha256_hex
 
 # Decodes a client's payload into a float32 delta (codec-specific; see orchard.server.decoding).
 ClientDecoder = Callable[[UploadHeader, bytes, "RoundTask"], NDArrays]
@@ -423,16 +425,18 @@ class Coordinator:
     def reject(self, err: OrchardError) -> None:
         self._reject(self.current, type(err).__name__)
 
+    def _decode(self, slot: UploadSlot, payload: bytes) -> NDArrays:
+        h, cr = slot.header, slot.cohort
+        if h.kind is UploadKind.PARTIAL_SUM:
+            return decode_partial(payload, cr.task.schema, h.payload_sizes)
+        return self._decode_client(h, payload, cr.task)
+
     async def complete_upload(self, slot: UploadSlot, payload: bytes) -> None:
         """Decode, check, and fold a fully received, hash-checked payload."""
         h, cr, a = slot.header, slot.cohort, slot.assignment
         loop = asyncio.get_running_loop()
         try:
-            if h.kind is UploadKind.PARTIAL_SUM:
-                arrays = await loop.run_in_executor(self._decode_pool, decode_partial, payload, cr.task.schema,
-                                                    h.payload_sizes)
-            else:
-                arrays = await loop.run_in_executor(self._decode_pool, self._decode_client, h, payload, cr.task)
+            arrays = await loop.run_in_executor(self._decode_pool, self._decode, slot, payload)
             if cr.closed:
                 raise RoundClosedError(f"round {cr.task.round} closed ({cr.close_reason}) while the upload arrived")
             if h.count > 0:
@@ -440,6 +444,29 @@ class Coordinator:
         except BaseException:
             a.in_flight = False
             raise
+        self._delivered(slot)
+
+    def submit_local(self, node_id: str, h: UploadHeader, payload: bytes) -> None:
+        """In-process upload (the simulator): the same checks, decode and fold as over gRPC,
+        run synchronously on the caller's thread. Not for use while gRPC uploads are folding."""
+        try:
+            slot = self.begin_upload(node_id, h)
+        except OrchardError as err:
+            self.reject(err)
+            raise
+        try:
+            if sha256_hex(payload) != h.payload_sha256 or len(payload) != h.total_bytes:
+                raise IntegrityError("payload does not match its declared size and sha256")
+            arrays = self._decode(slot, payload)
+            if h.count > 0:
+                self._fold(slot.cohort, h, arrays)
+        except OrchardError as err:
+            self.abort_upload(slot, type(err).__name__)
+            raise
+        self._delivered(slot)
+
+    def _delivered(self, slot: UploadSlot) -> None:
+        h, cr, a = slot.header, slot.cohort, slot.assignment
         a.in_flight = False
         a.delivered = True
         self.counters["uploads_accepted"] += 1
@@ -501,6 +528,10 @@ class Coordinator:
         await cr.closed_event.wait()
         # Let folds already queued finish before the partial is read.
         await asyncio.get_running_loop().run_in_executor(self._fold_pool, lambda: None)
+        return self.outcome(cr)
+
+    def outcome(self, cr: CohortRound) -> RoundOutcome:
+        """The result of a closed round (the simulator calls this directly)."""
         dropped = sum(1 for a in cr.assignments.values() if a.dropped)
         return RoundOutcome(task=cr.task, partial=cr.acc.partial, selected=len(cr.assignments), dropped=dropped,
                             bytes_up=cr.bytes_up, bytes_down=cr.bytes_down,
