@@ -1,0 +1,192 @@
+"""Device state providers against a fake sysfs tree, psutil-shaped data, and the
+simulated device's thermal and battery physics."""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+from pathlib import Path
+
+import pytest
+
+from orchard.edge_runtime.clock import ClockError, VirtualClock
+from orchard.edge_runtime.device import (
+    DeviceStateUnavailable,
+    SimulatedDevice,
+    SimulatedDeviceParams,
+    StaticProvider,
+    SysfsProvider,
+    ThermalParams,
+    default_provider,
+    max_temperature,
+    thermal_step,
+)
+from orchard.errors import ConfigError
+from orchard.typing import DeviceState
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+
+
+def _battery(root: Path, name: str, capacity: int, status: str, **extra: int) -> None:
+    d = root / "class" / "power_supply" / name
+    _write(d / "type", "Battery")
+    _write(d / "capacity", str(capacity))
+    _write(d / "status", status)
+    for k, v in extra.items():
+        _write(d / k, str(v))
+
+
+def _mains(root: Path, online: bool) -> None:
+    d = root / "class" / "power_supply" / "AC"
+    _write(d / "type", "Mains")
+    _write(d / "online", "1" if online else "0")
+
+
+def _zone(root: Path, i: int, kind: str, millideg: str) -> None:
+    d = root / "class" / "thermal" / f"thermal_zone{i}"
+    _write(d / "type", kind)
+    _write(d / "temp", millideg)
+
+
+@pytest.mark.parametrize(
+    ("status", "mains", "expected"),
+    [
+        ("Charging", False, True),
+        ("Full", False, True),
+        ("Discharging", False, False),
+        ("Not charging", True, True),  # plugged in, held at a charge threshold
+        ("Not charging", False, False),
+    ],
+)
+def test_sysfs_battery_status(tmp_path: Path, status: str, mains: bool, expected: bool) -> None:
+    _battery(tmp_path, "BAT0", 57, status)
+    _mains(tmp_path, mains)
+    s = SysfsProvider(root=tmp_path).read()
+    assert s.battery_percent == 57.0
+    assert s.charging is expected
+
+
+def test_sysfs_temperature_is_max_over_zones_in_celsius(tmp_path: Path) -> None:
+    _zone(tmp_path, 0, "acpitz", "41000")
+    _zone(tmp_path, 1, "x86_pkg_temp", "63500")
+    _zone(tmp_path, 2, "iwlwifi_1", "-273000")  # unconnected sensor: ignored
+    _zone(tmp_path, 3, "broken", "not a number")
+    assert SysfsProvider(root=tmp_path).read().temperature_c == 63.5
+    only_acpi = SysfsProvider(root=tmp_path, thermal_types=frozenset({"acpitz"}))
+    assert only_acpi.read().temperature_c == 41.0
+
+
+def test_sysfs_two_batteries_weighted_by_energy(tmp_path: Path) -> None:
+    # 10 of 20 Wh and 40 of 40 Wh: 50 / 60 = 83.3 %, not the mean 75 %.
+    _battery(tmp_path, "BAT0", 50, "Discharging", energy_now=10_000_000, energy_full=20_000_000)
+    _battery(tmp_path, "BAT1", 100, "Discharging", energy_now=40_000_000, energy_full=40_000_000)
+    s = SysfsProvider(root=tmp_path).read()
+    assert s.battery_percent == pytest.approx(100 * 50 / 60)
+    assert s.charging is False
+
+
+def test_sysfs_mains_only_box_and_empty_tree(tmp_path: Path) -> None:
+    _mains(tmp_path, True)
+    s = SysfsProvider(root=tmp_path, unmetered_network=True).read()
+    assert s == DeviceState(battery_percent=None, charging=True, unmetered_network=True)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert SysfsProvider(root=empty).read() == DeviceState()
+    with pytest.raises(DeviceStateUnavailable):
+        SysfsProvider(root=tmp_path / "missing").read()
+
+
+def test_sysfs_idle_from_loadavg_and_rapl_energy(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    _write(proc / "loadavg", "0.20 0.30 0.40 1/200 1234")
+    _write(tmp_path / "class" / "powercap" / "intel-rapl:0" / "energy_uj", "2500000")
+    s = SysfsProvider(root=tmp_path, idle_max_load=0.5, proc_root=proc).read()
+    assert s.idle is True
+    assert s.extra == {"energy_j": 2.5}
+    _write(proc / "loadavg", "1.70 0.30 0.40 1/200 1234")
+    assert SysfsProvider(root=tmp_path, idle_max_load=0.5, proc_root=proc).read().idle is False
+
+
+def test_default_provider_prefers_sysfs(tmp_path: Path) -> None:
+    _zone(tmp_path, 0, "cpu", "40000")
+    assert isinstance(default_provider(tmp_path), SysfsProvider)
+
+
+def test_psutil_shaped_temperatures() -> None:
+    shw = namedtuple("shw", "label current high critical")
+    data = {
+        "coretemp": [shw("a", 50.0, 80, 90), shw("b", 71.0, 80, 90)],
+        "nvme": [shw("", 38.0, 0, 0)],
+    }
+    assert max_temperature(data) == 71.0
+    assert max_temperature(data, frozenset({"nvme"})) == 38.0
+    assert max_temperature({}) is None
+
+
+def test_static_provider_from_dict() -> None:
+    p = StaticProvider.from_dict({"battery_percent": 90.0, "charging": True})
+    assert p.read().battery_percent == 90.0
+    with pytest.raises(ConfigError, match="battery"):
+        StaticProvider.from_dict({"batery": 1})
+
+
+def test_thermal_step_solves_the_ode() -> None:
+    """The closed form agrees with a fine Euler integration of
+    dT/dt = (P R_th - (T - T_amb)) / tau, heats under load and cools at rest."""
+    th = ThermalParams(ambient_c=20.0, r_th_c_per_w=5.0, tau_s=30.0)
+    t_exact = thermal_step(30.0, 4.0, 12.0, th)
+    t, h = 30.0, 1e-3
+    for _ in range(12_000):
+        t += h * (4.0 * 5.0 - (t - 20.0)) / 30.0
+    assert t_exact == pytest.approx(t, abs=1e-3)
+    assert thermal_step(30.0, 4.0, 1e6, th) == pytest.approx(40.0)  # T_ss = T_amb + P R_th
+    assert thermal_step(50.0, 0.0, 10.0, th) < 50.0
+
+
+def test_simulated_device_heats_under_load_and_cools_at_rest() -> None:
+    clock = VirtualClock()
+    p = SimulatedDeviceParams(
+        capacity_wh=1.0,
+        battery_percent=50.0,
+        active_power_w=10.0,
+        idle_power_w=0.0,
+        seconds_per_unit=1.0,
+        thermal=ThermalParams(25.0, 3.0, 20.0),
+    )
+    dev = SimulatedDevice(p, clock)
+    assert dev.work(36) == 36.0
+    assert clock.monotonic() == 36.0
+    s = dev.read()
+    # 10 W for 36 s = 360 J = 0.1 Wh = 10 % of 1 Wh.
+    assert s.battery_percent == pytest.approx(40.0)
+    assert s.extra["energy_j"] == pytest.approx(360.0)
+    assert s.temperature_c == pytest.approx(25.0 + 30.0 * (1 - math.exp(-36 / 20)))
+    hot = s.temperature_c
+    clock.sleep(60.0)
+    assert dev.read().temperature_c < hot
+    assert dev.read().battery_percent == pytest.approx(40.0)  # no idle draw configured
+    assert dev.max_temperature_c == pytest.approx(hot)
+
+
+def test_simulated_device_charges_when_plugged() -> None:
+    clock = VirtualClock()
+    p = SimulatedDeviceParams(
+        capacity_wh=1.0, battery_percent=99.0, plugged=True, charge_power_w=36.0, idle_power_w=0.0
+    )
+    dev = SimulatedDevice(p, clock)
+    clock.sleep(50.0)  # 36 W * 50 s = 0.5 Wh, but the battery stops at full
+    s = dev.read()
+    assert s.battery_percent == 100.0 and s.charging is True
+    with pytest.raises(ConfigError):
+        SimulatedDeviceParams(capacity_wh=0.0)
+
+
+def test_virtual_clock_only_moves_forward() -> None:
+    c = VirtualClock(wall_origin=1000.0)
+    c.sleep(2.5)
+    assert (c.monotonic(), c.wall(), c.slept_s) == (2.5, 1002.5, 2.5)
+    with pytest.raises(ClockError):
+        c.advance(-1.0)
