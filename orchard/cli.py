@@ -148,6 +148,18 @@ def aggregator_start(
 # ---------------------------------------------------------------------------- client
 
 
+def _warm_up(task: str | None, partition: int, num_partitions: int, seed: int) -> None:
+    """Build and run the trainer once before joining: torch's first optimizer import alone
+    takes seconds, and a round should not wait for framework start-up."""
+    if task is None:
+        return
+    from orchard.tasks import get_task
+    from orchard.trainer import TrainConfig
+
+    t = get_task(task)
+    t.client_trainer(partition, num_partitions, seed).train(t.initial_arrays(seed), TrainConfig(steps=1))
+
+
 def _trainer_factory(task: str | None, flower_app: str | None, partition: int, num_partitions: int, seed: int):
     def factory(cfg: Any) -> Any:
         if flower_app:
@@ -204,6 +216,8 @@ def client_start(
     from orchard.client.runtime import ClientRuntime
     from orchard.link import FleetLink, LinkConfig
     from orchard.typing import Role
+
+    _warm_up(task, partition, num_partitions, seed)
 
     async def main() -> None:
         link = FleetLink(LinkConfig(target=server, role=Role.CLIENT, token=token, ca_cert=ca_cert, insecure=insecure,

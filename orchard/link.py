@@ -126,14 +126,16 @@ class FleetLink:
         return self.node_id
 
     async def poll(self, device: DeviceState | None = None, pool_size: int = 0,
-                   pool_eligible: int = 0) -> TaskAssignment | Idle:
+                   pool_eligible: int = 0, wait_s: float | None = None) -> TaskAssignment | Idle:
         if not self.joined:
             await self.join(device)
 
         async def call() -> pb.PollReply:
             req = pb.PollRequest(node_id=self.node_id, device=wire.device_to_proto(device), pool_size=pool_size,
-                                 pool_eligible=pool_eligible, wait_s=self.long_poll_s)
-            return await self._stub.Poll(req, metadata=self._meta, timeout=self.long_poll_s + 15)
+                                 pool_eligible=pool_eligible, wait_s=wait)
+            return await self._stub.Poll(req, metadata=self._meta, timeout=wait + 15)
+
+        wait = self.long_poll_s if wait_s is None else min(wait_s, self.long_poll_s)
 
         reply = await self._retry("poll", call, device)
         if reply.WhichOneof("kind") == "task":

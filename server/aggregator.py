@@ -27,6 +27,7 @@ class UpstreamLink:
         self.coord = coordinator
         self.link = link
         self.rounds_done = 0
+        self.pool_report_s = 1.0
         self.stopped = asyncio.Event()
 
     async def run(self) -> None:
@@ -34,7 +35,8 @@ class UpstreamLink:
         while not self.stopped.is_set():
             try:
                 size, elig = self.coord.capacity()
-                got = await self.link.poll(pool_size=size, pool_eligible=elig)
+                # Short polls keep the pool size the upstream allocates by fresh.
+                got = await self.link.poll(pool_size=size, pool_eligible=elig, wait_s=self.pool_report_s)
                 if isinstance(got, Idle):
                     continue
                 await self._serve(got)
