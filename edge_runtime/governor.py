@@ -1,0 +1,623 @@
+"""The governor: paces local training inside the device's thermal, battery, energy and
+time budget, and stops it cleanly when a budget runs out (ARCHITECTURE section 4).
+
+The trainer calls it between steps::
+
+    while governor.before_step():      # may pause (duty cycle, cooling); False = stop
+        units = train_one_step()
+        governor.after_step(units)     # the step's work, e.g. examples in the batch
+    report = governor.report()         # steps done, why it stopped, what it cost
+
+Pacing. Below ``ceiling - band`` the duty cycle is 1. Across the band it falls
+linearly to ``min_duty``; after a step of ``s`` seconds at duty ``d`` the governor
+pauses ``s * (1 - d) / d`` so that work / (work + pause) = d. The device's average power,
+and with it the steady-state temperature of a first-order thermal model
+(``T_ss = T_amb + P_avg * R_th``), falls with d.
+
+Never overshooting. Before each step the governor predicts what the step will cost
+from the steps it has seen (the largest temperature rise, battery drop, energy and
+duration per unit of work over the last ``history`` steps, times ``safety_factor``;
+a configured prior for the first step). A step that would end above the hard ceiling
+is not started: the governor rests the device in ``cooldown_quantum_s`` pauses until
+it fits, or stops if that would take longer than ``max_cooldown_s``. A step that
+would take the battery below its floor, or a budget past its limit, is not started
+either. In a first-order model the rise of a step shrinks as the device heats
+(``(T_ss - T) * (1 - exp(-s / tau))``), so a maximum over recent steps is an upper
+bound for the next one.
+
+The decision (:func:`decide`) and the arithmetic (:func:`duty_cycle`,
+:func:`estimate_next_step`) are pure functions; :class:`Governor` only reads the
+provider, sleeps on the clock and keeps history.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from enum import StrEnum
+
+from orchard.errors import BudgetExceeded, ConfigError, OrchardError
+from orchard.typing import DeviceState, Metrics
+
+from .clock import Clock
+from .device import DeviceStateProvider
+from .policy import DevicePolicy, EligibilityDecision, PacingConfig, evaluate, next_eligible_time
+
+
+class StopReason(StrEnum):
+    COMPLETED = "completed"  # budget.max_steps reached
+    TIME_BUDGET = "time_budget"
+    ENERGY_BUDGET = "energy_budget"
+    THERMAL_CEILING = "thermal_ceiling"
+    BATTERY_FLOOR = "battery_floor"
+    INELIGIBLE = "ineligible"  # unplugged, network or idleness changed, window closed
+
+
+class GovernorUsageError(OrchardError):
+    """``before_step``/``after_step`` called out of order (a trainer bug)."""
+
+
+class GovernorStopped(BudgetExceeded):
+    """Raised by :meth:`Governor.raise_if_stopped` for callers that prefer exceptions."""
+
+    def __init__(self, report: GovernorReport) -> None:
+        self.report = report
+        super().__init__(
+            f"training stopped after {report.steps_done} steps: {report.stop_reason.value if report.stop_reason else 'running'}"
+            f" ({report.detail}); the update carries the steps actually done"
+        )
+
+
+# ------------------------------------------------------------------ pure arithmetic
+
+
+def duty_cycle(
+    temperature_c: float | None, hard_ceiling_c: float, band_c: float, min_duty: float
+) -> float:
+    """Fraction of wall time spent working: 1 below the band, linear down to ``min_duty``
+    at the hard ceiling."""
+    if temperature_c is None:
+        return 1.0
+    soft = hard_ceiling_c - band_c
+    if temperature_c <= soft:
+        return 1.0
+    frac = min((temperature_c - soft) / band_c, 1.0)
+    return 1.0 - (1.0 - min_duty) * frac
+
+
+def pause_for_duty(step_s: float, duty: float) -> float:
+    """Pause after a ``step_s``-second step so that step / (step + pause) = duty."""
+    return step_s * (1.0 - duty) / duty
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """What one step (``units`` > 0) or one rest (``units`` == 0: a throttling or
+    cooling pause) cost, measured around it. None where the device did not say."""
+
+    units: float
+    seconds: float
+    rise_c: float | None
+    drop_percent: float | None
+    energy_j: float | None
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """Predicted cost of the next step (upper bounds, safety factor applied)."""
+
+    rise_c: float
+    drop_percent: float
+    energy_j: float
+    seconds: float
+    # Battery and energy drawn per second of wall time, steps or rests, whichever is
+    # higher: what a pause of a given length will cost before the next step.
+    drain_percent_per_s: float = 0.0
+    energy_j_per_s: float = 0.0
+
+
+def _max_ratio(samples: Sequence[StepSample], attr: str, per: str) -> float | None:
+    vals = [
+        getattr(s, attr) / getattr(s, per)
+        for s in samples
+        if getattr(s, attr) is not None and getattr(s, per) > 0
+    ]
+    return max(vals) if vals else None
+
+
+def estimate_next_step(
+    history: Sequence[StepSample],
+    next_units: float,
+    pacing: PacingConfig,
+    charging: bool | None,
+    rests: Sequence[StepSample] = (),
+) -> StepEstimate:
+    """Upper-bound the next step's cost from recent steps (see the module docstring).
+
+    Before any step is seen, the rise and drop are the configured priors (no drop
+    assumed on a charger), and energy and duration are 0: the first step is the one
+    a budget cannot see coming. Per-second drains cover rests as well as steps; before
+    a rest has been seen, a rest is assumed to draw no more than a step does (true of
+    any device whose idle power is below its training power).
+    """
+    k = pacing.safety_factor
+    recent = list(history)[-pacing.history :]
+    recent_rests = list(rests)[-pacing.history :]
+    rise = _max_ratio(recent, "rise_c", "units")
+    drop = _max_ratio(recent, "drop_percent", "units")
+    energy = _max_ratio(recent, "energy_j", "units")
+    seconds = _max_ratio(recent, "seconds", "units")
+    if energy is None and pacing.joules_per_unit is not None:
+        energy = pacing.joules_per_unit
+    prior_drop = 0.0 if charging else pacing.prior_drop_percent
+    both = recent + recent_rests
+    drain = _max_ratio(both, "drop_percent", "seconds")
+    if drain is None:
+        # Nothing measured yet: the first-step prior spread over one cooling pause.
+        drain = prior_drop / pacing.cooldown_quantum_s
+    power = _max_ratio(both, "energy_j", "seconds") or 0.0
+    return StepEstimate(
+        rise_c=pacing.prior_rise_c if rise is None else k * max(rise, 0.0) * next_units,
+        drop_percent=prior_drop if drop is None else k * max(drop, 0.0) * next_units,
+        energy_j=0.0 if energy is None else k * max(energy, 0.0) * next_units,
+        seconds=0.0 if seconds is None else k * seconds * next_units,
+        drain_percent_per_s=k * max(drain, 0.0),
+        energy_j_per_s=k * max(power, 0.0),
+    )
+
+
+class Action(StrEnum):
+    RUN = "run"
+    COOL = "cool"  # rest, then decide again
+    STOP = "stop"
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: StopReason | None = None
+    detail: str = ""
+    reasons: tuple[str, ...] = ()
+
+
+def decide(
+    state: DeviceState,
+    policy: DevicePolicy,
+    estimate: StepEstimate,
+    *,
+    wall_s: float,
+    elapsed_s: float,
+    energy_used_j: float,
+    steps_done: int,
+) -> Decision:
+    """May the next step start now? Pure: everything it needs is an argument."""
+    budget = policy.budget
+    if budget.max_steps is not None and steps_done >= budget.max_steps:
+        return Decision(Action.STOP, StopReason.COMPLETED, f"max_steps={budget.max_steps} done")
+
+    # Rules other than battery and temperature (those two get predictive handling
+    # below): losing external power when it is required, the network turning metered,
+    # the user picking the device up, the window closing.
+    elig = evaluate(state, policy, wall_s)
+    others = [r for r in elig.reasons if r.code not in ("battery", "thermal")]
+    if others:
+        return Decision(Action.STOP, StopReason.INELIGIBLE, "; ".join(others), tuple(others))
+
+    floor = policy.battery_floor_percent
+    b = state.battery_percent
+    # On a charger, a battery below the floor is fine (charging beats the floor, as in
+    # eligibility) as long as it is not falling.
+    charging_up = bool(state.charging) and estimate.drop_percent <= 0.0
+    if b is not None and not charging_up and b - estimate.drop_percent < floor:
+        return Decision(
+            Action.STOP,
+            StopReason.BATTERY_FLOOR,
+            f"battery {b:.2f}% minus the next step's predicted {estimate.drop_percent:.2f}% "
+            f"would pass the floor {floor:.1f}%",
+        )
+
+    if budget.time_s is not None and elapsed_s + estimate.seconds > budget.time_s:
+        return Decision(
+            Action.STOP,
+            StopReason.TIME_BUDGET,
+            f"{elapsed_s:.1f} s used, next step ~{estimate.seconds:.2f} s, budget {budget.time_s:.1f} s",
+        )
+    if budget.energy_j is not None and energy_used_j + estimate.energy_j > budget.energy_j:
+        return Decision(
+            Action.STOP,
+            StopReason.ENERGY_BUDGET,
+            f"{energy_used_j:.1f} J used, next step ~{estimate.energy_j:.2f} J, budget {budget.energy_j:.1f} J",
+        )
+
+    hard = policy.hard_ceiling_c
+    t = state.temperature_c
+    if t is not None:
+        if t >= hard:
+            return Decision(
+                Action.STOP,
+                StopReason.THERMAL_CEILING,
+                f"temperature {t:.2f} °C reached the ceiling {hard:.1f} °C",
+            )
+        if t + estimate.rise_c > hard:
+            return Decision(
+                Action.COOL,
+                detail=f"{t:.2f} °C + predicted rise {estimate.rise_c:.2f} °C would pass {hard:.1f} °C",
+            )
+    return Decision(Action.RUN)
+
+
+def check_rest(
+    state: DeviceState,
+    policy: DevicePolicy,
+    estimate: StepEstimate,
+    rest_s: float,
+    *,
+    elapsed_s: float,
+    energy_used_j: float,
+) -> Decision:
+    """May the device pause ``rest_s`` seconds and still afford a step afterwards?
+
+    A pause is not free: the device keeps drawing idle power. Checking only before
+    steps would let a long cooling pause take the battery below its floor.
+    """
+    floor = policy.battery_floor_percent
+    b = state.battery_percent
+    drain = estimate.drain_percent_per_s * rest_s + estimate.drop_percent
+    charging_up = bool(state.charging) and drain <= 0.0
+    if b is not None and not charging_up and b - drain < floor:
+        return Decision(
+            Action.STOP,
+            StopReason.BATTERY_FLOOR,
+            f"battery {b:.2f}% cannot afford a {rest_s:.1f} s pause and a step "
+            f"(~{drain:.2f}%) above the floor {floor:.1f}%",
+        )
+    e_budget = policy.budget.energy_j
+    e_next = energy_used_j + estimate.energy_j_per_s * rest_s + estimate.energy_j
+    if e_budget is not None and e_next > e_budget:
+        return Decision(
+            Action.STOP,
+            StopReason.ENERGY_BUDGET,
+            f"{energy_used_j:.1f} J used; a {rest_s:.1f} s pause and a step would pass {e_budget:.1f} J",
+        )
+    t_budget = policy.budget.time_s
+    if t_budget is not None and elapsed_s + rest_s + estimate.seconds > t_budget:
+        return Decision(
+            Action.STOP,
+            StopReason.TIME_BUDGET,
+            f"{elapsed_s:.1f} s used; a {rest_s:.1f} s pause and a step would pass {t_budget:.1f} s",
+        )
+    return Decision(Action.RUN)
+
+
+# ----------------------------------------------------------------------- the object
+
+
+@dataclass(frozen=True)
+class GovernorReport:
+    """What a governed run did. ``steps_done`` is what the server weights the update by."""
+
+    steps_done: int
+    work_units: float
+    stop_reason: StopReason | None  # None: the trainer finished on its own
+    detail: str
+    reasons: tuple[str, ...]
+    elapsed_s: float  # wall time from the first before_step, pauses included
+    active_s: float  # time inside steps
+    paused_s: float  # throttling and cooling pauses
+    energy_j: float | None  # None when the device reports no energy and no estimate is set
+    max_temperature_c: float | None
+    min_battery_percent: float | None
+    remaining_steps: int | None  # towards budget.max_steps, for a resumed run
+    resume_at_wall_s: float | None  # when it may go on, if the clock alone decides
+
+    @property
+    def duty(self) -> float:
+        total = self.active_s + self.paused_s
+        return self.active_s / total if total > 0 else 1.0
+
+    def to_metrics(self) -> Metrics:
+        m: Metrics = {
+            "governor_steps": float(self.steps_done),
+            "governor_elapsed_s": self.elapsed_s,
+            "governor_paused_s": self.paused_s,
+            "governor_duty": self.duty,
+            "governor_stopped_early": float(
+                self.stop_reason is not None and self.stop_reason is not StopReason.COMPLETED
+            ),
+        }
+        if self.energy_j is not None:
+            m["governor_energy_j"] = self.energy_j
+        if self.max_temperature_c is not None:
+            m["governor_max_temperature_c"] = self.max_temperature_c
+        return m
+
+
+class Governor:
+    """Paces one round of local training on one device (see the module docstring).
+
+    ``carry_over`` continues a round that an earlier governor stopped (the device
+    resumed in its next eligible window): its steps, energy and elapsed time count
+    against this round's budget.
+    """
+
+    def __init__(
+        self,
+        provider: DeviceStateProvider,
+        policy: DevicePolicy,
+        clock: Clock,
+        *,
+        carry_over: GovernorReport | None = None,
+    ) -> None:
+        self.provider = provider
+        self.policy = policy
+        self.clock = clock
+        self._history: deque[StepSample] = deque(maxlen=policy.pacing.history)
+        self._rests: deque[StepSample] = deque(maxlen=policy.pacing.history)
+        self._steps = carry_over.steps_done if carry_over else 0
+        self._units = carry_over.work_units if carry_over else 0.0
+        self._prior_elapsed = carry_over.elapsed_s if carry_over else 0.0
+        self._active = carry_over.active_s if carry_over else 0.0
+        self._paused = carry_over.paused_s if carry_over else 0.0
+        self._energy = (carry_over.energy_j or 0.0) if carry_over else 0.0
+        self._energy_known = carry_over is None or carry_over.energy_j is not None
+        self._counter: float | None = None  # last extra["energy_j"] reading
+        self._t0: float | None = None
+        self._stop: Decision | None = None
+        self._before: tuple[float, DeviceState] | None = None  # (monotonic, state) at step start
+        self._last_units = 1.0
+        self._last_state: DeviceState | None = None
+        self._max_t: float | None = carry_over.max_temperature_c if carry_over else None
+        self._min_b: float | None = carry_over.min_battery_percent if carry_over else None
+
+    # -- I/O helpers
+
+    def _read(self) -> DeviceState:
+        s = self.provider.read()
+        counter = s.extra.get("energy_j")
+        if counter is not None:
+            # A cumulative counter (simulator, RAPL). It may wrap: a negative
+            # difference is dropped rather than trusted.
+            if self._counter is not None and counter >= self._counter:
+                self._energy += counter - self._counter
+            self._counter = counter
+        if s.temperature_c is not None:
+            self._max_t = (
+                s.temperature_c if self._max_t is None else max(self._max_t, s.temperature_c)
+            )
+        if s.battery_percent is not None:
+            self._min_b = (
+                s.battery_percent if self._min_b is None else min(self._min_b, s.battery_percent)
+            )
+        self._last_state = s
+        return s
+
+    def _estimate(self, state: DeviceState) -> StepEstimate:
+        return estimate_next_step(
+            self._history, self._last_units, self.policy.pacing, state.charging, self._rests
+        )
+
+    def _rest(self, state: DeviceState, seconds: float) -> DeviceState | Decision:
+        """Pause ``seconds`` if the device can afford it; the new state, or why not."""
+        d = check_rest(
+            state,
+            self.policy,
+            self._estimate(state),
+            seconds,
+            elapsed_s=self._elapsed(),
+            energy_used_j=self._energy,
+        )
+        if d.action is Action.STOP:
+            return d
+        e0 = self._energy
+        self.clock.sleep(seconds)
+        self._paused += seconds
+        s1 = self._read()
+        self._rests.append(
+            StepSample(
+                units=0.0,
+                seconds=seconds,
+                rise_c=_diff(s1.temperature_c, state.temperature_c),
+                drop_percent=_diff(state.battery_percent, s1.battery_percent),
+                energy_j=self._energy - e0 if "energy_j" in s1.extra else None,
+            )
+        )
+        return s1
+
+    def _elapsed(self) -> float:
+        return self._prior_elapsed + (
+            0.0 if self._t0 is None else self.clock.monotonic() - self._t0
+        )
+
+    def _halt(self, decision: Decision) -> bool:
+        self._stop = decision
+        return False
+
+    # -- the trainer's interface
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop is not None
+
+    def before_step(self) -> bool:
+        """Pause as the duty cycle asks, then say whether the next step may run."""
+        if self._stop is not None:
+            return False
+        if self._before is not None:
+            raise GovernorUsageError("before_step called twice without after_step in between")
+        pacing = self.policy.pacing
+        if self._t0 is None:
+            self._t0 = self.clock.monotonic()
+            state = self._read()
+            if (
+                self.policy.budget.energy_j is not None
+                and "energy_j" not in state.extra
+                and pacing.joules_per_unit is None
+            ):
+                raise ConfigError(
+                    "an energy budget is set but this device reports no energy counter: "
+                    "set pacing.joules_per_unit to estimate energy from work, or drop budget.energy_j"
+                )
+        else:
+            state = self._read()
+
+        if self._history:
+            duty = duty_cycle(
+                state.temperature_c,
+                self.policy.hard_ceiling_c,
+                pacing.throttle_band_c,
+                pacing.min_duty,
+            )
+            if duty < 1.0:
+                rested = self._rest(state, pause_for_duty(self._history[-1].seconds, duty))
+                if isinstance(rested, Decision):
+                    return self._halt(rested)
+                state = rested
+
+        cooled = 0.0
+        while True:
+            est = self._estimate(state)
+            d = decide(
+                state,
+                self.policy,
+                est,
+                wall_s=self.clock.wall(),
+                elapsed_s=self._elapsed(),
+                energy_used_j=self._energy,
+                steps_done=self._steps,
+            )
+            if d.action is Action.RUN:
+                self._before = (self.clock.monotonic(), state)
+                return True
+            if d.action is Action.STOP:
+                return self._halt(d)
+            q = pacing.cooldown_quantum_s
+            if cooled + q > pacing.max_cooldown_s:
+                return self._halt(
+                    replace(
+                        d,
+                        action=Action.STOP,
+                        reason=StopReason.THERMAL_CEILING,
+                        detail=f"{d.detail}; cooling for {cooled:.0f} s did not make room for a step",
+                    )
+                )
+            rested = self._rest(state, q)
+            if isinstance(rested, Decision):
+                return self._halt(rested)
+            cooled += q
+            state = rested
+
+    def after_step(self, work_units: float = 1.0) -> None:
+        """Record a finished step of ``work_units`` (examples, tokens, batches: any
+        unit, as long as the trainer is consistent)."""
+        if self._before is None:
+            raise GovernorUsageError("after_step called without a before_step that returned True")
+        if work_units < 0:
+            raise ValueError(f"work_units must be >= 0, got {work_units}")
+        t_before, s0 = self._before
+        self._before = None
+        counter_before = self._energy
+        s1 = self._read()
+        seconds = max(self.clock.monotonic() - t_before, 0.0)
+        energy: float | None = None
+        if "energy_j" in s1.extra:
+            energy = self._energy - counter_before
+        elif self.policy.pacing.joules_per_unit is not None:
+            energy = work_units * self.policy.pacing.joules_per_unit
+            self._energy += energy
+        else:
+            self._energy_known = False
+        self._history.append(
+            StepSample(
+                units=work_units,
+                seconds=seconds,
+                rise_c=_diff(s1.temperature_c, s0.temperature_c),
+                drop_percent=_diff(s0.battery_percent, s1.battery_percent),
+                energy_j=energy,
+            )
+        )
+        self._steps += 1
+        self._units += work_units
+        self._active += seconds
+        if work_units > 0:
+            self._last_units = work_units
+
+    def report(self) -> GovernorReport:
+        d = self._stop
+        max_steps = self.policy.budget.max_steps
+        resume_at = None
+        if d is not None and d.reason is StopReason.INELIGIBLE and self._last_state is not None:
+            resume_at = next_eligible_time(self._last_state, self.policy, self.clock.wall())
+        return GovernorReport(
+            steps_done=self._steps,
+            work_units=self._units,
+            stop_reason=None if d is None else d.reason,
+            detail="" if d is None else d.detail,
+            reasons=() if d is None else d.reasons,
+            elapsed_s=self._elapsed(),
+            active_s=self._active,
+            paused_s=self._paused,
+            energy_j=self._energy if self._energy_known else None,
+            max_temperature_c=self._max_t,
+            min_battery_percent=self._min_b,
+            remaining_steps=None if max_steps is None else max(max_steps - self._steps, 0),
+            resume_at_wall_s=resume_at,
+        )
+
+    def raise_if_stopped(self) -> None:
+        """Raise :class:`GovernorStopped` if a budget stopped training early."""
+        if self._stop is not None and self._stop.reason is not StopReason.COMPLETED:
+            raise GovernorStopped(self.report())
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
+def run_governed(governor: Governor, step: Callable[[], float]) -> GovernorReport:
+    """Run ``step`` (returns its work units) until the governor says stop."""
+    while governor.before_step():
+        governor.after_step(step())
+    return governor.report()
+
+
+def wait_until_eligible(
+    provider: DeviceStateProvider,
+    policy: DevicePolicy,
+    clock: Clock,
+    *,
+    poll_s: float = 60.0,
+    timeout_s: float | None = None,
+    thermal_margin_c: float = 0.0,
+) -> EligibilityDecision:
+    """Block (on ``clock``) until the device is eligible, or ``timeout_s`` passes.
+
+    This is how a stopped client resumes in its next eligible window: a closed window
+    is slept through in one go (its start is known); anything else (charge, cooling,
+    the network, the user) is polled every ``poll_s``. ``thermal_margin_c`` makes a
+    device that stopped at its ceiling wait until it is that much below it, so it does
+    not resume only to stop again at once.
+    """
+    if poll_s <= 0:
+        raise ValueError(f"poll_s must be > 0, got {poll_s}")
+    strict = policy
+    if thermal_margin_c:
+        elig = policy.eligibility.model_copy(
+            update={"max_temperature_c": policy.eligibility.max_temperature_c - thermal_margin_c}
+        )
+        strict = policy.model_copy(update={"eligibility": elig})
+    deadline = None if timeout_s is None else clock.monotonic() + timeout_s
+    while True:
+        state = provider.read()
+        now = clock.wall()
+        decision = evaluate(state, strict, now)
+        if decision.eligible:
+            return decision
+        at = next_eligible_time(state, strict, now)
+        wait = poll_s if at is None else max(at - now, 0.0)
+        if deadline is not None:
+            left = deadline - clock.monotonic()
+            if left <= 0:
+                return decision
+            wait = min(wait, left)
+        clock.sleep(wait)
