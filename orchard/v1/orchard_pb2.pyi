@@ -1,11 +1,9 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
-from google.protobuf import descriptor as _descriptor
-from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -17,7 +15,7 @@ class DeviceState(_message.Message):
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: float
-        def __init__(self, key: str | None = ..., value: float | None = ...) -> None: ...
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     BATTERY_PERCENT_FIELD_NUMBER: _ClassVar[int]
     CHARGING_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_C_FIELD_NUMBER: _ClassVar[int]
@@ -30,7 +28,7 @@ class DeviceState(_message.Message):
     unmetered_network: bool
     idle: bool
     extra: _containers.ScalarMap[str, float]
-    def __init__(self, battery_percent: float | None = ..., charging: bool | None = ..., temperature_c: float | None = ..., unmetered_network: bool | None = ..., idle: bool | None = ..., extra: _Mapping[str, float] | None = ...) -> None: ...
+    def __init__(self, battery_percent: _Optional[float] = ..., charging: _Optional[bool] = ..., temperature_c: _Optional[float] = ..., unmetered_network: _Optional[bool] = ..., idle: _Optional[bool] = ..., extra: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype")
@@ -40,7 +38,7 @@ class TensorSpec(_message.Message):
     name: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
-    def __init__(self, name: str | None = ..., shape: _Iterable[int] | None = ..., dtype: str | None = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
     __slots__ = ("node_id", "role", "device", "capabilities")
@@ -50,7 +48,7 @@ class JoinRequest(_message.Message):
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: str
-        def __init__(self, key: str | None = ..., value: str | None = ...) -> None: ...
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
@@ -59,7 +57,7 @@ class JoinRequest(_message.Message):
     role: str
     device: DeviceState
     capabilities: _containers.ScalarMap[str, str]
-    def __init__(self, node_id: str | None = ..., role: str | None = ..., device: DeviceState | _Mapping | None = ..., capabilities: _Mapping[str, str] | None = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., device: _Optional[_Union[DeviceState, _Mapping]] = ..., capabilities: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("node_id", "heartbeat_s", "long_poll_s", "max_chunk_bytes", "server_id")
@@ -73,7 +71,7 @@ class JoinReply(_message.Message):
     long_poll_s: float
     max_chunk_bytes: int
     server_id: str
-    def __init__(self, node_id: str | None = ..., heartbeat_s: float | None = ..., long_poll_s: float | None = ..., max_chunk_bytes: int | None = ..., server_id: str | None = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., heartbeat_s: _Optional[float] = ..., long_poll_s: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., server_id: _Optional[str] = ...) -> None: ...
 
 class PollRequest(_message.Message):
     __slots__ = ("node_id", "device", "pool_size", "pool_eligible", "wait_s")
@@ -87,7 +85,7 @@ class PollRequest(_message.Message):
     pool_size: int
     pool_eligible: int
     wait_s: float
-    def __init__(self, node_id: str | None = ..., device: DeviceState | _Mapping | None = ..., pool_size: int | None = ..., pool_eligible: int | None = ..., wait_s: float | None = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., device: _Optional[_Union[DeviceState, _Mapping]] = ..., pool_size: _Optional[int] = ..., pool_eligible: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
 
 class TaskSpec(_message.Message):
     __slots__ = ("run_id", "round", "attempt", "task_id", "model_hash", "model_bytes", "config_json", "schema", "deadline_unix", "cohort_target", "shared_seed")
@@ -113,7 +111,7 @@ class TaskSpec(_message.Message):
     deadline_unix: float
     cohort_target: int
     shared_seed: int
-    def __init__(self, run_id: str | None = ..., round: int | None = ..., attempt: int | None = ..., task_id: str | None = ..., model_hash: str | None = ..., model_bytes: int | None = ..., config_json: str | None = ..., schema: _Iterable[TensorSpec | _Mapping] | None = ..., deadline_unix: float | None = ..., cohort_target: int | None = ..., shared_seed: int | None = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., task_id: _Optional[str] = ..., model_hash: _Optional[str] = ..., model_bytes: _Optional[int] = ..., config_json: _Optional[str] = ..., schema: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., deadline_unix: _Optional[float] = ..., cohort_target: _Optional[int] = ..., shared_seed: _Optional[int] = ...) -> None: ...
 
 class Idle(_message.Message):
     __slots__ = ("retry_after_s", "reason")
@@ -121,7 +119,7 @@ class Idle(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     retry_after_s: float
     reason: str
-    def __init__(self, retry_after_s: float | None = ..., reason: str | None = ...) -> None: ...
+    def __init__(self, retry_after_s: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class PollReply(_message.Message):
     __slots__ = ("task", "idle")
@@ -129,7 +127,7 @@ class PollReply(_message.Message):
     IDLE_FIELD_NUMBER: _ClassVar[int]
     task: TaskSpec
     idle: Idle
-    def __init__(self, task: TaskSpec | _Mapping | None = ..., idle: Idle | _Mapping | None = ...) -> None: ...
+    def __init__(self, task: _Optional[_Union[TaskSpec, _Mapping]] = ..., idle: _Optional[_Union[Idle, _Mapping]] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "device", "task_id", "progress")
@@ -141,13 +139,13 @@ class HeartbeatRequest(_message.Message):
     device: DeviceState
     task_id: str
     progress: float
-    def __init__(self, node_id: str | None = ..., device: DeviceState | _Mapping | None = ..., task_id: str | None = ..., progress: float | None = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., device: _Optional[_Union[DeviceState, _Mapping]] = ..., task_id: _Optional[str] = ..., progress: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("task_still_wanted",)
     TASK_STILL_WANTED_FIELD_NUMBER: _ClassVar[int]
     task_still_wanted: bool
-    def __init__(self, task_still_wanted: bool | None = ...) -> None: ...
+    def __init__(self, task_still_wanted: _Optional[bool] = ...) -> None: ...
 
 class PullModelRequest(_message.Message):
     __slots__ = ("node_id", "model_hash", "offset")
@@ -157,7 +155,7 @@ class PullModelRequest(_message.Message):
     node_id: str
     model_hash: str
     offset: int
-    def __init__(self, node_id: str | None = ..., model_hash: str | None = ..., offset: int | None = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., model_hash: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("data", "offset", "total_bytes", "blob_sha256")
@@ -169,7 +167,7 @@ class Chunk(_message.Message):
     offset: int
     total_bytes: int
     blob_sha256: str
-    def __init__(self, data: bytes | None = ..., offset: int | None = ..., total_bytes: int | None = ..., blob_sha256: str | None = ...) -> None: ...
+    def __init__(self, data: _Optional[bytes] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., blob_sha256: _Optional[str] = ...) -> None: ...
 
 class UploadHeader(_message.Message):
     __slots__ = ("node_id", "run_id", "round", "attempt", "task_id", "kind", "schema", "payload_sizes", "codec", "payload_sha256", "weight", "count", "num_examples", "num_steps", "metric_sums", "metric_weights", "bytes_up", "bytes_down", "tier_participants")
@@ -185,21 +183,21 @@ class UploadHeader(_message.Message):
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: float
-        def __init__(self, key: str | None = ..., value: float | None = ...) -> None: ...
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     class MetricWeightsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: float
-        def __init__(self, key: str | None = ..., value: float | None = ...) -> None: ...
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     class TierParticipantsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
         key: str
         value: int
-        def __init__(self, key: str | None = ..., value: int | None = ...) -> None: ...
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -238,7 +236,7 @@ class UploadHeader(_message.Message):
     bytes_up: int
     bytes_down: int
     tier_participants: _containers.ScalarMap[str, int]
-    def __init__(self, node_id: str | None = ..., run_id: str | None = ..., round: int | None = ..., attempt: int | None = ..., task_id: str | None = ..., kind: UploadHeader.Kind | str | None = ..., schema: _Iterable[TensorSpec | _Mapping] | None = ..., payload_sizes: _Iterable[int] | None = ..., codec: str | None = ..., payload_sha256: str | None = ..., weight: float | None = ..., count: int | None = ..., num_examples: int | None = ..., num_steps: int | None = ..., metric_sums: _Mapping[str, float] | None = ..., metric_weights: _Mapping[str, float] | None = ..., bytes_up: int | None = ..., bytes_down: int | None = ..., tier_participants: _Mapping[str, int] | None = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., task_id: _Optional[str] = ..., kind: _Optional[_Union[UploadHeader.Kind, str]] = ..., schema: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., payload_sizes: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., payload_sha256: _Optional[str] = ..., weight: _Optional[float] = ..., count: _Optional[int] = ..., num_examples: _Optional[int] = ..., num_steps: _Optional[int] = ..., metric_sums: _Optional[_Mapping[str, float]] = ..., metric_weights: _Optional[_Mapping[str, float]] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., tier_participants: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class UploadPart(_message.Message):
     __slots__ = ("header", "data")
@@ -246,7 +244,7 @@ class UploadPart(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     header: UploadHeader
     data: bytes
-    def __init__(self, header: UploadHeader | _Mapping | None = ..., data: bytes | None = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[UploadHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class UploadReply(_message.Message):
     __slots__ = ("accepted", "reason")
@@ -254,7 +252,7 @@ class UploadReply(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     accepted: bool
     reason: str
-    def __init__(self, accepted: bool | None = ..., reason: str | None = ...) -> None: ...
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class VerifyTokenRequest(_message.Message):
     __slots__ = ("token", "role")
@@ -262,13 +260,13 @@ class VerifyTokenRequest(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     token: str
     role: str
-    def __init__(self, token: str | None = ..., role: str | None = ...) -> None: ...
+    def __init__(self, token: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
 
 class VerifyTokenReply(_message.Message):
     __slots__ = ("valid",)
     VALID_FIELD_NUMBER: _ClassVar[int]
     valid: bool
-    def __init__(self, valid: bool | None = ...) -> None: ...
+    def __init__(self, valid: _Optional[bool] = ...) -> None: ...
 
 class StartRunHeader(_message.Message):
     __slots__ = ("config_json", "model_bytes", "model_sha256")
@@ -278,7 +276,7 @@ class StartRunHeader(_message.Message):
     config_json: str
     model_bytes: int
     model_sha256: str
-    def __init__(self, config_json: str | None = ..., model_bytes: int | None = ..., model_sha256: str | None = ...) -> None: ...
+    def __init__(self, config_json: _Optional[str] = ..., model_bytes: _Optional[int] = ..., model_sha256: _Optional[str] = ...) -> None: ...
 
 class StartRunPart(_message.Message):
     __slots__ = ("header", "data")
@@ -286,25 +284,25 @@ class StartRunPart(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     header: StartRunHeader
     data: bytes
-    def __init__(self, header: StartRunHeader | _Mapping | None = ..., data: bytes | None = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[StartRunHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class StartRunReply(_message.Message):
     __slots__ = ("run_id",)
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     run_id: str
-    def __init__(self, run_id: str | None = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("run_id",)
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     run_id: str
-    def __init__(self, run_id: str | None = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("status_json",)
     STATUS_JSON_FIELD_NUMBER: _ClassVar[int]
     status_json: str
-    def __init__(self, status_json: str | None = ...) -> None: ...
+    def __init__(self, status_json: _Optional[str] = ...) -> None: ...
 
 class ListNodesRequest(_message.Message):
     __slots__ = ()
@@ -314,19 +312,19 @@ class ListNodesReply(_message.Message):
     __slots__ = ("nodes_json",)
     NODES_JSON_FIELD_NUMBER: _ClassVar[int]
     nodes_json: str
-    def __init__(self, nodes_json: str | None = ...) -> None: ...
+    def __init__(self, nodes_json: _Optional[str] = ...) -> None: ...
 
 class StopRunRequest(_message.Message):
     __slots__ = ("run_id",)
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     run_id: str
-    def __init__(self, run_id: str | None = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class StopRunReply(_message.Message):
     __slots__ = ("stopped",)
     STOPPED_FIELD_NUMBER: _ClassVar[int]
     stopped: bool
-    def __init__(self, stopped: bool | None = ...) -> None: ...
+    def __init__(self, stopped: _Optional[bool] = ...) -> None: ...
 
 class PullGlobalRequest(_message.Message):
     __slots__ = ("run_id", "round")
@@ -334,4 +332,4 @@ class PullGlobalRequest(_message.Message):
     ROUND_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     round: int
-    def __init__(self, run_id: str | None = ..., round: int | None = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
