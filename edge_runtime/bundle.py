@@ -1,0 +1,356 @@
+"""Client bundles: everything a device needs, in one directory (ARCHITECTURE section 4).
+
+Layout::
+
+    BUNDLE/
+      client.json            config: server address, policy (eligibility, window,
+                             budget, pacing), file names and sha256 digests
+      model.onnx             base model; LoRA matrices are optional inputs
+      adapter.onnx_adapter   current federated adapter, ONNX Runtime adapter format
+      adapter.safetensors    the same tensors for a torch trainer on the device
+      ca.pem                 CA certificate for the server's TLS (if given)
+      enrollment.token       enrollment token, mode 0600 (if given)
+
+``client.json`` is written last and names the digests of the model and adapter, so a
+directory without it is an unfinished bundle, and a swapped or truncated file is
+caught on read. Every file is written to a temporary name and renamed into place.
+
+This module and :func:`run_inference` import no torch: a device can run a bundle with
+numpy, onnxruntime and safetensors alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from safetensors.numpy import load_file, save_file
+
+from orchard.errors import AuthError, ConfigError, IntegrityError, OrchardError
+from orchard.typing import NDArrays
+
+from .ort_runtime import OrtLoraModel, write_onnx_adapter
+from .policy import DevicePolicy
+
+FORMAT_VERSION = 1
+CONFIG_FILE = "client.json"
+MODEL_FILE = "model.onnx"
+ADAPTER_ONNX_FILE = "adapter.onnx_adapter"
+ADAPTER_SAFETENSORS_FILE = "adapter.safetensors"
+CA_FILE = "ca.pem"
+TOKEN_FILE = "enrollment.token"
+
+
+class BundleError(OrchardError):
+    """A bundle directory is missing, incomplete, or from an incompatible format."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class BundleFile(_Strict):
+    name: str
+    sha256: str
+
+
+class ClientBundleConfig(_Strict):
+    """The ``client.json`` of a bundle."""
+
+    format_version: int = FORMAT_VERSION
+    server_address: str = Field(min_length=1)
+    policy: DevicePolicy = DevicePolicy()
+    model: BundleFile
+    input_name: str
+    output_name: str
+    adapter_onnx: BundleFile
+    adapter_safetensors: BundleFile
+    adapter_version: int = Field(ge=0)
+    ca_cert: str | None = None
+    enrollment_token: str | None = None
+
+
+@dataclass(frozen=True)
+class ClientBundle:
+    """A bundle on disk. The token is read only when asked for."""
+
+    path: Path
+    config: ClientBundleConfig
+
+    @property
+    def model_path(self) -> Path:
+        return self.path / self.config.model.name
+
+    @property
+    def adapter_path(self) -> Path:
+        return self.path / self.config.adapter_onnx.name
+
+    @property
+    def adapter_safetensors_path(self) -> Path:
+        return self.path / self.config.adapter_safetensors.name
+
+    @property
+    def ca_cert_path(self) -> Path | None:
+        return None if self.config.ca_cert is None else self.path / self.config.ca_cert
+
+    def adapter_arrays(self) -> NDArrays:
+        return dict(load_file(str(self.adapter_safetensors_path)))
+
+    def enrollment_token(self) -> str | None:
+        """The token, refusing a file that others can read (as ssh does with keys)."""
+        if self.config.enrollment_token is None:
+            return None
+        p = self.path / self.config.enrollment_token
+        try:
+            mode = p.stat().st_mode
+        except FileNotFoundError:
+            raise BundleError(f"{p} is named in {CONFIG_FILE} but missing") from None
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise AuthError(
+                f"{p} is accessible by group or others (mode {stat.S_IMODE(mode):o}): run chmod 600 {p}"
+            )
+        return p.read_text().strip()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
+    # Create the temporary file with its final mode, so a secret never exists on disk
+    # with wider permissions, then rename over the target (atomic on POSIX).
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with _suppress_oserror():
+            os.unlink(tmp)
+        raise
+
+
+class _suppress_oserror:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, et: type[BaseException] | None, *_: object) -> bool:
+        return et is not None and issubclass(et, OSError)
+
+
+def _write_adapter_files(
+    root: Path, arrays: Mapping[str, np.ndarray], version: int
+) -> tuple[BundleFile, BundleFile]:
+    arrays = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
+    with tempfile.TemporaryDirectory(dir=root, prefix=".adapter.") as tmp:
+        onnx_tmp = Path(tmp) / ADAPTER_ONNX_FILE
+        st_tmp = Path(tmp) / ADAPTER_SAFETENSORS_FILE
+        write_onnx_adapter(arrays, onnx_tmp, adapter_version=version)
+        save_file(arrays, str(st_tmp), metadata={"adapter_version": str(version)})
+        onnx_file = BundleFile(name=ADAPTER_ONNX_FILE, sha256=_sha256(onnx_tmp))
+        st_file = BundleFile(name=ADAPTER_SAFETENSORS_FILE, sha256=_sha256(st_tmp))
+        os.replace(onnx_tmp, root / ADAPTER_ONNX_FILE)
+        os.replace(st_tmp, root / ADAPTER_SAFETENSORS_FILE)
+    return onnx_file, st_file
+
+
+def _write_config(root: Path, config: ClientBundleConfig) -> None:
+    _write_atomic(root / CONFIG_FILE, (config.model_dump_json(indent=2) + "\n").encode())
+
+
+def write_bundle(
+    bundle_dir: str | os.PathLike[str],
+    *,
+    model_path: str | os.PathLike[str],
+    adapter: Mapping[str, np.ndarray],
+    adapter_version: int,
+    server_address: str,
+    policy: DevicePolicy | None = None,
+    ca_cert: str | os.PathLike[str] | bytes | None = None,
+    enrollment_token: str | None = None,
+    overwrite: bool = False,
+) -> ClientBundle:
+    """Write a client bundle to ``bundle_dir`` and return it.
+
+    ``model_path`` is a base model from ``onnx_export.export_lora_model``; ``adapter``
+    holds its LoRA tensors by input name (checked against the model before anything
+    is written). ``ca_cert`` is a PEM file path or PEM bytes.
+    """
+    root = Path(bundle_dir)
+    if (root / CONFIG_FILE).exists() and not overwrite:
+        raise BundleError(f"{root} already holds a bundle: pass overwrite=True to replace it")
+    model_src = Path(model_path)
+    if not model_src.is_file():
+        raise BundleError(f"base model {model_src} does not exist")
+    base = OrtLoraModel(model_src)
+    base.check_adapter(adapter)
+    root.mkdir(parents=True, exist_ok=True)
+    os.chmod(root, 0o700)  # it holds a credential
+
+    _write_atomic(root / MODEL_FILE, model_src.read_bytes())
+    onnx_file, st_file = _write_adapter_files(root, adapter, adapter_version)
+    ca_name = None
+    if ca_cert is not None:
+        pem = ca_cert if isinstance(ca_cert, bytes) else Path(ca_cert).read_bytes()
+        if b"-----BEGIN CERTIFICATE-----" not in pem:
+            raise BundleError("ca_cert is not a PEM certificate (no BEGIN CERTIFICATE line)")
+        _write_atomic(root / CA_FILE, pem)
+        ca_name = CA_FILE
+    token_name = None
+    if enrollment_token is not None:
+        if not enrollment_token.strip():
+            raise BundleError("enrollment_token is empty")
+        _write_atomic(root / TOKEN_FILE, (enrollment_token.strip() + "\n").encode(), mode=0o600)
+        token_name = TOKEN_FILE
+    try:
+        config = ClientBundleConfig(
+            server_address=server_address,
+            policy=policy or DevicePolicy(),
+            model=BundleFile(name=MODEL_FILE, sha256=_sha256(root / MODEL_FILE)),
+            input_name=base.input_name,
+            output_name=base.output_name,
+            adapter_onnx=onnx_file,
+            adapter_safetensors=st_file,
+            adapter_version=adapter_version,
+            ca_cert=ca_name,
+            enrollment_token=token_name,
+        )
+    except ValidationError as err:
+        raise ConfigError(
+            [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()]
+        ) from None
+    _write_config(root, config)
+    return ClientBundle(root, config)
+
+
+def read_bundle(bundle_dir: str | os.PathLike[str], *, verify: bool = True) -> ClientBundle:
+    """Read a bundle; with ``verify``, check the model and adapter digests."""
+    root = Path(bundle_dir)
+    cfg_path = root / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise BundleError(
+            f"{root} is not a client bundle (no {CONFIG_FILE}); write one with `orchard client bundle`"
+        )
+    try:
+        data = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as err:
+        raise BundleError(f"{cfg_path} is not valid JSON: {err}") from None
+    if data.get("format_version") != FORMAT_VERSION:
+        raise BundleError(
+            f"{cfg_path} has format_version {data.get('format_version')!r}; this client reads {FORMAT_VERSION}"
+        )
+    try:
+        config = ClientBundleConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(
+            [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()]
+        ) from None
+    bundle = ClientBundle(root, config)
+    if verify:
+        for f in (config.model, config.adapter_onnx, config.adapter_safetensors):
+            p = root / f.name
+            if not p.is_file():
+                raise BundleError(f"{p} is named in {CONFIG_FILE} but missing")
+            digest = _sha256(p)
+            if digest != f.sha256:
+                raise IntegrityError(
+                    f"{p} has sha256 {digest}, {CONFIG_FILE} expects {f.sha256}: re-create the bundle"
+                )
+    return bundle
+
+
+def update_adapter(
+    bundle_dir: str | os.PathLike[str], adapter: Mapping[str, np.ndarray], adapter_version: int
+) -> ClientBundle:
+    """Install a new federated adapter version; the base model is untouched."""
+    bundle = read_bundle(bundle_dir)
+    if adapter_version < bundle.config.adapter_version:
+        raise BundleError(
+            f"adapter version {adapter_version} is older than the installed {bundle.config.adapter_version}"
+        )
+    OrtLoraModel(bundle.model_path).check_adapter(adapter)
+    onnx_file, st_file = _write_adapter_files(bundle.path, adapter, adapter_version)
+    config = bundle.config.model_copy(
+        update={
+            "adapter_onnx": onnx_file,
+            "adapter_safetensors": st_file,
+            "adapter_version": adapter_version,
+        }
+    )
+    _write_config(bundle.path, config)
+    return ClientBundle(bundle.path, config)
+
+
+def run_inference(
+    bundle_dir: str | os.PathLike[str], inputs: np.ndarray | Mapping[str, np.ndarray]
+) -> np.ndarray:
+    """Logits of the bundle's base model with its current adapter, via ONNX Runtime only."""
+    bundle = read_bundle(bundle_dir)
+    model = OrtLoraModel(bundle.model_path)
+    return model.run(inputs, model.load_adapter(bundle.adapter_path))
+
+
+def _systemd_quote(word: str) -> str:
+    # systemd unit syntax: "%" starts a specifier; quote words with spaces or quotes.
+    word = word.replace("%", "%%")
+    if any(c.isspace() or c in "\"'\\" for c in word):
+        return '"' + word.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return word
+
+
+def systemd_unit(
+    bundle_dir: str | os.PathLike[str],
+    exe: str | os.PathLike[str] = "orchard",
+    *,
+    user: str | None = None,
+) -> str:
+    """A systemd service unit that runs ``orchard client start --bundle DIR``.
+
+    Install it as ``/etc/systemd/system/orchard-client.service`` and
+    ``systemctl enable --now orchard-client``. Training is background work, so it runs
+    at low CPU and I/O priority and is restarted after failures.
+    """
+    bundle = Path(bundle_dir).resolve()
+    exe_s = str(exe)
+    if os.sep in exe_s:
+        exe_s = str(Path(exe_s).resolve())
+    cmd = " ".join(_systemd_quote(w) for w in (exe_s, "client", "start", "--bundle", str(bundle)))
+    lines = [
+        "[Unit]",
+        "Description=Orchard federated learning client",
+        "Wants=network-online.target",
+        "After=network-online.target",
+        "",
+        "[Service]",
+        "Type=simple",
+        f"ExecStart={cmd}",
+        f"WorkingDirectory={_systemd_quote(str(bundle))}",
+        "Restart=on-failure",
+        "RestartSec=30",
+        "Nice=10",
+        "CPUSchedulingPolicy=batch",
+        "IOSchedulingClass=idle",
+        "NoNewPrivileges=yes",
+        "ProtectSystem=strict",
+        f"ReadWritePaths={_systemd_quote(str(bundle))}",
+        "PrivateTmp=yes",
+    ]
+    if user is not None:
+        lines.append(f"User={user}")
+    lines += ["", "[Install]", "WantedBy=multi-user.target", ""]
+    return "\n".join(lines)
