@@ -23,11 +23,18 @@ it fits, or stops if that would take longer than ``max_cooldown_s``. A step that
 would take the battery below its floor, or a budget past its limit, is not started
 either. In a first-order model the rise of a step shrinks as the device heats
 (``(T_ss - T) * (1 - exp(-s / tau))``), so a maximum over recent steps is an upper
-bound for the next one.
+bound for the next one. Pauses are not free (the device keeps its idle draw), so a
+pause is only taken if the battery and the budgets can afford it *and* a step after
+it (:func:`check_rest`, from the highest per-second drain seen over steps and pauses).
 
-The decision (:func:`decide`) and the arithmetic (:func:`duty_cycle`,
-:func:`estimate_next_step`) are pure functions; :class:`Governor` only reads the
-provider, sleeps on the clock and keeps history.
+The guarantee holds under two premises, which the property test states: the device
+cools at rest (its idle steady state is below the ceiling), and a single step fits in
+the margins (from cold, it heats less than the headroom and drains less than
+``prior_drop_percent``). A governor decides between steps; it cannot split one.
+
+The decisions (:func:`decide`, :func:`check_rest`) and the arithmetic
+(:func:`duty_cycle`, :func:`estimate_next_step`) are pure functions; :class:`Governor`
+only reads the provider, sleeps on the clock and keeps history.
 """
 
 from __future__ import annotations

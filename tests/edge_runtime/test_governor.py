@@ -293,3 +293,28 @@ def test_wait_until_eligible_polls_while_charging() -> None:
     hot = _hot_device(VirtualClock(), temperature_c=44.0)
     d = wait_until_eligible(hot, policy, hot.clock, poll_s=10.0, thermal_margin_c=5.0)
     assert d.eligible and hot.read().temperature_c < 40.0 and hot.clock.monotonic() > 0
+
+
+def test_decide_is_a_pure_function_of_its_inputs() -> None:
+    from orchard.edge_runtime.governor import Action, StepEstimate, decide
+
+    policy = _policy(floor=20.0, ceiling=45.0, budget=RoundBudget(max_steps=10))
+    est = StepEstimate(rise_c=0.5, drop_percent=0.2, energy_j=1.0, seconds=0.1)
+    cool = DeviceState(battery_percent=50.0, charging=False, temperature_c=40.0)
+    kw = dict(wall_s=0.0, elapsed_s=0.0, energy_used_j=0.0)
+
+    def act(state: DeviceState, steps: int = 0) -> tuple[Action, StopReason | None]:
+        d = decide(state, policy, est, steps_done=steps, **kw)  # type: ignore[arg-type]
+        return d.action, d.reason
+
+    assert act(cool) == (Action.RUN, None)
+    assert act(cool, steps=10) == (Action.STOP, StopReason.COMPLETED)
+    assert act(DeviceState(battery_percent=50.0, temperature_c=44.6)) == (Action.COOL, None)
+    assert act(DeviceState(battery_percent=50.0, temperature_c=45.0)) == (
+        Action.STOP,
+        StopReason.THERMAL_CEILING,
+    )
+    assert act(DeviceState(battery_percent=20.1, charging=False, temperature_c=30.0)) == (
+        Action.STOP,
+        StopReason.BATTERY_FLOOR,
+    )
