@@ -150,7 +150,7 @@ class FlowerTrainer:
         # Explicit metadata, as Flower's own simulation builds it: the short form
         # Message(content, dst_node_id, message_type) reads a process-wide task identity
         # that only a running SuperNode sets.
-        message = Message(
+        message = Message(  # type: ignore[call-overload]  # metadata= is untyped in flwr's overloads
             content=content,
             metadata=Metadata(
                 run_id=self.context.run_id,

@@ -64,7 +64,7 @@ class LoRASpec:
 
     target_modules: tuple[str, ...]
     rank: int = 8
-    alpha: float = 16.0
+    alpha: int = 16  # peft's lora_alpha; the update is scaled by alpha / rank
     variant: str = "ffa"
     init_seed: int = 0
     dropout: float = 0.0  # > 0 draws from torch's global RNG: not deterministic

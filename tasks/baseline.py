@@ -23,7 +23,7 @@ RECIPES: dict[str, TrainConfig] = {
     ),
     "mnist": TrainConfig(epochs=3, batch_size=64, learning_rate=1e-3, optimizer="adam"),
     "heart": TrainConfig(epochs=100, batch_size=32, learning_rate=0.05, optimizer="sgd"),
-    "shakespeare": TrainConfig(steps=600, batch_size=32, learning_rate=1e-2, optimizer="adam"),
+    "shakespeare": TrainConfig(steps=400, batch_size=32, learning_rate=1e-2, optimizer="adam"),
 }
 
 

@@ -50,18 +50,6 @@ class Task(Protocol):
 
     def client_trainer(self, partition_id: int, num_partitions: int, seed: int) -> Trainer: ...
 
-    def pooled_trainer(self, seed: int = 0) -> Trainer:
-        """A trainer over the whole training pool that evaluates on the central test
-        set: the centralised baseline, and the reference for what federation loses."""
-        fixed = self._fixed_seed
-        return self._trainer_factory(
-            lambda: self._model(fixed),
-            self.train_data,
-            self._central_test,
-            trainable=self.trainable,
-            seed=seed,
-        )
-
     def evaluate(self, arrays: NDArrays, split: str = "test") -> dict[str, float]: ...
 
 

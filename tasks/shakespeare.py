@@ -122,7 +122,7 @@ def build(
     test_fraction: float = 0.2,
     lora: bool = True,
     lora_rank: int = 8,
-    lora_alpha: float = 16.0,
+    lora_alpha: int = 16,
     lora_variant: str = "ffa",
     lora_seed: int = 0,
     base_seed: int = 0,
@@ -150,8 +150,12 @@ def build(
     text = load_text()
     tokenizer = CharTokenizer.from_text(text)
     clients = client_texts(text, max_chars_per_client, min_chars)
-    train_x, train_y, test_x, test_y = [], [], [], []
-    train_owner, test_owner = [], []
+    train_x: list[np.ndarray] = []
+    train_y: list[np.ndarray] = []
+    test_x: list[np.ndarray] = []
+    test_y: list[np.ndarray] = []
+    train_owner: list[np.ndarray] = []
+    test_owner: list[np.ndarray] = []
     for i, (_, body) in enumerate(clients):
         ids = tokenizer.encode_array(body)
         cut = int(round(len(ids) * (1.0 - test_fraction)))
@@ -195,9 +199,12 @@ def build(
         return model
 
     def model(seed: int) -> nn.Module:
-        # A LoRA model's base and A are shared by every client (base_seed, lora_seed);
-        # only a full-parameter model is initialised from the run seed.
-        return apply_lora(base_model(), spec) if lora else seeded_model(lambda: GPT(cfg), seed)
+        # A LoRA model's base and A are shared by every client (base_seed, lora_seed).
+        # A full-parameter model starts from the base when there is one (fine-tuning),
+        # from the run seed otherwise.
+        if lora:
+            return apply_lora(base_model(), spec)
+        return base_model() if base_state is not None else seeded_model(lambda: GPT(cfg), seed)
 
     def partitioner(num_partitions: int, seed: int) -> Partition:
         return _group_clients(
@@ -352,7 +359,7 @@ def pretrain_base(
     text = load_text()
     tokenizer = CharTokenizer.from_text(text)
     arch = SHIPPED_BASE_ARCH
-    cfg = GPTConfig(vocab_size=tokenizer.vocab_size, **arch)
+    cfg = GPTConfig(vocab_size=tokenizer.vocab_size, **arch)  # type: ignore[arg-type]
     ids = tokenizer.encode_array(public_text(text))
     cut = int(len(ids) * 0.95)
     x, y = windows(ids[:cut], arch["seq_len"])

@@ -43,7 +43,7 @@ def spec(variant: str = "ffa", init_seed: int = 0) -> LoRASpec:
     return LoRASpec(
         target_modules=tuple(lora_target_modules()),
         rank=4,
-        alpha=8.0,
+        alpha=8,
         variant=variant,
         init_seed=init_seed,
     )

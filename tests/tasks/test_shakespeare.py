@@ -68,6 +68,8 @@ def test_full_parameter_variant_and_shipped_base_sizes() -> None:
     full = get_task("shakespeare", lora=False, base="random", n_layer=1, d_model=32)
     names = list(full.initial_arrays(0))
     assert "wte.weight" in names and not any("lora" in n for n in names)
+    tuned = get_task("shakespeare", lora=False)  # full fine-tuning starts from the shipped base
+    assert tuned.evaluate(tuned.initial_arrays(0))["accuracy"] > 0.4
     with pytest.raises(ConfigError, match="shipped pretrained base"):
         get_task("shakespeare", d_model=32)
     with pytest.raises(ConfigError):
