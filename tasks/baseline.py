@@ -28,10 +28,17 @@ RECIPES: dict[str, TrainConfig] = {
 
 
 def run_baseline(
-    task_name: str, *, seed: int = 0, train_config: TrainConfig | None = None, **params: Any
+    task_name: str,
+    *,
+    seed: int = 0,
+    train_config: TrainConfig | None = None,
+    epochs: int | None = None,
+    steps: int | None = None,
+    **params: Any,
 ) -> dict[str, Any]:
     """Train task ``task_name`` (built with ``params``) centrally and evaluate it.
 
+    ``epochs`` or ``steps`` override the recipe's (``steps`` wins, as in TrainConfig).
     Returns the test ``accuracy`` and ``loss``, the accuracy and loss of the initial
     model, the training metrics, examples, steps and wall-clock ``seconds``.
     """
@@ -41,7 +48,12 @@ def run_baseline(
             f"task {task_name!r} has no pooled training data to run a centralised baseline on"
         )
     config = train_config or RECIPES.get(task_name) or TrainConfig()
-    config = TrainConfig(**{**asdict(config), "seed": seed})
+    overrides: dict[str, Any] = {"seed": seed}
+    if epochs is not None:
+        overrides.update(epochs=epochs, steps=None)
+    if steps is not None:
+        overrides["steps"] = steps
+    config = TrainConfig(**{**asdict(config), **overrides})
     start = time.perf_counter()
     initial = task.initial_arrays(seed)
     before = task.evaluate(initial)

@@ -16,6 +16,8 @@ def test_heart_baseline_beats_the_majority_class() -> None:
 def test_baseline_takes_a_recipe_override_and_task_params() -> None:
     result = run_baseline("digits", train_config=TrainConfig(steps=5, batch_size=16), hidden=16)
     assert result["num_steps"] == 5 and result["params"]["hidden"] == 16
+    # What `orchard baseline --task heart --epochs 2` passes.
+    assert run_baseline("heart", epochs=2)["num_steps"] == 2 * 21
 
 
 def test_every_task_has_a_recipe() -> None:
