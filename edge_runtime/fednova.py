@@ -50,7 +50,7 @@ def normalise(update: NDArrays, local_steps: int, momentum: float = 0.0) -> NDAr
     a = norm_a(local_steps, momentum)
     if a == 0.0:
         return {k: np.zeros_like(v) for k, v in update.items()}
-    return {k: (v / a).astype(v.dtype, copy=False) for k, v in update.items()}
+    return {k: np.divide(v, a).astype(v.dtype, copy=False) for k, v in update.items()}
 
 
 def aggregate(

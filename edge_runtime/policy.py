@@ -134,9 +134,9 @@ class RoundBudget(_Strict):
     including pauses.
     """
 
-    energy_j: float | None = Field(None, gt=0.0)
-    time_s: float | None = Field(None, gt=0.0)
-    max_steps: int | None = Field(None, ge=1)
+    energy_j: float | None = Field(default=None, gt=0.0)
+    time_s: float | None = Field(default=None, gt=0.0)
+    max_steps: int | None = Field(default=None, ge=1)
 
 
 class PacingConfig(_Strict):
@@ -151,24 +151,24 @@ class PacingConfig(_Strict):
     """
 
     hard_ceiling_c: float | None = None
-    throttle_band_c: float = Field(5.0, gt=0.0)
-    min_duty: float = Field(0.1, gt=0.0, le=1.0)
-    cooldown_quantum_s: float = Field(1.0, gt=0.0)
-    max_cooldown_s: float = Field(300.0, ge=0.0)
-    prior_rise_c: float = Field(1.0, ge=0.0)
-    prior_drop_percent: float = Field(1.0, ge=0.0)
-    safety_factor: float = Field(1.25, ge=1.0)
-    history: int = Field(16, ge=1)  # steps the per-step estimates look back over
-    joules_per_unit: float | None = Field(None, gt=0.0)  # energy estimate without a counter
+    throttle_band_c: float = Field(default=5.0, gt=0.0)
+    min_duty: float = Field(default=0.1, gt=0.0, le=1.0)
+    cooldown_quantum_s: float = Field(default=1.0, gt=0.0)
+    max_cooldown_s: float = Field(default=300.0, ge=0.0)
+    prior_rise_c: float = Field(default=1.0, ge=0.0)
+    prior_drop_percent: float = Field(default=1.0, ge=0.0)
+    safety_factor: float = Field(default=1.25, ge=1.0)
+    history: int = Field(default=16, ge=1)  # steps the per-step estimates look back over
+    joules_per_unit: float | None = Field(default=None, gt=0.0)  # energy estimate without a counter
 
 
 class DevicePolicy(_Strict):
     """Everything a device decides on its own: eligibility, window, budget, pacing."""
 
-    eligibility: EligibilityConfig = EligibilityConfig()
+    eligibility: EligibilityConfig = Field(default_factory=EligibilityConfig)
     window: DailyWindow | None = None
-    budget: RoundBudget = RoundBudget()
-    pacing: PacingConfig = PacingConfig()
+    budget: RoundBudget = Field(default_factory=RoundBudget)
+    pacing: PacingConfig = Field(default_factory=PacingConfig)
 
     @property
     def hard_ceiling_c(self) -> float:
