@@ -154,6 +154,50 @@ class _Reader:
         except UnicodeDecodeError:
             raise MalformedMessage("a node id is not valid UTF-8") from None
 
+    def strings(self, n: int) -> list[str]:
+        """``n`` node ids in a row (a hot path: inlined bounds checks, no helper calls)."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        out = []
+        try:
+            for _ in range(n):
+                if pos + 2 > end:
+                    raise MalformedMessage(f"message truncated at offset {pos}")
+                ln = (buf[pos] << 8) | buf[pos + 1]
+                pos += 2
+                if pos + ln > end:
+                    raise MalformedMessage(f"message truncated at offset {pos}")
+                out.append(str(buf[pos:pos + ln], "utf-8"))
+                pos += ln
+        except UnicodeDecodeError:
+            raise MalformedMessage("a node id is not valid UTF-8") from None
+        self.pos = pos
+        return out
+
+    def pairs(self, n: int) -> list[tuple[str, bytes]]:
+        """``n`` (node id, blob) pairs in a row (hot path, like :meth:`strings`)."""
+        buf, pos, end = self.buf, self.pos, len(self.buf)
+        out = []
+        try:
+            for _ in range(n):
+                if pos + 2 > end:
+                    raise MalformedMessage(f"message truncated at offset {pos}")
+                ln = (buf[pos] << 8) | buf[pos + 1]
+                pos += 2
+                if pos + ln + 4 > end:
+                    raise MalformedMessage(f"message truncated at offset {pos}")
+                name = str(buf[pos:pos + ln], "utf-8")
+                pos += ln
+                lb = int.from_bytes(buf[pos:pos + 4], "big")
+                pos += 4
+                if pos + lb > end:
+                    raise MalformedMessage(f"message truncated at offset {pos}")
+                out.append((name, bytes(buf[pos:pos + lb])))
+                pos += lb
+        except UnicodeDecodeError:
+            raise MalformedMessage("a node id is not valid UTF-8") from None
+        self.pos = pos
+        return out
+
     def count(self, min_item_bytes: int) -> int:
         n = self.u32()
         if n * min_item_bytes > len(self.buf) - self.pos:
@@ -361,8 +405,7 @@ class SessionSetup(Message):
 
     @classmethod
     def _read(cls, r: _Reader, session_id: bytes, round_number: int, node: str) -> SessionSetup:
-        n = r.count(2)
-        participants = tuple(r.string() for _ in range(n))
+        participants = tuple(r.strings(r.count(2)))
         neighbours, threshold = r.u32(), r.u32()
         seed = r.fixed(GRAPH_SEED_BYTES)
         length, bits = r.u64(), r.u8()
@@ -452,8 +495,7 @@ def _write_pairs(w: _Writer, pairs: tuple[tuple[str, bytes], ...]) -> None:
 
 
 def _read_pairs(r: _Reader) -> tuple[tuple[str, bytes], ...]:
-    n = r.count(6)
-    return tuple((r.string(), r.blob()) for _ in range(n))
+    return tuple(r.pairs(r.count(6)))
 
 
 @dataclass(frozen=True)
@@ -570,8 +612,8 @@ class UnmaskRequest(Message):
 
     @classmethod
     def _read(cls, r: _Reader, session_id: bytes, round_number: int, node: str) -> UnmaskRequest:
-        survivors = tuple(r.string() for _ in range(r.count(2)))
-        dropped = tuple(r.string() for _ in range(r.count(2)))
+        survivors = tuple(r.strings(r.count(2)))
+        dropped = tuple(r.strings(r.count(2)))
         return cls(session_id, round_number, node, survivors, dropped)
 
 

@@ -301,18 +301,18 @@ class SecAggServer:
         stage = self.stage
         sent, live = set(self._sent), set(self._live)
         dropped = live - sent
-        excluded: set[int] = set()
+        alive = set(sent)  # senders that go on to the next stage
         try:
             if stage is Stage.ADVERTISE_KEYS:
-                excluded = self._prune(sent)
-                self._keys = {j: k for j, k in self._keys.items() if j in sent}
+                self._prune(alive)
+                self._keys = {j: k for j, k in self._keys.items() if j in alive}
             elif stage is Stage.SHARE_KEYS:
-                excluded = self._prune(sent)
-                self._u2 = frozenset(sent)
+                self._prune(alive)
+                self._u2 = frozenset(alive)
                 for s, outs in self._outbox.items():
-                    if s in sent:
+                    if s in alive:
                         for r, ct in outs:
-                            if r in sent:
+                            if r in alive:
                                 self._inbox.setdefault(r, []).append((self._ids[s], ct))
                 self._outbox.clear()
             elif stage is Stage.MASKED_INPUT:
@@ -325,7 +325,8 @@ class SecAggServer:
             self.stage = Stage.ABORTED
             self.abort_reason = str(err)
             raise
-        self._live = sent - excluded
+        excluded = sent - alive
+        self._live = alive
         self._sent = set()
         self.stage = _NEXT[stage]
         ids = self._ids
@@ -333,23 +334,20 @@ class SecAggServer:
                            tuple(ids[j] for j in sorted(dropped)),
                            tuple(ids[j] for j in sorted(excluded)))
 
-    def _prune(self, alive: set[int]) -> set[int]:
-        """Drop nodes left with fewer than t live neighbours (their secrets could never be
-        reconstructed), repeatedly, since each removal can starve a neighbour."""
+    def _prune(self, alive: set[int]) -> None:
+        """Remove (in place) nodes left with fewer than t live neighbours: their secrets
+        could never be reconstructed. Repeat, since each removal can starve a neighbour."""
         t = self.config.threshold
-        removed: set[int] = set()
         changed = True
         while changed:
             changed = False
             for j in sorted(alive):
                 if len(self._nbrs[j] & alive) < t:
                     alive.discard(j)
-                    removed.add(j)
                     changed = True
         if len(alive) < t:
             raise SecAggAbort(f"only {len(alive)} clients are left with enough live neighbours, "
                               f"threshold is {t}")
-        return removed
 
     def _check_reconstructible(self, holders: frozenset[int], how: str) -> None:
         t = self.config.threshold

@@ -77,21 +77,38 @@ def share_limbs(secret: np.ndarray, threshold: int, xs: Sequence[int],
     return (acc * x + secret) % PRIME
 
 
+def _prod_mod(a: np.ndarray) -> np.ndarray:
+    """Product mod p along axis 0, by pairwise halving (log2 rows numpy steps)."""
+    while a.shape[0] > 1:
+        if a.shape[0] % 2:
+            a = np.concatenate([a, np.ones_like(a[:1])])
+        a = (a[0::2] * a[1::2]) % PRIME
+    return a[0]
+
+
 def _lagrange_at_zero(xs: np.ndarray) -> np.ndarray:
     """lambda_j = prod_{m != j} x_m / (x_m - x_j) mod p, for distinct points ``xs``."""
     t = xs.size
-    num = np.ones(t, dtype=np.uint64)
-    den = np.ones(t, dtype=np.uint64)
-    for m in range(t):
-        xm = xs[m]
-        diff = (xm + PRIME - xs) % PRIME  # x_m - x_j
-        diff[m] = 1
-        numf = np.full(t, xm, dtype=np.uint64)
-        numf[m] = 1
-        num = (num * numf) % PRIME
-        den = (den * diff) % PRIME
-    inv = np.array([pow(int(v), PRIME - 2, PRIME) for v in den], dtype=np.uint64)
-    return (num * inv) % PRIME
+    diff = (xs[:, None] + PRIME - xs[None, :]) % PRIME  # [m, j] = x_m - x_j
+    num = np.broadcast_to(xs[:, None], (t, t)).copy()
+    np.fill_diagonal(diff, 1)
+    np.fill_diagonal(num, 1)
+    num_j, den_j = _prod_mod(num), _prod_mod(diff)
+    return (num_j * _batch_inverse(den_j)) % PRIME
+
+
+def _batch_inverse(values: np.ndarray) -> np.ndarray:
+    """Inverses mod p of nonzero ``values`` with one exponentiation (Montgomery's trick)."""
+    vals = values.tolist()
+    prefix = [1] * (len(vals) + 1)
+    for i, v in enumerate(vals):
+        prefix[i + 1] = prefix[i] * v % PRIME
+    inv_all = pow(prefix[-1], PRIME - 2, PRIME)
+    out = [0] * len(vals)
+    for i in range(len(vals) - 1, -1, -1):
+        out[i] = inv_all * prefix[i] % PRIME
+        inv_all = inv_all * vals[i] % PRIME
+    return np.array(out, dtype=np.uint64)
 
 
 def reconstruct_limbs(shares: Mapping[int, np.ndarray], threshold: int) -> np.ndarray:
@@ -100,6 +117,12 @@ def reconstruct_limbs(shares: Mapping[int, np.ndarray], threshold: int) -> np.nd
     Raises :class:`NotEnoughShares` with fewer than ``threshold`` shares. With more, the
     ``threshold`` lowest points are used.
     """
+    points = _pick(shares, threshold)
+    rows = np.stack([np.asarray(shares[p], dtype=np.uint64) for p in points])
+    return _interpolate_at_zero(points, rows)
+
+
+def _pick(shares: Mapping[int, object], threshold: int) -> list[int]:
     if threshold < 1:
         raise ValueError(f"threshold must be >= 1, got {threshold}")
     if len(shares) < threshold:
@@ -107,9 +130,11 @@ def reconstruct_limbs(shares: Mapping[int, np.ndarray], threshold: int) -> np.nd
             f"reconstruction needs {threshold} shares, got {len(shares)}: "
             f"too many holders dropped out"
         )
-    points = sorted(shares)[:threshold]
+    return sorted(shares)[:threshold]
+
+
+def _interpolate_at_zero(points: list[int], rows: np.ndarray) -> np.ndarray:
     xs = _check_points(points)
-    rows = np.stack([np.asarray(shares[p], dtype=np.uint64) for p in points])
     if np.any(rows >= PRIME):
         raise MalformedMessage("a share holds a value outside the field (>= 2^31 - 1)")
     lam = _lagrange_at_zero(xs)
@@ -128,13 +153,13 @@ def share_bytes(secret: bytes, threshold: int, xs: Sequence[int],
 def reconstruct_bytes(shares: Mapping[int, bytes], threshold: int, secret_len: int) -> bytes:
     """The ``secret_len``-byte secret from any ``threshold`` serialised shares."""
     expected = share_size(secret_len)
-    rows: dict[int, np.ndarray] = {}
-    for x, s in shares.items():
+    for s in shares.values():
         if len(s) != expected:
             raise MalformedMessage(f"a share of a {secret_len}-byte secret is {expected} bytes, "
                                    f"got {len(s)}")
-        rows[x] = np.frombuffer(s, dtype="<u4")
-    limbs = reconstruct_limbs(rows, threshold)
+    points = _pick(shares, threshold)
+    rows = np.frombuffer(b"".join(shares[p] for p in points), dtype="<u4")
+    limbs = _interpolate_at_zero(points, rows.reshape(len(points), -1).astype(np.uint64))
     if np.any(limbs >= 1 << LIMB_BITS):
         # Honest shares of a byte secret interpolate to 16-bit limbs; anything else means
         # the shares are of different secrets or were altered.

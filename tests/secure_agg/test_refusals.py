@@ -302,3 +302,21 @@ def test_client_aborts_when_too_few_neighbours_remain() -> None:
         s.clients[a].respond(starved)
     with pytest.raises(WrongStage):
         s.clients[a].respond(bcast)
+
+
+@pytest.mark.parametrize("stage_index", [0, 1])
+def test_starved_neighbourhood_aborts_at_once(stage_index: int) -> None:
+    # Silencing k - t + 1 neighbours of one node leaves it t - 1 holders: it can never
+    # be unmasked and is excluded. In a Harary graph its ring neighbours lose the same
+    # nodes plus it, so exclusions cascade and the session aborts at the end of this
+    # stage, with a reason, instead of failing after the masked inputs.
+    from orchard.secure_agg import NeighbourGraph
+
+    s = Session(seed=21)
+    graph = NeighbourGraph(N, K, s.cfg.graph_seed)
+    silent = tuple(s.cfg.participants[j] for j in sorted(graph.neighbours(0))[: K - T + 1])
+    for _ in range(stage_index):
+        s.step()
+    with pytest.raises(SecAggAbort, match="enough live neighbours"):
+        s.step(skip=silent)
+    assert s.server.stage is Stage.ABORTED
