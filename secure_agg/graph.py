@@ -15,8 +15,6 @@ version.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 from orchard.secure_agg.errors import SecAggConfigError
@@ -65,9 +63,3 @@ class NeighbourGraph:
     def adjacency(self) -> list[frozenset[int]]:
         return [self.neighbours(i) for i in range(self.num_nodes)]
 
-
-def sorted_participants(participants: Sequence[str]) -> tuple[str, ...]:
-    ids = tuple(sorted(participants))
-    if len(set(ids)) != len(ids):
-        raise SecAggConfigError("participant ids must be distinct")
-    return ids

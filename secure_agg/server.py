@@ -26,7 +26,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from orchard.secure_agg import crypto
-from orchard.secure_agg._wire import ciphertext_size
+from orchard.secure_agg._wire import (
+    MASK_KEY_SHARE_BYTES,
+    SELF_MASK_SHARE_BYTES,
+    ciphertext_size,
+)
 from orchard.secure_agg.errors import (
     DuplicateMessage,
     ExcludedNode,
@@ -262,8 +266,6 @@ class SecAggServer:
         np.add(self._total, v.astype(self._dtype, copy=False), out=self._total)
 
     def _on_unmask(self, i: int, msg: UnmaskShares) -> None:
-        from orchard.secure_agg._wire import MASK_KEY_SHARE_BYTES, SELF_MASK_SHARE_BYTES
-
         nb = self._nbrs[i] & self._u2
         want_seed = {self._ids[j] for j in nb & self._u3}
         want_key = {self._ids[j] for j in nb - self._u3}
