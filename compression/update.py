@@ -12,6 +12,7 @@ device can persist between rounds.
 
 from __future__ import annotations
 
+import functools
 import struct
 import zlib
 from collections.abc import Mapping
@@ -25,6 +26,9 @@ from orchard.errors import CodecError
 States = dict[str, State]
 
 
+# Cached: a round encodes and decodes every update with the same (shared_seed, name)
+# pairs, and a SeedSequence costs more than encoding a small tensor.
+@functools.lru_cache(maxsize=4096)
 def tensor_seed(shared_seed: int, name: str) -> int:
     """The shared seed of one tensor: the same on every client and on the server."""
     seq = np.random.SeedSequence(
