@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from orchard.pretrain.config import load_pretrain_config, parse_pretrain_config
-from orchard.pretrain.recipe import run
 from rich.console import Console
 
 from orchard.errors import OrchardError
+from orchard.pretrain.config import load_pretrain_config, parse_pretrain_config
+from orchard.pretrain.recipe import run
 
 
 def parse_overrides(rest: list[str]) -> list[str]:

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from orchard.pretrain.distributed import DistEnv, barrier
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from orchard.errors import OrchardError
+from orchard.pretrain.distributed import DistEnv, barrier
 
 
 class CheckpointError(OrchardError):

@@ -175,16 +175,16 @@ class WindowSampler:
         self.windows = np.array([len(a) - seq_len - 1 for a in self.arrays], dtype=np.int64)
         self.seq_len, self.batch_size, self.seed, self.rank = seq_len, batch_size, seed, rank
 
-    def batch(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """Micro-batch ``micro`` of optimizer step ``step``: (x, y) int64 of shape (B, T)."""
-        rng = np.random.default_rng([self.seed, self.rank, step, micro])
+    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The windows of optimizer step ``step``: (x, y) int64 of shape (batch_size, T)."""
+        rng = np.random.default_rng([self.seed, self.rank, step])
         which = rng.choice(
             len(self.arrays), size=self.batch_size, p=self.windows / self.windows.sum()
         )
         starts = rng.integers(0, self.windows[which] + 1)
         t = self.seq_len
-        buf = np.stack([self.arrays[w][s : s + t + 1] for w, s in zip(which, starts, strict=True)])
-        buf = torch.from_numpy(buf.astype(np.int64))
+        rows = [self.arrays[w][s : s + t + 1] for w, s in zip(which, starts, strict=True)]
+        buf = torch.from_numpy(np.stack(rows).astype(np.int64))
         return buf[:, :t], buf[:, 1:]
 
 
@@ -192,10 +192,12 @@ Batch = list[tuple[torch.Tensor, torch.Tensor]]  # one (x, y) per gradient-accum
 
 
 class Prefetcher:
-    """Builds the micro-batches of steps ``start .. stop-1`` in a thread, ``depth`` steps ahead.
+    """Builds the batches of steps ``start .. stop-1`` in a thread, ``depth`` steps ahead.
 
-    Iterating yields one :data:`Batch` per step, already on ``device``. Batches depend
-    only on the step, so prefetching changes timing, never content.
+    Iterating yields one :data:`Batch` per step, already on ``device``: the step's
+    windows cut into ``grad_accum`` equal micro-batches, so accumulating over k
+    micro-batches of B sees the same data as one batch of k*B. Batches depend only on
+    the step, so prefetching changes timing, never content.
     """
 
     def __init__(
@@ -218,12 +220,10 @@ class Prefetcher:
     def _fill(self) -> None:
         try:
             for step in range(self.start, self.stop):
-                batch = []
-                for m in range(self.grad_accum):
-                    x, y = self.sampler.batch(step, m)
-                    if self.pin:
-                        x, y = x.pin_memory(), y.pin_memory()
-                    batch.append((x, y))
+                x, y = self.sampler.batch(step)
+                if self.pin:
+                    x, y = x.pin_memory(), y.pin_memory()
+                batch = list(zip(x.chunk(self.grad_accum), y.chunk(self.grad_accum), strict=True))
                 while not self.done.is_set():
                     try:
                         self.q.put(batch, timeout=0.1)

@@ -27,6 +27,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from orchard.errors import ConfigError
+from orchard.gpt import GPT, GPTConfig
 from orchard.pretrain import checkpoint, distributed
 from orchard.pretrain.config import PretrainConfig
 from orchard.pretrain.data import (
@@ -40,13 +49,6 @@ from orchard.pretrain.data import (
 from orchard.pretrain.distributed import DistEnv
 from orchard.pretrain.export import export_base_model
 from orchard.pretrain.throughput import mfu, peak_flops
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-from orchard.errors import ConfigError
-from orchard.gpt import GPT, GPTConfig
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -151,8 +153,9 @@ def build(cfg: PretrainConfig, env: DistEnv) -> Components:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, cfg))
     amp_dtype = autocast_dtype(cfg, env.device)
     scaler = torch.amp.GradScaler(env.device.type, enabled=amp_dtype is torch.float16)
+    per_step = cfg.batch_size * cfg.grad_accum  # the Prefetcher cuts it into micro-batches
     sampler = WindowSampler(
-        index, "train", cfg.model.seq_len, cfg.batch_size, cfg.seed, env.rank, env.world_size
+        index, "train", cfg.model.seq_len, per_step, cfg.seed, env.rank, env.world_size
     )
     tokens = cfg.batch_size * cfg.grad_accum * cfg.model.seq_len * env.world_size
     return Components(
@@ -162,10 +165,9 @@ def build(cfg: PretrainConfig, env: DistEnv) -> Components:
 
 def _grad_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
     """Skip the gradient all-reduce on all but the last micro-batch of a step."""
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+    if isinstance(model, FSDPModule):
         model.set_requires_gradient_sync(enabled)
-        return contextlib.nullcontext()
-    if not enabled and hasattr(model, "no_sync"):  # DDP
+    elif isinstance(model, DDP) and not enabled:
         return model.no_sync()
     return contextlib.nullcontext()
 
@@ -202,13 +204,20 @@ def train_step(c: Components, batch: Batch) -> torch.Tensor:
 def evaluate(c: Components) -> float | None:
     if c.config.eval_batches == 0:
         return None
+    # A fixed set of validation windows (seeded apart from training), the same at every call.
     sampler = WindowSampler(
-        c.index, "val", c.config.model.seq_len, c.config.batch_size, c.config.seed, c.env.rank, 1
+        c.index,
+        "val",
+        c.config.model.seq_len,
+        c.config.batch_size,
+        c.config.seed + 1,
+        c.env.rank,
+        1,
     )
     c.model.eval()
     losses = []
     for i in range(c.config.eval_batches):
-        x, y = (t.to(c.env.device) for t in sampler.batch(0, i))
+        x, y = (t.to(c.env.device) for t in sampler.batch(i))
         with torch.autocast(c.env.device.type, dtype=c.amp_dtype, enabled=c.amp_dtype is not None):
             losses.append(loss_fn(c.model, x, y))
     c.model.train()

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from orchard.pretrain.config import PretrainConfig, parse_pretrain_config
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
+from orchard.errors import ConfigError, OrchardError
 from orchard.pretrain.__main__ import parse_overrides
 from orchard.pretrain.config import load_pretrain_config, parse_pretrain_config
 from orchard.pretrain.data import (
@@ -16,8 +18,6 @@ from orchard.pretrain.data import (
     shipped_corpus,
 )
 from orchard.pretrain.recipe import lr_multiplier
-
-from orchard.errors import ConfigError, OrchardError
 
 
 def test_toml_with_overrides(tmp_path) -> None:
@@ -91,10 +91,18 @@ def test_prefetcher_yields_exactly_the_direct_batches(index: ShardIndex) -> None
     loader.close()
     assert len(got) == 4
     for step, batch in zip(range(5, 9), got, strict=True):
-        for micro, (x, _) in enumerate(batch):
-            torch.testing.assert_close(x, s.batch(step, micro)[0])
+        assert [x.shape[0] for x, _ in batch] == [2, 2]
+        torch.testing.assert_close(torch.cat([x for x, _ in batch]), s.batch(step)[0])
 
 
 def test_too_long_sequence_is_a_named_error(index: ShardIndex) -> None:
     with pytest.raises(DataError, match="seq_len"):
         WindowSampler(index, "val", 10_000_000, 1, seed=0)
+
+
+def test_shipped_demo_config_is_valid() -> None:
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "configs" / "pretrain.toml"
+    cfg = load_pretrain_config(path)
+    assert cfg.steps > 0 and cfg.data.corpus == []

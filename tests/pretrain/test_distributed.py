@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+
 from orchard.pretrain import distributed
 from orchard.pretrain.config import parse_pretrain_config
 from orchard.pretrain.recipe import run
@@ -45,6 +46,13 @@ def _configs(root: Path) -> dict[str, dict]:
         "ddp_full": {**base, "output_dir": str(root / "full")},
         "ddp_stop": {**base, "output_dir": str(root / "split"), "stop_after": 12},
         "ddp_resume": {**base, "output_dir": str(root / "split")},
+        "ddp_accum": {
+            **base,
+            "output_dir": str(root / "accum"),
+            "batch_size": 4,
+            "grad_accum": 2,
+            "stop_after": 5,
+        },
         "fsdp_head": {
             **base,
             "output_dir": str(root / "fsdp"),
@@ -89,6 +97,12 @@ def test_stopped_and_resumed_matches_uninterrupted(results) -> None:
     got = stop["losses"] + resume["losses"]
     want = results["ddp_full"]["losses"]
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-6
+
+
+def test_gradient_accumulation_matches_one_big_batch(results) -> None:
+    accum = results["ddp_accum"]["losses"]
+    ddp = results["ddp_full"]["losses"][: len(accum)]
+    torch.testing.assert_close(torch.tensor(accum), torch.tensor(ddp), atol=1e-5, rtol=0)
 
 
 def test_fsdp2_matches_ddp_first_steps(results) -> None:

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from orchard.pretrain.recipe import run
 from orchard.pretrain.throughput import PEAK_BF16_FLOPS, peak_flops
 

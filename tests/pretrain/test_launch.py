@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from orchard.pretrain import checkpoint
 
 pytestmark = pytest.mark.slow

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+
 from orchard.pretrain import checkpoint
 from orchard.pretrain.export import BaseModelError, load_base_model
 from orchard.pretrain.recipe import run
