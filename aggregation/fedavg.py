@@ -150,5 +150,5 @@ def finalize(p: Partial) -> tuple[NDArrays, Metrics]:
     """The weighted mean update (float32) and the weighted metric means."""
     if p.count == 0 or p.weight <= 0:
         raise UpdateSchemaError("cannot finalize an empty cohort: no update was accumulated")
-    mean = {k: (v / p.weight).astype(np.float32) for k, v in p.sums.items()}
+    mean: NDArrays = {k: np.divide(v, p.weight, dtype=np.float64).astype(np.float32) for k, v in p.sums.items()}
     return mean, p.metrics.means()

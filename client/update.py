@@ -46,7 +46,7 @@ def delta_of(t: TaskAssignment, global_arrays: NDArrays, result: TrainResult) ->
         if new.shape != global_arrays[n].shape:
             raise UpdateSchemaError(f"trainer returned {n!r} with shape {new.shape}, "
                                     f"the model has {global_arrays[n].shape}")
-        out[n] = new - global_arrays[n]
+        out[n] = np.subtract(new, global_arrays[n], dtype=np.float32)
     return out
 
 

@@ -14,7 +14,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, NoReturn
 
 import typer
 from rich.console import Console
@@ -50,7 +50,7 @@ def _logging(verbose: bool) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def _fail(err: Exception) -> None:
+def _fail(err: Exception) -> NoReturn:
     console.print(f"[bold red]error:[/] {err}")
     raise typer.Exit(2)
 

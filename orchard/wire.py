@@ -175,7 +175,7 @@ def task_from_proto(m: pb.TaskSpec) -> TaskAssignment:
 def header_to_proto(h: UploadHeader) -> pb.UploadHeader:
     return pb.UploadHeader(
         node_id=h.node_id, run_id=h.run_id, round=h.round, attempt=h.attempt, task_id=h.task_id,
-        kind=int(h.kind), schema=specs_to_proto(list(h.schema)), payload_sizes=list(h.payload_sizes),
+        kind=h.kind.name, schema=specs_to_proto(list(h.schema)), payload_sizes=list(h.payload_sizes),
         codec=h.codec, payload_sha256=h.payload_sha256, weight=h.weight, count=h.count,
         num_examples=h.num_examples, num_steps=h.num_steps, metric_sums=h.metric_sums,
         metric_weights=h.metric_weights, bytes_up=h.bytes_up, bytes_down=h.bytes_down,
