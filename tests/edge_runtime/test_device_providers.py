@@ -12,6 +12,7 @@ import pytest
 from orchard.edge_runtime.clock import ClockError, VirtualClock
 from orchard.edge_runtime.device import (
     DeviceStateUnavailable,
+    PsutilProvider,
     SimulatedDevice,
     SimulatedDeviceParams,
     StaticProvider,
@@ -124,6 +125,15 @@ def test_psutil_shaped_temperatures() -> None:
     assert max_temperature(data) == 71.0
     assert max_temperature(data, frozenset({"nvme"})) == 38.0
     assert max_temperature({}) is None
+
+
+def test_psutil_provider_reads_this_host() -> None:
+    # No mock: whatever this host has (a CI box usually has no battery) comes back
+    # as readings or as None, never as an exception.
+    s = PsutilProvider(unmetered_network=True).read()
+    assert s.battery_percent is None or 0.0 <= s.battery_percent <= 100.0
+    assert s.temperature_c is None or -40.0 <= s.temperature_c <= 150.0
+    assert s.unmetered_network is True
 
 
 def test_static_provider_from_dict() -> None:
