@@ -106,3 +106,12 @@ async def tree(tmp: Path, depth: int, clients_per_leaf: int, fanout: int = 1, se
         await add_clients(fed, leaf.address, list(range(k, k + clients_per_leaf)), n)
         k += clients_per_leaf
     return fed
+
+
+async def wait_joined(tier: TierHandle, n: int, timeout: float = 30.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while tier.coordinator.capacity()[0] < n:
+        if loop.time() > end:
+            raise AssertionError(f"only {tier.coordinator.capacity()[0]} of {n} clients joined in {timeout}s")
+        await asyncio.sleep(0.05)

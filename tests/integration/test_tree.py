@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import FAST, Federation, add_clients, start_run, tree, wait_status
+from harness import FAST, Federation, add_clients, start_run, tree, wait_joined, wait_status
 
 from orchard import wire
 from orchard.client.runtime import ClientRuntime
@@ -128,6 +128,7 @@ def test_over_selection_closes_at_target(tmp_path: Path) -> None:
         root = await start_root(tmp_path / "root", insecure=True, server_cfg=FAST, start_grace_s=0.2, seed=3)
         fed = Federation(root)
         await add_clients(fed, root.address, list(range(6)), 6)
+        await wait_joined(root, 6)
         await start_run(root, RunConfig(task="digits", rounds=1,
                                         cohort=CohortConfig(target=4, over_selection=1.3, deadline_s=30)))
         st = await wait_status(root, lambda s: s.get("status") == "completed", 60)
