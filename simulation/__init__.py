@@ -1,1 +1,37 @@
-"""Orchard subpackage."""
+"""Simulation: thousands of clients on one machine, through the real client and server code.
+
+```python
+from orchard.simulation import SimulationConfig, run_simulation
+report = run_simulation(SimulationConfig(clients=10_000, clients_per_round=1_000, rounds=5, aggregators=4))
+print(report.rounds[-1]["accuracy"], report.clients_per_second)
+```
+
+Every tier is a real :class:`orchard.server.coordinator.Coordinator`; clients train
+with the task's trainer, encode with ``client.update.build_upload`` and upload through
+``Coordinator.submit_local``; the root finalizes and steps the server optimizer as
+``server.root`` does. Devices (speed, availability, battery, heat) come from
+``orchard.edge_runtime``'s simulated device, policy and governor, on a virtual clock.
+See :mod:`orchard.simulation.engine` for one round step by step.
+"""
+
+from orchard.simulation.config import (
+    DEFAULT_PROFILES,
+    DeviceProfile,
+    SimulationConfig,
+    build_simulation_config,
+    load_simulation_config,
+    simulation_problems,
+)
+from orchard.simulation.report import SimulationReport
+from orchard.simulation.runner import run_simulation
+
+__all__ = [
+    "DEFAULT_PROFILES",
+    "DeviceProfile",
+    "SimulationConfig",
+    "SimulationReport",
+    "build_simulation_config",
+    "load_simulation_config",
+    "run_simulation",
+    "simulation_problems",
+]

@@ -1,0 +1,118 @@
+"""Where client jobs run: a bounded thread pool here, or Ray actors across machines.
+
+The round engine (tiers, clocks, folding) always stays in the driving process; a
+backend only runs :func:`orchard.simulation.clients.run_jobs` on lists of jobs and hands
+back their uploads. At most ``workers`` jobs are in flight, so what is materialised at
+once is ``workers * chunk_size`` clients whatever the population.
+
+Threads work because the heavy parts (torch kernels, numpy, hashing) release the GIL;
+results do not depend on scheduling, since every client's work is a pure function of
+its job and the engine folds uploads in simulated-time order, not completion order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+from orchard.compression import build_codec
+from orchard.config import RunConfig
+from orchard.errors import ConfigError, OrchardError
+from orchard.simulation.clients import ClientJob, ClientOutput, run_jobs
+from orchard.tasks import Task, get_task
+from orchard.typing import NDArrays
+
+
+class BackendError(OrchardError):
+    """A backend could not start or lost its workers."""
+
+
+class Backend(Protocol):
+    def submit(self, jobs: list[ClientJob], global_arrays: NDArrays) -> Future[list[ClientOutput]]: ...
+
+    def close(self) -> None: ...
+
+
+class LocalBackend:
+    """Jobs on ``workers`` threads of this process (``workers=1``: on the caller's thread)."""
+
+    def __init__(self, task: Task, population: int, cfg: RunConfig, workers: int, vectorize: bool) -> None:
+        self._run: Callable[[list[ClientJob], NDArrays], list[ClientOutput]] = (
+            lambda jobs, arrays: run_jobs(task, population, cfg, self._codec, arrays, jobs, vectorize))
+        self._codec = build_codec(cfg.codec)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="orchard-sim") if workers > 1 else None
+
+    def submit(self, jobs: list[ClientJob], global_arrays: NDArrays) -> Future[list[ClientOutput]]:
+        if self._pool is not None:
+            return self._pool.submit(self._run, jobs, global_arrays)
+        fut: Future[list[ClientOutput]] = Future()
+        try:
+            fut.set_result(self._run(jobs, global_arrays))
+        except BaseException as err:  # surfaced by fut.result(), as from a pool
+            fut.set_exception(err)
+        return fut
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+class RayBackend:
+    """Jobs on ``workers`` Ray actors; each builds the task once and keeps it.
+
+    ``ray.init()`` joins the cluster named by ``RAY_ADDRESS`` when set, else starts a
+    local one. The global model goes to the object store once per round.
+    """
+
+    def __init__(self, task_name: str, task_params: dict[str, Any], population: int, cfg: RunConfig,
+                 workers: int, vectorize: bool) -> None:
+        try:
+            import ray
+        except ImportError as err:
+            raise ConfigError("backend 'ray' needs ray: pip install 'orchard-fl[ray]'") from err
+        self._ray = ray
+        if not ray.is_initialized():
+            ray.init(num_cpus=None, include_dashboard=False, log_to_driver=False)
+
+        @ray.remote
+        class _Worker:
+            def __init__(self, cfg_json: str) -> None:
+                import torch
+
+                torch.set_num_threads(1)
+                self.cfg = RunConfig.model_validate_json(cfg_json)
+                self.task = get_task(task_name, **task_params)
+                self.codec = build_codec(self.cfg.codec)
+
+            def run(self, jobs: list[ClientJob], arrays: NDArrays) -> list[ClientOutput]:
+                return run_jobs(self.task, population, self.cfg, self.codec, arrays, jobs, vectorize)
+
+        cfg_json = cfg.model_dump_json()
+        self._actors = [_Worker.remote(cfg_json) for _ in range(workers)]
+        self._next = 0
+        self._arrays_ref: Any = None
+        self._arrays_id: int | None = None
+
+    def submit(self, jobs: list[ClientJob], global_arrays: NDArrays) -> Future[list[ClientOutput]]:
+        if self._arrays_id != id(global_arrays):
+            self._arrays_ref = self._ray.put(global_arrays)
+            self._arrays_id = id(global_arrays)
+        actor = self._actors[self._next % len(self._actors)]
+        self._next += 1
+        ref = actor.run.remote(jobs, self._arrays_ref)
+        return ref.future()  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        for a in self._actors:
+            self._ray.kill(a)
+        self._actors = []
+
+
+def make_backend(kind: str, task: Task, task_name: str, task_params: dict[str, Any], population: int,
+                 cfg: RunConfig, workers: int, vectorize: bool) -> Backend:
+    if kind == "ray":
+        return RayBackend(task_name, task_params, population, cfg, workers, vectorize)
+    if kind == "local":
+        return LocalBackend(task, population, cfg, workers, vectorize)
+    raise ConfigError(f"unknown backend {kind!r}; expected 'local' or 'ray'")

@@ -1,0 +1,570 @@
+"""The round engine of a simulation: real tiers, virtual time, simulated devices.
+
+Per round (attempt), in simulated time:
+
+1. **Check-in.** Devices are drawn in a seeded random order; each one that is online
+   at this hour (its kind's availability) is materialised as the edge runtime's
+   :class:`SimulatedDevice`, brought up to the present, and checks in (``join``) at the
+   lowest-tier coordinator it dials if the device-side policy
+   (``edge_runtime.policy.check_eligibility``) lets it. Check-in stops once
+   ``clients_per_round * over_selection * checkin_factor`` devices are in.
+2. **Selection.** Every tier is a real :class:`orchard.server.coordinator.Coordinator`.
+   Aggregators report their pools upward (``touch``), the root opens the round, and
+   each tier takes its assignment from its parent (``_try_assign``) and opens its own
+   round, exactly as ``server.aggregator`` does over gRPC; lowest tiers over-select
+   their clients.
+3. **Devices.** A selected device downloads the model (its link speed), trains under
+   the edge runtime's governor (``run_governed`` on its simulated battery and thermal
+   model: it may pace itself or stop early, and then trains only the steps it did),
+   and uploads. Its finish time is download + training + upload; some devices vanish
+   mid-task (their kind's dropout rate) and are never heard from again.
+4. **Arrivals.** Uploads are folded in simulated-time order with
+   ``Coordinator.submit_local`` (the gRPC path's checks, decode and fold). A tier
+   closes when the coordinator says so (target reached), at its deadline (``sweep``;
+   late devices are refused), or once every selected child delivered or was dropped
+   (vanished devices are dropped ``node_timeout_s`` after they fell silent). A closed
+   tier pushes its partial upward as a PARTIAL_SUM (``encode_partial`` +
+   ``submit_local`` on its parent) after its transfer time.
+5. **Root.** When the root closes: ``finalize`` and ``ServerOptimizer.step``, as
+   ``server.root`` does; too few updates fail the round and it is retried.
+
+Client training runs in a backend (threads or Ray) in chunks of ``chunk_size`` clients
+taken in finish-time order, and only for clients whose tier is still open: a client
+that would arrive after its tier closed is never trained (its upload would be refused
+anyway), which keeps large over-selected rounds cheap without changing any number.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import math
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from orchard import wire
+from orchard.aggregation import Partial, ServerOptimizer, finalize
+from orchard.compression import build_codec, encode_update
+from orchard.config import RunConfig, ServerConfig
+from orchard.edge_runtime.governor import Governor, run_governed
+from orchard.edge_runtime.policy import DevicePolicy, RoundBudget
+from orchard.errors import OrchardError
+from orchard.messages import PARTIAL_CODEC, TaskAssignment, UploadHeader, UploadKind
+from orchard.server.coordinator import CohortRound, Coordinator, RoundTask
+from orchard.server.decoding import ClientUpdateDecoder
+from orchard.simulation.backends import Backend
+from orchard.simulation.clients import ClientJob, ClientOutput
+from orchard.simulation.population import LiveDevice, Population
+from orchard.tasks import Task
+from orchard.typing import DeviceState, NDArrays, Role, schema_of
+from orchard.updates import encode_partial, pack
+from orchard.wire import sha256_hex
+
+_TOKEN = "simulated"  # every simulated node presents the same (unchecked) credential
+
+
+class VirtualTime:
+    """The simulated clock every coordinator reads (monotonic and wall, in seconds)."""
+
+    def __init__(self, wall_origin: float) -> None:
+        self.t = 0.0
+        self.origin = wall_origin
+
+    def monotonic(self) -> float:
+        return self.t
+
+    def wall(self) -> float:
+        return self.origin + self.t
+
+    def advance_to(self, t: float) -> None:
+        # Events are handled in time order; an event stamped earlier than now (a
+        # partial whose transfer was shorter than the wait) is handled now.
+        self.t = max(self.t, t)
+
+
+@dataclass
+class Tier:
+    name: str
+    coord: Coordinator
+    parent: Tier | None
+    children: list[Tier] = field(default_factory=list)
+    # per round
+    cr: CohortRound | None = None
+    pushed: bool = False
+    waiting: int = 0  # selected clients still expected to upload (not vanished, not late)
+    last_silence: float = -math.inf  # latest time a vanished client fell silent
+    working: set[str] = field(default_factory=set)  # selected clients still training
+    assignment: TaskAssignment | None = None  # this tier's task from its parent
+    secure_uploads: dict[str, tuple[UploadHeader, bytes]] = field(default_factory=dict)
+    secure_result: tuple[Partial, int, int] | None = None  # (partial, bytes up, bytes down)
+    selected: list[str] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.cr, self.pushed, self.waiting, self.last_silence = None, False, 0, -math.inf
+        self.working, self.assignment, self.secure_uploads, self.secure_result = set(), None, {}, None
+        self.selected = []
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+
+@dataclass
+class Arrival:
+    finish: float
+    partition: int
+    node_id: str
+    leaf: Tier
+    assignment: TaskAssignment
+    steps: int | None
+
+
+@dataclass
+class RoundStats:
+    checked_in: int = 0
+    selected: int = 0
+    trained: int = 0
+    late: int = 0
+    vanished: int = 0
+    stopped_by_governor: int = 0  # stopped before its first step: no upload
+    stopped_early: int = 0  # stopped after some steps: uploads fewer steps' work
+    failed: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, task: Task, population: Population, run: RunConfig, fanout: list[int], backend: Backend,
+                 *, chunk_size: int, workers: int, governor: bool, checkin_factor: float, node_timeout_s: float,
+                 aggregator_mbps: float, wall_origin: float, num_partitions: int, seed: int) -> None:
+        self.task = task
+        self.pop = population
+        self.run = run
+        self.backend = backend
+        self.chunk_size = chunk_size
+        self.workers = workers
+        self.governor = governor
+        self.checkin_factor = checkin_factor
+        self.aggregator_mbps = aggregator_mbps
+        self.num_partitions = num_partitions
+        self.seed = seed
+        self.time = VirtualTime(wall_origin)
+        self.codec = build_codec(run.codec)
+        self.secure = run.secure_aggregation.enabled
+        # Liveness is modelled here (a vanished device is silent), so tiers use the
+        # configured timeout on the virtual clock; limits are the real defaults.
+        self.server_cfg = ServerConfig(node_timeout_s=node_timeout_s)
+        self.root = self._tier("root", None, 0)
+        level = [self.root]
+        for depth, fan in enumerate(fanout, start=1):
+            nxt = []
+            for p in level:
+                for i in range(fan):
+                    t = self._tier(f"{p.name}/agg{depth}.{i}" if p.parent else f"agg{depth}.{i}", p, depth)
+                    p.children.append(t)
+                    p.coord.join(t.name, Role.AGGREGATOR, _TOKEN, _box_state())
+                    nxt.append(t)
+            level = nxt
+        self.leaves = level
+        self.sizes = np.asarray(task.partition(num_partitions, seed).sizes, dtype=np.int64)
+        self.w_scale = float(max(1, int(self.sizes.max())))
+        self.codec_states: dict[int, dict[str, Any]] = {}
+        self.run_id = f"sim-{seed}"
+        self.config_json = run.model_dump_json()
+
+    def _tier(self, name: str, parent: Tier | None, depth: int) -> Tier:
+        h = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
+        rng = np.random.default_rng([self.seed, depth, h])
+        coord = Coordinator(name, self.server_cfg, rng, ClientUpdateDecoder(),
+                            monotonic=self.time.monotonic, wall=self.time.wall)
+        return Tier(name, coord, parent)
+
+    def tiers(self) -> list[Tier]:
+        out, queue = [], deque([self.root])
+        while queue:
+            t = queue.popleft()
+            out.append(t)
+            queue.extend(t.children)
+        return out
+
+    # ------------------------------------------------------------------ one round
+
+    def round(self, rnd: int, attempt: int, arrays: NDArrays, optimizer: ServerOptimizer) -> dict[str, Any]:
+        """Run one attempt of round ``rnd``; returns its record (``ok`` says whether it counted)."""
+        cfg = self.run
+        stats = RoundStats()
+        t_open = self.time.t
+        blob = wire.arrays_to_blob(arrays)
+        model_hash = sha256_hex(blob)
+        schema = tuple(schema_of(arrays))
+        live = self._check_in(rnd, attempt, stats)
+        self._report_pools()
+        shared_seed = int(np.random.default_rng([cfg.seed, rnd, attempt]).integers(0, 2**63 - 1))
+        task = RoundTask(run_id=self.run_id, round=rnd, attempt=attempt, config=cfg, config_json=self.config_json,
+                         model_blob=blob, model_hash=model_hash, schema=schema,
+                         deadline_unix=self.time.wall() + cfg.cohort.deadline_s, target=cfg.cohort.target,
+                         shared_seed=shared_seed)
+        for t in self.tiers():
+            t.reset()
+        self.root.cr = self.root.coord.open_round(task)
+        self._open_below(self.root, blob)
+        arrivals = self._dispatch(live, blob, schema, shared_seed, stats)
+        self._process(arrivals, arrays, stats)
+        if self.secure and self.root.is_leaf:
+            out = None
+            partial, bytes_up, bytes_down = self._secure_partial(self.root)
+        else:
+            out = self.root.coord.outcome(self.root.cr)
+            partial, bytes_up, bytes_down = out.partial, out.bytes_up, out.bytes_down
+        for t in self.tiers():
+            if t.cr is not None and not t.cr.closed:
+                t.coord.close_round(t.cr, "simulation round over")
+        self._leave(live)
+        need = math.ceil(cfg.cohort.target * cfg.cohort.min_fraction)
+        record: dict[str, Any] = {
+            "round": rnd, "attempt": attempt, "participants": partial.count, "selected": stats.selected,
+            "checked_in": stats.checked_in, "trained": stats.trained, "late": stats.late,
+            "vanished": stats.vanished, "stopped_by_governor": stats.stopped_by_governor,
+            "stopped_early": stats.stopped_early,
+            "failed_clients": stats.failed, "rejected": stats.rejected, "bytes_up": bytes_up,
+            "bytes_down": bytes_down, "tier_participants": out.tier_participants if out is not None else {},
+            "closed_because": self.root.cr.close_reason, "simulated_seconds": round(self.time.t - t_open, 3),
+        }
+        if partial.count < need or partial.weight <= 0:
+            record["ok"] = False
+            record["reason"] = f"{partial.count} of the {need} updates needed arrived; round retried"
+            return record
+        mean, metrics = finalize(partial)
+        record["new_arrays"] = optimizer.step(mean)
+        record["train_metrics"] = metrics
+        record["ok"] = True
+        return record
+
+    # ------------------------------------------------------------------ check-in and selection
+
+    def _check_in(self, rnd: int, attempt: int, stats: RoundStats) -> dict[str, LiveDevice]:
+        cfg = self.run
+        want = math.ceil(cfg.cohort.target * cfg.cohort.over_selection * self.checkin_factor)
+        live: dict[str, LiveDevice] = {}
+        now = self.time.t
+        wall = self.time.wall()
+        # Offer devices in a seeded order until enough are in (or everyone was asked).
+        for k, order in enumerate(self.pop.candidates(rnd, attempt, max(64, 2 * want))):
+            online = self.pop.online(order, now, rnd, attempt * 1_000_003 + k)
+            for i in order[online]:
+                if len(live) >= want:
+                    break
+                dev = self.pop.materialise(int(i), now)
+                state = Population.state_of(dev)
+                if not Population.eligible(state, cfg.eligibility, wall):
+                    self.pop.store(dev)
+                    continue
+                node = f"device-{int(i)}"
+                leaf = self.leaves[int(i) % len(self.leaves)]
+                leaf.coord.join(node, Role.CLIENT, _TOKEN, state)
+                live[node] = dev
+            if len(live) >= want:
+                break
+        stats.checked_in = len(live)
+        return live
+
+    def _report_pools(self) -> None:
+        # Bottom-up: each aggregator tells its parent how many clients it can reach.
+        for t in reversed(self.tiers()):
+            if t.parent is not None:
+                size, elig = t.coord.capacity(self.run)
+                t.parent.coord.touch(t.name, pool_size=size, pool_eligible=elig)
+
+    def _open_below(self, parent: Tier, blob: bytes) -> None:
+        for t in parent.children:
+            a = parent.coord._try_assign(t.name)
+            if a is None:
+                continue
+            parent.coord.count_bytes_down(len(blob))
+            # As server.aggregator's UpstreamLink._serve: the parent's task, this tier's cohort.
+            task = RoundTask(run_id=a.run_id, round=a.round, attempt=a.attempt, config=self.run,
+                             config_json=a.config_json, model_blob=blob, model_hash=a.model_hash, schema=a.schema,
+                             deadline_unix=a.deadline_unix, target=max(1, a.cohort_target),
+                             shared_seed=a.shared_seed)
+            t.assignment = a
+            t.cr = t.coord.open_round(task)
+            self._open_below(t, blob)
+
+    # ------------------------------------------------------------------ devices
+
+    def _planned_steps(self, partition: int) -> int:
+        tc = self.run.train
+        if tc.steps is not None:
+            return tc.steps
+        n = int(self.sizes[partition])
+        return tc.epochs * max(1, -(-n // tc.batch_size))
+
+    def _payload_estimate(self, schema: tuple, shared_seed: int) -> int:
+        # The codec's size for a zero update: exact for fixed-size codecs, close for the rest.
+        zeros = {s.name: np.zeros(s.shape, np.float32) for s in schema}
+        payloads, _ = encode_update(self.codec, zeros, np.random.default_rng(0), None, shared_seed)
+        return len(pack(list(payloads.values()))[0])
+
+    def _dispatch(self, live: dict[str, LiveDevice], blob: bytes, schema: tuple, shared_seed: int,
+                  stats: RoundStats) -> list[Arrival]:
+        """Hand out assignments; simulate each selected device's download, training time and upload."""
+        up_bytes = self._payload_estimate(schema, shared_seed)
+        t_open = self.time.t
+        arrivals: list[Arrival] = []
+        for li, leaf in enumerate(self.leaves):
+            if leaf.cr is None:
+                continue
+            # One stream per tier and round, drawn in assignment order: same seed, same fates.
+            rng = np.random.default_rng([self.seed, leaf.cr.task.round, leaf.cr.task.attempt, li, 0xD0])
+            # Only selected devices get a task; the others' polls would come back Idle
+            # (every eligible device was already a candidate, so none can fill in).
+            for node in list(leaf.cr.assignments):
+                if node not in live:
+                    continue
+                a = leaf.coord._try_assign(node)
+                if a is None:
+                    continue
+                leaf.coord.count_bytes_down(len(blob))
+                leaf.selected.append(node)
+                stats.selected += 1
+                dev = live[node]
+                part = dev.index
+                down_s = dev.profile.latency_s + len(blob) * 8 / (dev.profile.down_mbps * 1e6)
+                dev.clock.advance(max(0.0, t_open + down_s - dev.clock.monotonic()))
+                planned = self._planned_steps(part)
+                train_s, steps = self._train_time(dev, planned, a.deadline_unix - self.time.wall() - down_s)
+                up_s = dev.profile.latency_s + up_bytes * 8 / (dev.profile.up_mbps * 1e6)
+                finish = t_open + down_s + train_s + up_s
+                fate, when = rng.random(2)
+                if steps == 0:
+                    stats.stopped_by_governor += 1
+                    continue
+                if fate < dev.profile.dropout:
+                    stats.vanished += 1
+                    leaf.last_silence = max(leaf.last_silence, t_open + when * (finish - t_open))
+                    continue
+                if steps < planned:
+                    stats.stopped_early += 1
+                leaf.waiting += 1
+                leaf.working.add(node)
+                arrivals.append(Arrival(finish, part, node, leaf, a, steps if steps < planned else None))
+        arrivals.sort(key=lambda x: (x.finish, x.partition))
+        return arrivals
+
+    def _train_time(self, dev: LiveDevice, planned: int, time_left_s: float) -> tuple[float, int]:
+        """(seconds, steps done) of local training on the simulated device."""
+        tc = self.run.train
+        n = int(self.sizes[dev.index])
+        per_step = min(tc.batch_size, max(n, 1))
+        if not self.governor:
+            return dev.device.work(planned * per_step * dev.seconds_per_example), planned
+        policy = DevicePolicy(eligibility=self.run.eligibility,
+                              budget=RoundBudget(max_steps=planned, time_s=max(time_left_s, 1e-3)))
+        gov = Governor(dev.device, policy, dev.clock)
+
+        def step() -> float:
+            dev.device.work(per_step * dev.seconds_per_example)
+            return float(per_step)
+
+        report = run_governed(gov, step)
+        return report.elapsed_s, report.steps_done
+
+    # ------------------------------------------------------------------ arrivals, in time order
+
+    def _process(self, arrivals: list[Arrival], arrays: NDArrays, stats: RoundStats) -> None:
+        events: list[tuple[float, int, str, Any]] = []  # (time, seq, kind, payload)
+        seq = itertools.count()
+        for t in self.tiers():
+            if t.cr is not None:
+                heapq.heappush(events, (t.cr.task.deadline_unix - self.time.origin, next(seq), "deadline", t))
+        for leaf in self.leaves:
+            if leaf.cr is not None and leaf.waiting == 0:
+                self._schedule_quiet_close(leaf, events, seq)
+        pending: deque[tuple[list[Arrival], Future[list[ClientOutput]]]] = deque()
+        outputs: dict[int, ClientOutput] = {}
+        cursor = 0
+
+        def refill() -> int:
+            nonlocal cursor
+            while len(pending) < self.workers and cursor < len(arrivals):
+                batch: list[Arrival] = []
+                while cursor < len(arrivals) and len(batch) < self.chunk_size:
+                    a = arrivals[cursor]
+                    cursor += 1
+                    if a.leaf.cr is not None and not a.leaf.cr.closed:
+                        batch.append(a)
+                    else:
+                        stats.late += 1
+                        a.leaf.waiting -= 1
+                        a.leaf.working.discard(a.node_id)
+                if batch:
+                    jobs = [ClientJob(a.partition, a.node_id, a.assignment, a.steps,
+                                      self.codec_states.get(a.partition)) for a in batch]
+                    pending.append((batch, self.backend.submit(jobs, arrays)))
+            return cursor
+
+        def root_done() -> bool:
+            return self.root.cr is not None and self.root.cr.closed
+
+        refill()
+        while not root_done():
+            next_arrival = pending[0][0][0].finish if pending else math.inf
+            next_event = events[0][0] if events else math.inf
+            if next_event == math.inf and next_arrival == math.inf:
+                break
+            if next_event <= next_arrival:
+                when, _, kind, obj = heapq.heappop(events)
+                self.time.advance_to(when)
+                self._event(kind, obj, events, seq, stats)
+                continue
+            batch, fut = pending.popleft()
+            for o in fut.result():
+                outputs[o.partition] = o
+            refill()
+            for a in batch:
+                # Deadlines and partials due before this arrival come first.
+                while events and events[0][0] <= a.finish and not root_done():
+                    when, _, kind, obj = heapq.heappop(events)
+                    self.time.advance_to(when)
+                    self._event(kind, obj, events, seq, stats)
+                if root_done():
+                    stats.late += 1
+                    continue
+                self.time.advance_to(a.finish)
+                self._arrive(a, outputs.pop(a.partition), events, seq, stats)
+            outputs.clear()
+        for _, fut in pending:
+            fut.cancel()
+
+    def _arrive(self, a: Arrival, o: ClientOutput, events: list, seq: Any, stats: RoundStats) -> None:
+        leaf = a.leaf
+        leaf.waiting -= 1
+        leaf.working.discard(a.node_id)
+        stats.trained += 1
+        if o.header is None:
+            stats.failed += 1
+        elif leaf.cr is None or leaf.cr.closed:
+            stats.late += 1
+        elif self.secure:
+            leaf.secure_uploads[a.node_id] = (o.header, o.payload)
+            self._keep_state(a.partition, o)
+            if len(leaf.secure_uploads) >= leaf.cr.task.target:
+                leaf.coord.close_round(leaf.cr, "target reached")
+        else:
+            try:
+                leaf.coord.submit_local(a.node_id, o.header, o.payload)
+                self._keep_state(a.partition, o)
+            except OrchardError as err:
+                name = type(err).__name__
+                stats.rejected[name] = stats.rejected.get(name, 0) + 1
+        if leaf.cr is not None and not leaf.cr.closed and leaf.waiting == 0:
+            self._schedule_quiet_close(leaf, events, seq)
+        self._after(leaf, events, seq)
+
+    def _keep_state(self, partition: int, o: ClientOutput) -> None:
+        if o.codec_state:
+            self.codec_states[partition] = o.codec_state
+
+    def _schedule_quiet_close(self, leaf: Tier, events: list, seq: Any) -> None:
+        """Nobody else will upload: the tier closes once it has dropped the silent ones."""
+        assert leaf.cr is not None
+        at = max(self.time.t, leaf.last_silence + self.server_cfg.node_timeout_s)
+        heapq.heappush(events, (at, next(seq), "quiet", leaf))
+
+    def _event(self, kind: str, obj: Any, events: list, seq: Any, stats: RoundStats) -> None:
+        if kind == "partial":
+            tier, header, payload = obj
+            parent = tier.parent
+            try:
+                parent.coord.submit_local(tier.name, header, payload)
+            except OrchardError as err:
+                name = type(err).__name__
+                stats.rejected[name] = stats.rejected.get(name, 0) + 1
+            self._after(parent, events, seq)
+            return
+        tier: Tier = obj
+        if tier.cr is None or tier.cr.closed:
+            self._after(tier, events, seq)
+            return
+        if kind == "deadline":
+            # Clients still training keep heartbeating; the sweep drops only the silent.
+            for a in tier.cr.pending():
+                c = tier.coord.children.get(a.node_id)
+                if c is not None and (c.role is Role.AGGREGATOR or a.node_id in tier.working):
+                    tier.coord.touch(a.node_id)
+            tier.coord.sweep()
+            if not tier.cr.closed:  # the virtual wall sits exactly on the deadline
+                tier.coord.close_round(tier.cr, "deadline")
+        elif kind == "quiet":
+            tier.coord.sweep()
+            if self.secure and not tier.cr.closed:
+                tier.coord.close_round(tier.cr, "every selected node delivered or dropped")
+        self._after(tier, events, seq)
+
+    def _after(self, tier: Tier, events: list, seq: Any) -> None:
+        """If ``tier`` just closed, push its partial up (after the transfer time)."""
+        if tier.cr is None or not tier.cr.closed or tier.pushed:
+            return
+        tier.pushed = True
+        if tier.parent is None:
+            return
+        if self.secure and tier.is_leaf:
+            partial, up, down = self._secure_partial(tier)
+            tier_participants = {tier.name: partial.count}
+        else:
+            out = tier.coord.outcome(tier.cr)
+            partial, up, down, tier_participants = out.partial, out.bytes_up, out.bytes_down, out.tier_participants
+        payload, sizes = encode_partial(partial.sums)
+        a = tier.assignment
+        assert a is not None  # every tier below the root got one before it opened
+        header = UploadHeader(
+            node_id=tier.name, run_id=a.run_id, round=a.round, attempt=a.attempt, task_id=a.task_id,
+            kind=UploadKind.PARTIAL_SUM, schema=a.schema, payload_sizes=sizes, codec=PARTIAL_CODEC,
+            payload_sha256=sha256_hex(payload), weight=partial.weight, count=partial.count,
+            metric_sums=dict(partial.metrics.sums), metric_weights=dict(partial.metrics.weights),
+            bytes_up=up, bytes_down=down, tier_participants=tier_participants)
+        at = self.time.t + len(payload) * 8 / (self.aggregator_mbps * 1e6)
+        heapq.heappush(events, (at, next(seq), "partial", (tier, header, payload)))
+
+    def _secure_partial(self, tier: Tier) -> tuple[Partial, int, int]:
+        """The cohort's sum from its SecAgg+ session (run once, when the tier closes)."""
+        from orchard.simulation.secure import cohort_sum
+
+        cr = tier.cr
+        assert cr is not None
+        if tier.secure_result is None:
+            down = cr.bytes_down
+            if len(tier.selected) < 2 or not tier.secure_uploads:
+                empty = Partial(sums={s.name: np.zeros(s.shape, np.float64) for s in cr.task.schema})
+                tier.secure_result = (empty, 0, down)
+            else:
+                res = cohort_sum(self.run.secure_aggregation, self.codec, cr.task.schema, cr.task.shared_seed,
+                                 tier.selected, tier.secure_uploads, self.w_scale, cr.task.round, self.seed)
+                tier.secure_result = (res.partial, res.bytes_up, down + res.bytes_down)
+        return tier.secure_result
+
+    # ------------------------------------------------------------------ after the round
+
+    def _leave(self, live: dict[str, LiveDevice]) -> None:
+        """Devices disconnect when the round is over; their state goes back to the population."""
+        for leaf in self.leaves:
+            # The coordinator forgets a node only by expiry; a simulated device that goes
+            # away goes at once (a Coordinator.leave() would be the API for this).
+            for node in [n for n, c in leaf.coord.children.items() if c.role is Role.CLIENT]:
+                del leaf.coord.children[node]
+        for dev in live.values():
+            dev.clock.advance(max(0.0, self.time.t - dev.clock.monotonic()))
+            self.pop.store(dev)
+
+    def shutdown(self) -> None:
+        for t in self.tiers():
+            t.coord.shutdown()
+
+
+def _box_state() -> DeviceState:
+    # Aggregators run on mains power in a data centre: always eligible.
+    return DeviceState(charging=True)

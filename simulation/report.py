@@ -1,0 +1,116 @@
+"""What a simulation writes: ``rounds.jsonl`` (a line per round as it ends), ``report.json``
+(the demo's round schema plus throughput and simulated time) and three PNG plots."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Per-round fields that depend on the host (wall time), not on the seed.
+WALL_FIELDS = ("seconds", "cpu_seconds", "eval_seconds", "clients_per_second")
+
+
+@dataclass
+class SimulationReport:
+    """Per-round records and totals. ``rounds[i]`` has at least the demo's keys: round,
+    participants, accuracy, loss, bytes_up, bytes_down, seconds (wall), plus
+    simulated_seconds and the simulator's own counts."""
+
+    task: str
+    population: int
+    clients_per_round: int
+    aggregators: list[int]
+    codec: str
+    secure_aggregation: bool
+    backend: str
+    vectorized: bool
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+    clients_per_second: float = 0.0
+    total_seconds: float = 0.0
+    simulated_seconds: float = 0.0
+    final_accuracy: float | None = None
+    final_loss: float | None = None
+    failed_attempts: int = 0
+    status: str = "completed"
+    out: str | None = None
+    plots: list[str] = field(default_factory=list)
+    # The global model after the last round (not serialised).
+    final_arrays: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        arrays, self.final_arrays = self.final_arrays, {}
+        try:
+            d = asdict(self)
+        finally:
+            self.final_arrays = arrays
+        d.pop("final_arrays")
+        return d
+
+    def seed_dependent(self) -> dict[str, Any]:
+        """Everything but host timings: equal for equal seeds."""
+        d = self.to_dict()
+        for k in ("clients_per_second", "total_seconds", "out", "plots"):
+            d.pop(k)
+        d["rounds"] = [{k: v for k, v in r.items() if k not in WALL_FIELDS} for r in d["rounds"]]
+        return d
+
+
+def append_round(path: Path, row: dict[str, Any]) -> None:
+    with path.open("a") as f:
+        f.write(json.dumps(row, sort_keys=True) + "\n")
+
+
+def write_report(report: SimulationReport, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    report.plots = [str(p) for p in plot(report.rounds, out, report.task)]
+    (out / "report.json").write_text(json.dumps(report.to_dict(), indent=2))
+
+
+def plot(rows: list[dict[str, Any]], out: Path, title: str) -> list[Path]:
+    """accuracy.png, bytes.png and participation.png against the round number."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    r = [x["round"] for x in rows]
+    paths = []
+    fig, ax = plt.subplots(figsize=(6, 4))
+    acc = [(x["round"], x["accuracy"]) for x in rows if x.get("accuracy") is not None]
+    if acc:
+        ax.plot(*zip(*acc, strict=True), marker="o")
+    ax.set_xlabel("round")
+    ax.set_ylabel("test accuracy")
+    ax.set_title(f"{title}: global model")
+    fig.tight_layout()
+    paths.append(out / "accuracy.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar([x - 0.2 for x in r], [x["bytes_up"] / 1e6 for x in rows], width=0.4, label="up")
+    ax.bar([x + 0.2 for x in r], [x["bytes_down"] / 1e6 for x in rows], width=0.4, label="down")
+    ax.set_xlabel("round")
+    ax.set_ylabel("MB")
+    ax.set_title("bytes on the wire (all tiers)")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "bytes.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("selected", "selected"), ("participants", "aggregated"), ("late", "late"),
+                       ("vanished", "vanished")):
+        ax.plot(r, [x.get(key, 0) for x in rows], marker=".", label=label)
+    ax.set_xlabel("round")
+    ax.set_ylabel("clients")
+    ax.set_title("participation")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "participation.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths

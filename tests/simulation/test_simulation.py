@@ -1,0 +1,306 @@
+"""The simulator: determinism, vectorised == per-client, tree == flat, memory that does
+not grow with the population, deadlines, validation, secure aggregation, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from orchard.client.update import train_seed
+from orchard.compression import build_codec, decode_update
+from orchard.config import CodecSpec, CohortConfig, RunConfig
+from orchard.messages import TaskAssignment
+from orchard.simulation import DeviceProfile, SimulationConfig, run_simulation, simulation_problems
+from orchard.simulation.clients import ClientJob, run_jobs
+from orchard.simulation.vectorized import supports, train_many
+from orchard.tasks import get_task
+from orchard.tasks.torch_trainer import TensorData, TorchTrainer
+from orchard.trainer import TrainConfig
+from orchard.typing import schema_of
+from orchard.updates import split
+
+DIGITS = {"with_replacement": True, "samples_per_client": 20}
+ALWAYS_ON = DeviceProfile(gflops=10.0, battery=False, availability=[1.0] * 24, dropout=0.0, latency_s=0.05)
+
+
+def _run(**kw: object) -> RunConfig:
+    base: dict[str, object] = dict(task="digits", task_params=DIGITS,
+                                   train={"epochs": 1, "batch_size": 10, "learning_rate": 0.1})
+    base.update(kw)
+    return RunConfig.model_validate(base)
+
+
+def _sim(**kw: object) -> SimulationConfig:
+    base: dict[str, object] = dict(clients=400, clients_per_round=40, rounds=2, aggregators=2, progress=False,
+                                   run=_run())
+    base.update(kw)
+    return SimulationConfig.model_validate(base)
+
+
+def _deterministic(n: int, **kw: object) -> SimulationConfig:
+    """Every device always on, never dropping, selected every round: the cohort is the population."""
+    run = _run(cohort=CohortConfig(target=n, over_selection=1.0, min_fraction=1.0, deadline_s=600.0))
+    base: dict[str, object] = dict(clients=n, clients_per_round=n, rounds=2, progress=False,
+                                   profiles={"box": ALWAYS_ON}, devices={"box": 1.0}, run=run)
+    base.update(kw)
+    return SimulationConfig.model_validate(base)
+
+
+# ---------------------------------------------------------------------- determinism
+
+
+def test_same_seed_same_report(tmp_path: Path) -> None:
+    a = run_simulation(_sim(out=tmp_path / "a"))
+    b = run_simulation(_sim(out=tmp_path / "b"))
+    assert a.seed_dependent() == b.seed_dependent()
+    for k in a.final_arrays:
+        np.testing.assert_array_equal(a.final_arrays[k], b.final_arrays[k])
+    rows = [json.loads(x) for x in (tmp_path / "a" / "rounds.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2]
+    c = run_simulation(_sim(seed=1))
+    assert c.seed_dependent()["rounds"] != a.seed_dependent()["rounds"]
+
+
+# ---------------------------------------------------------------------- vectorised path
+
+
+def _trainers(n: int) -> tuple[list[TorchTrainer], dict[str, np.ndarray]]:
+    task = get_task("digits", **DIGITS)
+    return [task.client_trainer(i, 200, 0) for i in range(n)], task.initial_arrays(0)
+
+
+@pytest.mark.parametrize("cfg", [
+    TrainConfig(epochs=1, batch_size=10, learning_rate=0.1),
+    TrainConfig(epochs=2, batch_size=8, learning_rate=0.05, weight_decay=1e-3, proximal_mu=0.1),
+    TrainConfig(steps=3, batch_size=32, learning_rate=0.2),  # one batch holds all 20 examples
+])
+def test_vectorized_equals_per_client(cfg: TrainConfig) -> None:
+    trainers, g = _trainers(24)
+    cfgs = [dataclasses.replace(cfg, seed=train_seed(0, 1, i)) for i in range(24)]
+    assert supports(trainers[0], cfg)
+    fast = train_many(trainers, g, cfgs)
+    slow_trainers, _ = _trainers(24)
+    for t, c, f in zip(slow_trainers, cfgs, fast, strict=True):
+        ref = t.train(g, c)
+        assert f.num_steps == ref.num_steps and f.num_examples == ref.num_examples
+        for k in g:
+            np.testing.assert_allclose(f.arrays[k], ref.arrays[k], atol=1e-5, rtol=0)
+        assert f.metrics["train_loss"] == pytest.approx(ref.metrics["train_loss"], abs=1e-5)
+        assert f.metrics["train_accuracy"] == pytest.approx(ref.metrics["train_accuracy"])
+
+
+def test_vectorized_uploads_equal_per_client_uploads() -> None:
+    """Through build_upload and the codec: the decoded updates agree to float tolerance."""
+    task = get_task("digits", **DIGITS)
+    g = task.initial_arrays(0)
+    cfg = _run(codec=CodecSpec(name="float32"))
+    codec = build_codec(cfg.codec)
+    schema = tuple(schema_of(g))
+    t = TaskAssignment(run_id="r", round=3, attempt=0, task_id="t", model_hash="h", model_bytes=0,
+                       config_json=cfg.model_dump_json(), schema=schema, deadline_unix=0.0, cohort_target=1,
+                       shared_seed=7)
+    jobs = [ClientJob(i, f"device-{i}", t) for i in range(0, 60, 3)]
+    fast = run_jobs(task, 200, cfg, codec, g, jobs, vectorize=True)
+    slow = run_jobs(task, 200, cfg, codec, g, jobs, vectorize=False)
+    shapes = {s.name: s.shape for s in schema}
+    for f, s in zip(fast, slow, strict=True):
+        assert f.header is not None and s.header is not None
+        assert f.header.weight == s.header.weight and f.header.num_steps == s.header.num_steps
+        fd = decode_update(codec, dict(zip(shapes, split(f.payload, f.header.payload_sizes), strict=True)), shapes)
+        sd = decode_update(codec, dict(zip(shapes, split(s.payload, s.header.payload_sizes), strict=True)), shapes)
+        for k in shapes:
+            np.testing.assert_allclose(fd[k], sd[k], atol=1e-5, rtol=0)
+
+
+def test_vectorized_path_refuses_what_it_cannot_reproduce() -> None:
+    trainers, _ = _trainers(1)
+    assert not supports(trainers[0], TrainConfig(momentum=0.9))
+    assert not supports(trainers[0], TrainConfig(optimizer="adam"))
+    data = TensorData(torch.zeros(4, 3), torch.zeros(4, dtype=torch.int64))
+    dropout = TorchTrainer(lambda: nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2)), data, data)
+    assert not supports(dropout, TrainConfig())
+    head_only = TorchTrainer(lambda: nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2)), data, data,
+                             trainable=["1.weight", "1.bias"])
+    assert not supports(head_only, TrainConfig())
+
+
+# ---------------------------------------------------------------------- tiers
+
+
+@pytest.mark.parametrize("aggregators", [2, [2, 3]])
+def test_tree_gives_the_flat_global_model(aggregators: object) -> None:
+    flat = run_simulation(_deterministic(24, aggregators=0, vectorize=False))
+    tree = run_simulation(_deterministic(24, aggregators=aggregators, vectorize=False))
+    assert [r["participants"] for r in flat.rounds] == [r["participants"] for r in tree.rounds] == [24, 24]
+    for k, v in flat.final_arrays.items():
+        scale = float(np.abs(v).max())
+        np.testing.assert_allclose(tree.final_arrays[k], v, rtol=0, atol=1e-6 * scale)
+    assert sum(tree.rounds[-1]["tier_participants"].values()) == 24
+
+
+def test_vectorized_simulation_equals_per_client_simulation() -> None:
+    fast = run_simulation(_deterministic(24, aggregators=2, vectorize=True))
+    slow = run_simulation(_deterministic(24, aggregators=2, vectorize=False))
+    for k, v in slow.final_arrays.items():
+        np.testing.assert_allclose(fast.final_arrays[k], v, rtol=0, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- memory
+
+
+def _traced_peak(fn: object) -> int:
+    tracemalloc.start()
+    try:
+        fn()  # type: ignore[operator]
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_memory_follows_the_cohort_not_the_population() -> None:
+    """100,000 devices with 100 per round cost no more than 1,000 devices, beyond the task's
+    own partition indices (which the task computes for every client up front)."""
+    small, big = 1_000, 100_000
+    cfg = lambda n: _sim(clients=n, clients_per_round=100, rounds=2, aggregators=2, evaluate_every=0)  # noqa: E731
+    run_simulation(cfg(small))  # warm imports and caches outside the measurement
+    peak_small = _traced_peak(lambda: run_simulation(cfg(small)))
+    peak_big = _traced_peak(lambda: run_simulation(cfg(big)))
+    partition_big = _traced_peak(lambda: get_task("digits", **DIGITS).partition(big, 0))
+    # Population rows are ~30 bytes per device: 3 MB for 100k. Per-client objects
+    # (datasets, trainers, devices) would cost kilobytes each, hundreds of MB here.
+    extra = peak_big - peak_small - partition_big
+    assert extra < 12 * 2**20, f"simulator state grew by {extra / 2**20:.1f} MiB for {big - small} more devices"
+
+
+# ---------------------------------------------------------------------- time
+
+
+def test_deadline_drops_late_clients() -> None:
+    slow = DeviceProfile(gflops=1e-6, battery=False, availability=[1.0] * 24, dropout=0.0, latency_s=0.05)
+    run = _run(cohort=CohortConfig(target=20, over_selection=2.0, min_fraction=0.1, deadline_s=60.0))
+    cfg = _sim(clients=200, clients_per_round=20, rounds=1, aggregators=0, governor=False, run=run,
+               profiles={"box": ALWAYS_ON, "slow": slow}, devices={"box": 0.5, "slow": 0.5})
+    rep = run_simulation(cfg)
+    r = rep.rounds[0]
+    assert r["closed_because"] == "deadline"
+    assert r["simulated_seconds"] == pytest.approx(60.0, abs=1e-6)
+    assert r["late"] > 0 and r["participants"] > 0
+    assert r["participants"] + r["late"] == r["selected"]
+    assert r["participants"] < 20  # the slow half never made it
+
+
+def test_target_closes_the_round_before_stragglers() -> None:
+    run = _run(cohort=CohortConfig(target=20, over_selection=1.5, min_fraction=0.5, deadline_s=600.0))
+    rep = run_simulation(_sim(clients=300, clients_per_round=20, rounds=1, aggregators=0, run=run))
+    r = rep.rounds[0]
+    assert r["closed_because"] == "target reached"
+    assert r["participants"] == 20
+    assert r["selected"] == 30
+    assert r["late"] + r["vanished"] + r["participants"] + r["stopped_by_governor"] == r["selected"]
+    assert r["simulated_seconds"] < 600.0
+
+
+def test_governor_stops_slow_devices_early_and_they_report_fewer_steps() -> None:
+    slow = DeviceProfile(gflops=2e-5, speed_sigma=0.0, battery=False, availability=[1.0] * 24, dropout=0.0,
+                         latency_s=0.05)
+    run = _run(cohort=CohortConfig(target=10, over_selection=1.0, min_fraction=0.1, deadline_s=60.0,
+                                   weighting="steps"),
+               train={"epochs": 3, "batch_size": 5, "learning_rate": 0.1})
+    cfg = _sim(clients=10, clients_per_round=10, rounds=1, aggregators=0, governor=True, run=run,
+               profiles={"slow": slow}, devices={"slow": 1.0})
+    rep = run_simulation(cfg)
+    r = rep.rounds[0]
+    # 12 planned steps of 5 examples at ~7.2 s per step (87 s > 60 s): the time budget stops each one early.
+    assert r["participants"] == 10 and r["late"] == 0
+    assert r["stopped_early"] == 10
+    assert r["closed_because"] == "target reached"
+    assert r["simulated_seconds"] <= 60.0
+
+
+# ---------------------------------------------------------------------- validation
+
+
+def test_validation_reports_every_problem() -> None:
+    data = {"simulation": {
+        "clients": 10, "clients_per_round": 50, "aggregators": 100, "backend": "local",
+        "devices": {"toaster": 1.0},
+        "run": {"task": "nope", "codec": {"name": "topk"}, "secure_aggregation": {"enabled": True}},
+    }}
+    problems = simulation_problems(data)
+    text = "\n".join(problems)
+    assert "clients_per_round (50) exceeds the population" in text
+    assert "100 lowest-tier aggregators" in text
+    assert "toaster" in text
+    assert "'nope' is not a registered task" in text
+    assert "cannot run under secure aggregation" in text
+    assert len(problems) >= 5
+
+    bad_types = {"simulation": {"clients": 1, "workers": 0, "devices": {"toaster": 1.0}}}
+    text = "\n".join(simulation_problems(bad_types))
+    assert "simulation.clients" in text and "simulation.workers" in text and "toaster" in text
+
+    from orchard.validation import data_problems
+
+    assert data_problems(data) == problems
+    assert simulation_problems({"simulation": {"run": {"task": "digits"}}}) == []
+
+
+# ---------------------------------------------------------------------- secure aggregation
+
+
+def test_secure_aggregation_gives_the_plain_result_to_quantisation() -> None:
+    plain = run_simulation(_deterministic(12, aggregators=2, rounds=1, vectorize=False))
+    run = _run(cohort=CohortConfig(target=12, over_selection=1.0, min_fraction=1.0, deadline_s=600.0),
+               secure_aggregation={"enabled": True, "bits": 20, "clip": 1.0})
+    secure = run_simulation(_deterministic(12, aggregators=2, rounds=1, vectorize=False, run=run))
+    assert secure.rounds[0]["participants"] == plain.rounds[0]["participants"] == 12
+    assert secure.rounds[0]["bytes_up"] > plain.rounds[0]["bytes_up"]  # masks and shares cost bytes
+    for k, v in plain.final_arrays.items():
+        np.testing.assert_allclose(secure.final_arrays[k], v, rtol=0, atol=2e-4)
+
+
+# ---------------------------------------------------------------------- outputs and CLI
+
+
+def test_cli_writes_report_jsonl_and_plots(tmp_path: Path) -> None:
+    import typer
+    from typer.testing import CliRunner
+
+    from orchard.simulation.cli import simulate
+
+    app = typer.Typer()
+    app.command()(simulate)
+    cfg = tmp_path / "sim.toml"
+    cfg.write_text('[simulation]\nclients = 300\nclients_per_round = 20\nprogress = false\n'
+                   '[simulation.run]\ntask = "digits"\ntask_params = { with_replacement = true }\n')
+    out = tmp_path / "out"
+    res = CliRunner().invoke(app, ["--config", str(cfg), "--rounds", "2", "--aggregators", "2", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    rep = json.loads((out / "report.json").read_text())
+    for row in rep["rounds"]:
+        assert {"round", "participants", "accuracy", "loss", "bytes_up", "bytes_down", "seconds",
+                "simulated_seconds"} <= set(row)
+    assert rep["clients_per_second"] > 0 and rep["aggregators"] == [2]
+    assert len((out / "rounds.jsonl").read_text().splitlines()) == 2
+    for name in ("accuracy.png", "bytes.png", "participation.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    bad = CliRunner().invoke(app, ["--config", str(cfg), "--clients-per-round", "1000", "--out", str(out)])
+    assert bad.exit_code == 1 and "exceeds the population" in bad.output
+
+
+def test_ray_backend_matches_local() -> None:
+    ray = pytest.importorskip("ray")
+    local = run_simulation(_deterministic(12, aggregators=2, rounds=1))
+    try:
+        remote = run_simulation(_deterministic(12, aggregators=2, rounds=1, backend="ray", workers=2))
+    finally:
+        ray.shutdown()
+    for k, v in local.final_arrays.items():
+        np.testing.assert_array_equal(remote.final_arrays[k], v)
