@@ -127,6 +127,7 @@ class CohortRound:
         self.bytes_down = 0
         self.tier_participants: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
+        self.folding = 0  # client updates past their last check, not yet folded
 
     @property
     def received(self) -> int:
@@ -437,14 +438,28 @@ class Coordinator:
         loop = asyncio.get_running_loop()
         try:
             arrays = await loop.run_in_executor(self._decode_pool, self._decode, slot, payload)
-            if cr.closed:
-                raise RoundClosedError(f"round {cr.task.round} closed ({cr.close_reason}) while the upload arrived")
-            if h.count > 0:
-                await loop.run_in_executor(self._fold_pool, self._fold, cr, h, arrays)
+            self._reserve_fold(cr, h)
+            try:
+                if h.count > 0:
+                    await loop.run_in_executor(self._fold_pool, self._fold, cr, h, arrays)
+            finally:
+                cr.folding -= 1 if h.kind is UploadKind.CLIENT_UPDATE else 0
         except BaseException:
             a.in_flight = False
             raise
         self._delivered(slot)
+
+    def _reserve_fold(self, cr: CohortRound, h: UploadHeader) -> None:
+        """The last check before a fold, on the loop thread. Updates already folding count
+        toward the target, so two uploads racing for the last slot cannot both get in."""
+        if cr.closed:
+            raise RoundClosedError(f"round {cr.task.round} closed ({cr.close_reason}) while the upload arrived; "
+                                   "late uploads are refused")
+        if h.kind is UploadKind.CLIENT_UPDATE:
+            if cr.received + cr.folding >= cr.task.target:
+                raise RoundClosedError(f"round {cr.task.round} already has its {cr.task.target} updates; "
+                                       "late uploads are refused")
+            cr.folding += 1
 
     def submit_local(self, node_id: str, h: UploadHeader, payload: bytes) -> None:
         """In-process upload (the simulator): the same checks, decode and fold as over gRPC,
@@ -458,8 +473,12 @@ class Coordinator:
             if sha256_hex(payload) != h.payload_sha256 or len(payload) != h.total_bytes:
                 raise IntegrityError("payload does not match its declared size and sha256")
             arrays = self._decode(slot, payload)
-            if h.count > 0:
-                self._fold(slot.cohort, h, arrays)
+            self._reserve_fold(slot.cohort, h)
+            try:
+                if h.count > 0:
+                    self._fold(slot.cohort, h, arrays)
+            finally:
+                slot.cohort.folding -= 1 if h.kind is UploadKind.CLIENT_UPDATE else 0
         except OrchardError as err:
             self.abort_upload(slot, type(err).__name__)
             raise

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from harness import Federation, add_clients
+from fed_harness import Federation, add_clients
 
 from orchard import wire
 from orchard.config import CohortConfig, RunConfig

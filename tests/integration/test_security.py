@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from harness import FAST, Federation, add_clients, start_run, wait_status
+from fed_harness import FAST, Federation, add_clients, start_run, wait_status
 
 from orchard.config import CohortConfig, RunConfig
 from orchard.ops import ControlClient

@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 import numpy as np
-from harness import FAST, Federation, wait_status
+from fed_harness import FAST, Federation, wait_status
 
 from orchard import wire
 from orchard.client.runtime import ClientRuntime
