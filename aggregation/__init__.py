@@ -17,7 +17,15 @@ from orchard.aggregation.fedavg import (
     merge,
     weighted_metric_means,
 )
-from orchard.aggregation.server_opt import ServerOptimizer, Yogi, build_server_optimizer
+
+
+def __getattr__(name: str):  # PEP 562: torch is imported only by whoever needs a server optimizer
+    if name in ("ServerOptimizer", "Yogi", "build_server_optimizer"):
+        from orchard.aggregation import server_opt
+
+        return getattr(server_opt, name)
+    raise AttributeError(f"module 'orchard.aggregation' has no attribute {name!r}")
+
 
 __all__ = [
     "Accumulator",

@@ -88,11 +88,16 @@ class Accumulator:
         check_update(self._schema, update)
 
     def accumulate(self, update: NDArrays, weight: float, metrics: Metrics | None = None,
-                   metric_weight: float | None = None) -> None:
-        """sum += weight * update. ``metric_weight`` defaults to ``weight``."""
+                   metric_weight: float | None = None, checked: bool = False) -> None:
+        """sum += weight * update. ``metric_weight`` defaults to ``weight``.
+
+        ``checked=True`` skips the schema and finiteness check for an update the caller
+        already passed through :meth:`check` (a tier checks while decoding, in parallel,
+        and folds serially)."""
         if not (np.isfinite(weight) and weight > 0):
             raise UpdateSchemaError(f"update weight must be a positive finite number, got {weight!r}")
-        self.check(update)
+        if not checked:
+            self.check(update)
         for k, v in update.items():
             acc = self.partial.sums[k]
             # acc += weight * v, without a float64 temporary the size of the tensor.

@@ -126,17 +126,21 @@ def aggregator_start(
     ca_cert: CaCert = None,
     tls_dir: Annotated[Path | None, typer.Option("--tls-dir", help="This aggregator's server.pem/server.key.")] = None,
     node_id: Annotated[str, typer.Option("--node-id")] = "",
+    config: Annotated[Path | None, typer.Option("--config", help="TOML with a [server] table (ServerConfig).")] = None,
     metrics_port: Annotated[int | None, typer.Option("--metrics-port")] = None,
     port_file: Annotated[Path | None, typer.Option("--port-file", help="Write the bound port here.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = True,
 ) -> None:
     """Start an aggregator: serves clients below, dials its upstream."""
     _logging(verbose)
+    from orchard.config import ServerConfig, load_toml
     from orchard.server.app import start_aggregator
+
+    scfg = ServerConfig.model_validate(load_toml(config).get("server", {})) if config else ServerConfig()
 
     async def main() -> None:
         h = await start_aggregator(upstream, host=host, port=port, insecure=insecure, token=token, ca_cert=ca_cert,
-                                   tls_dir=tls_dir, node_id=node_id, metrics_port=metrics_port)
+                                   tls_dir=tls_dir, node_id=node_id, metrics_port=metrics_port, server_cfg=scfg)
         if port_file is not None:
             port_file.write_text(str(h.port))
         console.print(f"[green]aggregator {h.coordinator.name} listening on {h.address}[/], upstream {upstream}")

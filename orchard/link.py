@@ -54,16 +54,21 @@ class LinkConfig:
     chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
     max_backoff_s: float = 30.0
     model_cache_entries: int = 2
+    # Extra gRPC channel arguments. gRPC shares one TCP connection among channels with
+    # identical arguments in a process; a distinct argument gives a link its own.
+    channel_options: tuple[tuple[str, str | int], ...] = ()
 
 
-def make_channel(target: str, ca_cert: Path | None, insecure: bool) -> grpc.aio.Channel:
+def make_channel(target: str, ca_cert: Path | None, insecure: bool,
+                 extra: tuple[tuple[str, str | int], ...] = ()) -> grpc.aio.Channel:
+    options = [*wire.GRPC_OPTIONS, *extra]
     if insecure:
-        return grpc.aio.insecure_channel(target, options=wire.GRPC_OPTIONS)
+        return grpc.aio.insecure_channel(target, options=options)
     if ca_cert is None:
         raise AuthError("TLS needs the CA certificate: pass --ca-cert (from `orchard certs init`), "
                         "or --insecure for loopback development")
     creds = grpc.ssl_channel_credentials(root_certificates=Path(ca_cert).read_bytes())
-    return grpc.aio.secure_channel(target, creds, options=wire.GRPC_OPTIONS)
+    return grpc.aio.secure_channel(target, creds, options=options)
 
 
 class FleetLink:
@@ -71,7 +76,7 @@ class FleetLink:
         self.cfg = cfg
         self.node_id = cfg.node_id
         self._rng = rng or random.Random()
-        self._channel = make_channel(cfg.target, cfg.ca_cert, cfg.insecure)
+        self._channel = make_channel(cfg.target, cfg.ca_cert, cfg.insecure, cfg.channel_options)
         self._stub = pbg.FleetStub(self._channel)
         self._meta = (("authorization", f"Bearer {cfg.token}"),) if cfg.token else ()
         self._models: OrderedDict[str, bytes] = OrderedDict()

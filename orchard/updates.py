@@ -16,13 +16,14 @@ def pack(payloads: list[bytes]) -> tuple[bytes, tuple[int, ...]]:
     return b"".join(payloads), tuple(len(p) for p in payloads)
 
 
-def split(blob: bytes, sizes: tuple[int, ...]) -> list[bytes]:
-    if sum(sizes) != len(blob):
-        raise UpdateSchemaError(f"payload is {len(blob)} bytes but the header declares {sum(sizes)}")
-    mv = memoryview(blob)
+def split(blob: bytes | bytearray | memoryview, sizes: tuple[int, ...]) -> list[memoryview]:
+    """Per-tensor views into ``blob`` (no copies)."""
+    mv = memoryview(blob).cast("B")
+    if sum(sizes) != len(mv):
+        raise UpdateSchemaError(f"payload is {len(mv)} bytes but the header declares {sum(sizes)}")
     out, off = [], 0
     for s in sizes:
-        out.append(bytes(mv[off : off + s]))
+        out.append(mv[off : off + s])
         off += s
     return out
 
@@ -32,7 +33,7 @@ def encode_partial(sums: NDArrays) -> tuple[bytes, tuple[int, ...]]:
     return pack([np.ascontiguousarray(v, dtype="<f8").tobytes() for v in sums.values()])
 
 
-def decode_partial(blob: bytes, schema: tuple[TensorSpec, ...] | list[TensorSpec],
+def decode_partial(blob: bytes | bytearray | memoryview, schema: tuple[TensorSpec, ...] | list[TensorSpec],
                    sizes: tuple[int, ...]) -> NDArrays:
     parts = split(blob, sizes)
     out: NDArrays = {}

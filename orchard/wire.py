@@ -32,6 +32,10 @@ GRPC_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+# Servers keep each stream's receive window at its default size instead of growing it by
+# BDP probing: an upload waiting for one of the tier's staging slots then buffers at most
+# one window inside gRPC, so a thousand waiting uploads cost tens of MiB, not a GiB.
+SERVER_GRPC_OPTIONS = [*GRPC_OPTIONS, ("grpc.http2.bdp_probe", 0)]
 
 
 def sha256_hex(data: bytes | bytearray | memoryview) -> str:
@@ -99,7 +103,7 @@ class ChunkAssembler:
         self._hash.update(data)
         self._n = end
 
-    def finish(self) -> bytes:
+    def finish(self) -> bytearray:
         if self._n != self.expected_bytes:
             raise IntegrityError(
                 f"stream ended after {self._n} of {self.expected_bytes} declared bytes (truncated); send it again"
@@ -107,7 +111,7 @@ class ChunkAssembler:
         got = self._hash.hexdigest()
         if got != self.expected_sha256:
             raise IntegrityError(f"payload sha256 {got[:16]}... does not match the declared {self.expected_sha256[:16]}...")
-        return bytes(self._buf)
+        return self._buf  # handed over, not copied: the assembler is done with it
 
 
 # ------------------------------------------------------------------ proto conversions

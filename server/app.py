@@ -14,6 +14,7 @@ import os
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -29,10 +30,8 @@ from orchard.server.auth import (
     StoreAuthenticator,
     UpstreamAuthenticator,
 )
-from orchard.server.control import ControlServicer
 from orchard.server.coordinator import Coordinator
 from orchard.server.decoding import ClientUpdateDecoder
-from orchard.server.root import RootRunner
 from orchard.server.servicer import FleetServicer
 from orchard.server.store import Store, hash_token
 from orchard.server.tls import TlsPaths, init_certs, server_credentials
@@ -64,7 +63,7 @@ class TierHandle:
     host: str
     port: int
     coordinator: Coordinator
-    runner: RootRunner | None = None
+    runner: Any = None  # RootRunner on the root (imported lazily: aggregators never load torch)
     upstream: UpstreamLink | None = None
     store: Store | None = None
     metrics_port: int | None = None
@@ -123,6 +122,9 @@ def _admin_token(store: Store, data_dir: Path) -> str | None:
 async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, insecure: bool = False,
                      server_cfg: ServerConfig | None = None, tls_dir: str | Path | None = None,
                      metrics_port: int | None = None, start_grace_s: float = 5.0, seed: int | None = None) -> TierHandle:
+    from orchard.server.control import ControlServicer
+    from orchard.server.root import RootRunner, warm_up
+
     check_bind(host, insecure)
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -152,7 +154,7 @@ async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int
     def on_join(node_id: str, role: Role, token_hash: str, caps: dict[str, str]) -> None:
         store.upsert_node(node_id, role.value, token_hash, caps)
 
-    server = grpc.aio.server(options=wire.GRPC_OPTIONS)
+    server = grpc.aio.server(options=wire.SERVER_GRPC_OPTIONS)
     pbg.add_FleetServicer_to_server(FleetServicer(coord, auth, on_join=on_join), server)
     pbg.add_ControlServicer_to_server(ControlServicer(runner, auth), server)
     bound = _bind(server, host, port, creds)
@@ -163,6 +165,7 @@ async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int
 
         h.metrics_port = serve_metrics(coord, "root", host, metrics_port)
     h.tasks.append(asyncio.create_task(_sweeper(coord, runner._wake)))
+    await asyncio.get_running_loop().run_in_executor(None, warm_up)
     await runner.resume()
     (data_dir / "server.json").write_text(json.dumps({
         "host": host, "port": bound, "pid": os.getpid(), "tls": not insecure,
@@ -188,7 +191,7 @@ async def start_aggregator(upstream: str, *, host: str = "127.0.0.1", port: int 
             raise ConfigError("an aggregator serves TLS: pass --tls-dir with server.pem/server.key "
                               "(from `orchard certs init`), or --insecure for loopback development")
         creds = server_credentials(TlsPaths.in_dir(tls_dir))
-    server = grpc.aio.server(options=wire.GRPC_OPTIONS)
+    server = grpc.aio.server(options=wire.SERVER_GRPC_OPTIONS)
     pbg.add_FleetServicer_to_server(
         FleetServicer(coord, auth, verify_token_upstream=None if insecure else link.verify_token), server)
     bound = _bind(server, host, port, creds)

@@ -506,7 +506,7 @@ class Coordinator:
         if h.kind is UploadKind.PARTIAL_SUM:
             cr.acc.merge(Partial(sums=arrays, weight=h.weight, count=h.count, metrics=ms))
         else:
-            cr.acc.accumulate(arrays, h.weight)
+            cr.acc.accumulate(arrays, h.weight, checked=True)  # the decoder checked it
             cr.acc.partial.metrics.merge(ms)
 
     # ------------------------------------------------------------------ closing

@@ -30,7 +30,7 @@ class ClientUpdateDecoder:
                 c = self._codecs[key] = build_codec(spec)
             return c
 
-    def __call__(self, h: UploadHeader, payload: bytes, task) -> NDArrays:  # task: RoundTask
+    def __call__(self, h: UploadHeader, payload: bytes | bytearray, task) -> NDArrays:  # task: RoundTask
         codec = self.codec(task.config.codec)
         parts = split(payload, h.payload_sizes)
         payloads = {s.name: p for s, p in zip(task.schema, parts, strict=True)}

@@ -23,14 +23,21 @@ from typing import Any
 import numpy as np
 
 from orchard import wire
-from orchard.aggregation import ServerOptimizer, finalize
-from orchard.config import RunConfig, ServerConfig
+from orchard.aggregation import finalize
+from orchard.aggregation.server_opt import ServerOptimizer
+from orchard.config import RunConfig, ServerConfig, ServerOptimizerConfig
 from orchard.errors import ConfigError, RoundClosedError, StoreError, UpdateSchemaError
 from orchard.server.coordinator import Coordinator, RoundOutcome, RoundTask
 from orchard.server.store import Store, atomic_write
 from orchard.typing import NDArrays, schema_of
 
 log = logging.getLogger("orchard.server.root")
+
+
+def warm_up() -> None:
+    """Build one optimizer at start: torch imports its compiler stack on first use (seconds),
+    which would otherwise land inside the first round."""
+    ServerOptimizer(ServerOptimizerConfig(), {"w": np.zeros(1, np.float32)}).step({"w": np.zeros(1, np.float32)})
 
 
 @dataclass
