@@ -348,9 +348,11 @@ def _run(cfg: PretrainConfig, env: DistEnv) -> PretrainResult:
                     pending.clear()
                     meter.lap(step)
                     util = mfu(meter.rate / env.world_size, c.flops_per_token, peak)
-                    status = f"loss {means[-1]:.4f}  {meter.rate:,.0f} tok/s" + (
-                        f"  MFU {100 * util:.1f}%" if util is not None else ""
-                    )
+                    status = f"loss {means[-1]:.4f}"
+                    if meter.rate:  # nothing timed yet on the run's first step
+                        status += f"  {meter.rate:,.0f} tok/s"
+                    if util is not None:
+                        status += f"  MFU {100 * util:.1f}%"
                     if env.is_main:
                         _append_metrics(cfg.output_dir, step, means, meter.rate, util)
                     if bar is not None:
