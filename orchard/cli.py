@@ -516,6 +516,26 @@ def baseline(task: Annotated[str, typer.Option("--task")],
     out.print_json(json.dumps(res))
 
 
+def _register_simulate() -> None:
+    from orchard.simulation.cli import simulate
+
+    app.command("simulate", help="Simulate a federation in-process through the real client and tier code.")(simulate)
+
+
+_register_simulate()
+
+
+@app.command("pretrain", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def pretrain(ctx: typer.Context,
+             config: Annotated[Path, typer.Option("--config", help="Pretraining TOML (see configs/).")]) -> None:
+    """Pretrain the base model (also: torchrun --nproc-per-node N -m orchard.pretrain --config ...).
+
+    Extra flags are dotted config overrides, e.g. --steps 500 --optim.lr 3e-4."""
+    from orchard.pretrain.__main__ import main as pretrain_main
+
+    raise typer.Exit(pretrain_main(["--config", str(config), *ctx.args]))
+
+
 def main() -> None:
     app()
 
