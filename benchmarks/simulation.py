@@ -116,11 +116,14 @@ def main() -> None:
     governor = not a.no_governor
     rows = []
     for n in per_round:
-        # About 1,000 clients per lowest-tier aggregator, as a deployment would shard them.
-        aggs = max(1, n // 1000)
+        # About 250 clients per lowest-tier aggregator, as a deployment would shard them
+        # (the coordinator scans its cohort's assignments on every upload, so a tier's
+        # cost grows with the square of its cohort).
+        aggs = max(1, n // 250)
         rows.append(_spawn(dict(clients_per_round=n, population=a.population, aggregators=aggs, rounds=rounds,
                                 vectorize=True, governor=governor, workers=a.workers)))
-    base = _spawn(dict(clients_per_round=a.baseline_per_round, population=a.population, aggregators=1,
+    base = _spawn(dict(clients_per_round=a.baseline_per_round, population=a.population,
+                       aggregators=max(1, a.baseline_per_round // 250),
                        rounds=rounds, vectorize=False, governor=governor, workers=a.workers))
     rows.append(base)
     rows.append(_flower())

@@ -1,4 +1,4 @@
-"""Where client jobs run: a bounded thread pool here, or Ray actors across machines.
+"""Where client jobs run: this process (threads), worker processes, or Ray actors.
 
 The round engine (tiers, clocks, folding) always stays in the driving process; a
 backend only runs :func:`orchard.simulation.clients.run_jobs` on lists of jobs and hands
@@ -35,7 +35,7 @@ class Backend(Protocol):
 
 
 class LocalBackend:
-    """Jobs on ``workers`` threads of this process (``workers=1``: on the caller's thread)."""
+    """Jobs on the caller's thread (``workers=1``) or on ``workers`` threads of this process."""
 
     def __init__(self, task: Task, population: int, cfg: RunConfig, workers: int, vectorize: bool) -> None:
         self._run: Callable[[list[ClientJob], NDArrays], list[ClientOutput]] = (
@@ -56,6 +56,45 @@ class LocalBackend:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+_WORKER: dict[str, Any] = {}  # per worker process: the task, config and codec it serves
+
+
+def _process_init(task_name: str, task_params: dict[str, Any], cfg_json: str, population: int,
+                  vectorize: bool) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    cfg = RunConfig.model_validate_json(cfg_json)
+    _WORKER.update(task=get_task(task_name, **task_params), cfg=cfg, codec=build_codec(cfg.codec),
+                   population=population, vectorize=vectorize)
+
+
+def _process_run(jobs: list[ClientJob], arrays: NDArrays) -> list[ClientOutput]:
+    w = _WORKER
+    return run_jobs(w["task"], w["population"], w["cfg"], w["codec"], arrays, jobs, w["vectorize"])
+
+
+class ProcessBackend:
+    """Jobs on ``workers`` processes of this machine: client work (training, encoding)
+    in parallel with the engine's device model and folding, past the GIL. Each worker
+    builds the task once (spawned, so no torch state is shared by fork)."""
+
+    def __init__(self, task_name: str, task_params: dict[str, Any], population: int, cfg: RunConfig,
+                 workers: int, vectorize: bool) -> None:
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        self._pool = ProcessPoolExecutor(
+            max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_process_init,
+            initargs=(task_name, dict(task_params), cfg.model_dump_json(), population, vectorize))
+
+    def submit(self, jobs: list[ClientJob], global_arrays: NDArrays) -> Future[list[ClientOutput]]:
+        return self._pool.submit(_process_run, jobs, global_arrays)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 class RayBackend:
@@ -115,4 +154,6 @@ def make_backend(kind: str, task: Task, task_name: str, task_params: dict[str, A
         return RayBackend(task_name, task_params, population, cfg, workers, vectorize)
     if kind == "local":
         return LocalBackend(task, population, cfg, workers, vectorize)
-    raise ConfigError(f"unknown backend {kind!r}; expected 'local' or 'ray'")
+    if kind == "process":
+        return ProcessBackend(task_name, task_params, population, cfg, workers, vectorize)
+    raise ConfigError(f"unknown backend {kind!r}; expected 'local', 'process' or 'ray'")

@@ -25,7 +25,7 @@ def simulate(
     secure_aggregation: Annotated[bool | None,
                                   typer.Option("--secure-aggregation/--no-secure-aggregation")] = None,
     codec: Annotated[str | None, typer.Option("--codec")] = None,
-    backend: Annotated[str | None, typer.Option("--backend", help="local or ray")] = None,
+    backend: Annotated[str | None, typer.Option("--backend", help="local, process or ray")] = None,
     workers: Annotated[int | None, typer.Option("--workers")] = None,
     seed: Annotated[int | None, typer.Option("--seed")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Directory for rounds.jsonl, report.json, plots.")] = None,

@@ -103,8 +103,10 @@ class SimulationConfig(_Strict):
     rounds: int = Field(5, ge=1)
     seed: int = 0
     aggregators: int | list[int] = 0
-    backend: Literal["local", "ray"] = "local"
-    workers: int = Field(1, ge=1)  # concurrent training jobs (threads locally, actors on Ray)
+    # local: this process (threads when workers > 1); process: worker processes on this
+    # machine (client work runs beside the engine, past the GIL); ray: Ray actors.
+    backend: Literal["local", "process", "ray"] = "local"
+    workers: int = Field(1, ge=1)  # concurrent training jobs
     vectorize: bool = True  # train small models many clients at a time (torch.func.vmap)
     chunk_size: int = Field(1024, ge=1)  # clients per training job: what is materialised at once
     governor: bool = True  # pace training with the edge runtime's governor on each device

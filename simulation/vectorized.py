@@ -130,13 +130,14 @@ def train_group(trainers: Sequence[TorchTrainer], global_arrays: NDArrays,
         seen += y[0].numel()
     out = []
     arrays = {k: v.numpy() for k, v in params.items()}
+    losses, hits_total = loss_sum.tolist(), correct.tolist()
     for i in range(c):
         # Views into the stacked parameters: the caller takes a delta (a new array) at once.
         out.append(TrainResult(
             arrays={k: arrays[k][i] for k in names},
             weight=float(n), num_examples=n, num_steps=len(plan),
-            metrics={"train_loss": float(loss_sum[i]) / max(seen, 1),
-                     "train_accuracy": float(correct[i]) / max(seen, 1)}))
+            metrics={"train_loss": losses[i] / max(seen, 1),
+                     "train_accuracy": hits_total[i] / max(seen, 1)}))
     return out
 
 
