@@ -52,7 +52,7 @@ def simulate(
         raise typer.Exit(1) from None
     console.print(f"{report.clients_per_second:.0f} clients/s; simulated {report.simulated_seconds:.0f} s; "
                   f"report {cfg.out / 'report.json'}; plots {', '.join(Path(p).name for p in report.plots)}")
-    if report.status != "completed":
+    if report.status.startswith("failed"):
         console.print(f"[bold red]{report.status}[/]")
         raise typer.Exit(1)
 

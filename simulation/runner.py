@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +37,14 @@ def _flops_per_example(task: Any, arrays: dict[str, np.ndarray]) -> float:
     return 6.0 * n
 
 
-def run_simulation(cfg: SimulationConfig, progress: Any = None) -> SimulationReport:
+def run_simulation(cfg: SimulationConfig, progress: Any = None,
+                   stop: Callable[[dict[str, Any]], bool] | None = None) -> SimulationReport:
     """Run ``cfg`` to the end; write ``rounds.jsonl``, ``report.json`` and plots under ``cfg.out``.
 
     ``progress``: a callable ``(round_record) -> None`` called after each round (the CLI
-    passes one that drives a rich progress bar); None to stay quiet.
+    passes one that drives a rich progress bar); None to stay quiet. ``stop``: a
+    predicate on a round's record; the run ends after the first round it accepts
+    (e.g. a target accuracy), with status "stopped early".
     """
     problems = simulation_problems({"simulation": cfg.model_dump(mode="python", exclude_none=True)})
     if problems:
@@ -100,6 +104,9 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None) -> SimulationRep
                 append_round(out / "rounds.jsonl", row)
             if progress is not None:
                 progress(row)
+            if stop is not None and stop(row):
+                report.status = f"stopped early after round {rnd}"
+                break
     finally:
         backend.close()
         engine.shutdown()
