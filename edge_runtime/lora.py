@@ -43,7 +43,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from torch import nn
 
 from orchard.errors import ConfigError, UpdateSchemaError
-from orchard.trainer import EvalResult, TrainConfig, Trainer, TrainResult
+from orchard.trainer import EvalResult, StepGate, TrainConfig, Trainer, TrainResult, train_gated
 from orchard.typing import NDArrays
 
 VARIANTS = ("ffa", "full")
@@ -212,7 +212,7 @@ class LoRATrainer:
     (the reference torch trainer, or any trainer that trains the named tensors of
     the model the factory builds): LoRA changes which model is trained and which
     tensors travel, not the training loop. The inner trainer's step and example
-    counts are reported unchanged.
+    counts are reported unchanged, and a ``gate`` (the governor) is handed to it.
     """
 
     def __init__(
@@ -240,9 +240,11 @@ class LoRATrainer:
                 f"(e.g. {self.names[:2]}), got {len(arrays)} tensors (e.g. {list(arrays)[:2]})"
             )
 
-    def train(self, arrays: NDArrays, config: TrainConfig) -> TrainResult:
+    def train(
+        self, arrays: NDArrays, config: TrainConfig, *, gate: StepGate | None = None
+    ) -> TrainResult:
         self._check(arrays)
-        result = self.inner.train(arrays, config)
+        result = train_gated(self.inner, arrays, config, gate)
         self._check(result.arrays)
         return result
 

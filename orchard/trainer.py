@@ -4,10 +4,18 @@ named arrays, a weight and metrics (ARCHITECTURE section 3).
 Everything that trains on a client implements :class:`Trainer`: the reference tasks'
 torch trainer, the LoRA trainer, and the Flower ``ClientApp`` adapter. The client
 runtime and the simulator call only this protocol.
+
+A trainer may also accept a :class:`StepGate` (the edge runtime's governor) as the
+keyword-only argument ``gate`` of ``train``: it then asks the gate before every local
+step and stops cleanly when the gate says no. The gate is an optional keyword rather
+than part of :class:`Trainer` so that trainers which cannot be paced step by step (a
+Flower app runs its whole loop in one call) stay valid trainers; :func:`train_gated`
+runs those as one indivisible step.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -40,8 +48,12 @@ class TrainResult:
 
     ``arrays`` are the *new local values* of the trained tensors (the client runtime
     turns them into a delta against the global model). ``weight`` is what the server
-    weights the update by: the number of examples by default, or the steps actually
-    done when a governor stopped training early.
+    weights the update by: the number of examples by default. When a :class:`StepGate`
+    stopped training early, ``num_steps`` is the steps actually done, ``num_examples``
+    the distinct examples those steps drew, and ``weight`` the examples scaled by the
+    fraction of the planned steps that ran (``n * done / planned``), so a partial update
+    counts for the work in it, in the same unit as everyone else's weight.
+    ``stopped_early`` says a gate cut the work short.
     """
 
     arrays: NDArrays
@@ -49,6 +61,7 @@ class TrainResult:
     num_examples: int
     num_steps: int
     metrics: Metrics = field(default_factory=dict)
+    stopped_early: bool = False
 
 
 @dataclass
@@ -62,3 +75,50 @@ class Trainer(Protocol):
     def train(self, arrays: NDArrays, config: TrainConfig) -> TrainResult: ...
 
     def evaluate(self, arrays: NDArrays, config: TrainConfig) -> EvalResult: ...
+
+
+@runtime_checkable
+class StepGate(Protocol):
+    """Asked between local steps (the edge runtime's ``Governor`` is one).
+
+    ``before_step`` may block (a throttling pause) and returns False when training must
+    stop; ``after_step(work_units)`` records a finished step (examples in its batch).
+    Every ``before_step`` that returned True is followed by exactly one ``after_step``.
+    """
+
+    def before_step(self) -> bool: ...
+
+    def after_step(self, work_units: float = 1.0) -> None: ...
+
+
+def accepts_gate(trainer: Trainer) -> bool:
+    """Does ``trainer.train`` take a keyword-only ``gate`` (step-by-step pacing)?"""
+    try:
+        params = inspect.signature(trainer.train).parameters
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        return False
+    p = params.get("gate")
+    return p is not None and p.kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def train_gated(
+    trainer: Trainer, arrays: NDArrays, config: TrainConfig, gate: StepGate | None
+) -> TrainResult:
+    """``trainer.train`` under ``gate``.
+
+    A trainer that accepts a gate is paced step by step. Any other trainer (a Flower
+    app) runs as one step: the gate decides whether it may start at all, and is told
+    afterwards what it cost. A gate that refuses the first step gives a result with
+    zero steps and the arrays unchanged, which the client does not upload.
+    """
+    if gate is None:
+        return trainer.train(arrays, config)
+    if accepts_gate(trainer):
+        return trainer.train(arrays, config, gate=gate)  # type: ignore[call-arg]
+    if not gate.before_step():
+        return TrainResult(
+            arrays=dict(arrays), weight=0.0, num_examples=0, num_steps=0, stopped_early=True
+        )
+    result = trainer.train(arrays, config)
+    gate.after_step(float(max(result.num_examples, 1)))
+    return result

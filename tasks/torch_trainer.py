@@ -11,6 +11,12 @@ seed and ``TrainConfig.seed``; the model is built once per trainer by a determin
 factory; nothing reads or advances torch's global RNG. On CPU, the same arrays, config
 and seed give bit-identical results.
 
+Pacing: ``train(..., gate=g)`` asks ``g.before_step()`` before each step and stops when
+it says no (the edge runtime's governor, when a thermal, battery, energy or time
+budget runs out); ``g.after_step(batch size)`` follows each step. The result then
+carries the steps done, the distinct examples they drew, and a weight scaled by the
+fraction of planned steps that ran. Without a gate nothing changes, bit for bit.
+
 Speed: the digits MLP (64-64-10, ~20 examples per client) is the simulator's benchmark
 workload, where Python overhead per step dominates. So the client's data are torch
 tensors built once, the model is built once per trainer and reused across rounds,
@@ -30,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from orchard.errors import ConfigError, UpdateSchemaError
-from orchard.trainer import EvalResult, TrainConfig, TrainResult
+from orchard.trainer import EvalResult, StepGate, TrainConfig, TrainResult
 from orchard.typing import NDArrays
 
 ModelFactory = Callable[[], nn.Module]
@@ -201,7 +207,9 @@ class TorchTrainer:
         """The trainer's model (with whatever arrays were last loaded)."""
         return self._built()[0]
 
-    def train(self, arrays: NDArrays, config: TrainConfig) -> TrainResult:
+    def train(
+        self, arrays: NDArrays, config: TrainConfig, *, gate: StepGate | None = None
+    ) -> TrainResult:
         model, names, tensors = self._built()
         load_arrays(tensors, arrays, names)
         n = len(self.train_data)
@@ -229,10 +237,15 @@ class TorchTrainer:
         seen_targets = 0
         model.train()
         step = 0
-        while step < total_steps:
+        visited = 0  # examples drawn, with repeats across epochs
+        stopped = False
+        while step < total_steps and not stopped:
             perm = torch.randperm(n, generator=gen) if n > 1 else torch.zeros(1, dtype=torch.int64)
             for start in range(0, n, config.batch_size):
                 if step >= total_steps:
+                    break
+                if gate is not None and not gate.before_step():
+                    stopped = True
                     break
                 if n <= config.batch_size:
                     x, y = (
@@ -257,6 +270,12 @@ class TorchTrainer:
                     correct += hits
                 seen_targets += y.numel()
                 step += 1
+                if gate is not None:
+                    visited += int(y.shape[0])
+                    gate.after_step(float(y.shape[0]))
+        if stopped:
+            return self._partial(tensors, names, n, step, total_steps, visited, loss_sum,
+                                 correct, seen_targets)
         return TrainResult(
             arrays=arrays_of(tensors, names),
             weight=float(n),
@@ -266,6 +285,38 @@ class TorchTrainer:
                 "train_loss": float(loss_sum) / max(seen_targets, 1),
                 "train_accuracy": float(correct) / max(seen_targets, 1),
             },
+        )
+
+    @staticmethod
+    def _partial(
+        tensors: dict[str, torch.Tensor],
+        names: list[str],
+        n: int,
+        steps: int,
+        planned: int,
+        visited: int,
+        loss_sum: torch.Tensor,
+        correct: torch.Tensor,
+        seen_targets: int,
+    ) -> TrainResult:
+        """The result of a run a gate stopped after ``steps`` of ``planned`` steps.
+
+        Every epoch is a permutation, so the distinct examples drawn are the visits,
+        capped at the client's ``n``. The weight is ``n * steps / planned``: FedAvg
+        weights a client by its data, and a client that did a fraction of its planned
+        work contributes that fraction of its data's gradient signal.
+        """
+        nan = float("nan")
+        return TrainResult(
+            arrays=arrays_of(tensors, names),
+            weight=float(n) * steps / planned if planned > 0 else 0.0,
+            num_examples=min(n, visited),
+            num_steps=steps,
+            metrics={
+                "train_loss": float(loss_sum) / seen_targets if seen_targets else nan,
+                "train_accuracy": float(correct) / seen_targets if seen_targets else nan,
+            },
+            stopped_early=True,
         )
 
     def evaluate(self, arrays: NDArrays, config: TrainConfig) -> EvalResult:
