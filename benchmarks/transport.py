@@ -98,19 +98,14 @@ def _make_link(i: int, target: str, connection: int):
     streams on a single connection. Devices each have their own connection; links that
     name the same ``connection`` share one.
     """
-    from unittest import mock
-
-    import grpc
-
     from orchard import link as link_mod
     from orchard.typing import Role
 
-    def channel(tgt: str, ca_cert: object, insecure: bool) -> grpc.aio.Channel:
-        return grpc.aio.insecure_channel(tgt, options=[*wire.GRPC_OPTIONS, ("orchard.bench.connection", connection)])
-
-    with mock.patch.object(link_mod, "make_channel", channel):
-        return link_mod.FleetLink(link_mod.LinkConfig(target=target, role=Role.CLIENT, insecure=True,
-                                                      node_id=f"bench-{i:05d}", max_backoff_s=2.0))
+    # A distinct channel argument per connection index: gRPC would otherwise share one TCP
+    # connection among all channels of this process.
+    return link_mod.FleetLink(link_mod.LinkConfig(target=target, role=Role.CLIENT, insecure=True,
+                                                  node_id=f"bench-{i:05d}", max_backoff_s=2.0,
+                                                  channel_options=(("orchard.bench.connection", connection),)))
 
 
 async def _one_client(i: int, target: str, connection: int, base: np.ndarray, t: dict[str, float],
@@ -158,6 +153,8 @@ async def _loadgen(target: str, n: int, connections: int, timeout_s: float) -> d
             await asyncio.wait_for(_one_client(i, target, i % connections, base, times[i], joined), timeout_s)
         except Exception as err:  # reported per client; the benchmark counts failures
             times[i]["error"] = f"{type(err).__name__}: {err}"[:300]
+            if "joined" not in times[i]:
+                joined.put_nowait(i)  # a client that failed before joining must not stall the start
 
     tasks = [asyncio.create_task(guarded(i)) for i in range(n)]
     for _ in range(n):

@@ -127,7 +127,7 @@ class CohortRound:
         self.bytes_down = 0
         self.tier_participants: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
-        self.folding = 0  # client updates past their last check, not yet folded
+        self.reserved = 0  # updates (counts) folded or being folded: never above target for clients
 
     @property
     def received(self) -> int:
@@ -442,24 +442,25 @@ class Coordinator:
             try:
                 if h.count > 0:
                     await loop.run_in_executor(self._fold_pool, self._fold, cr, h, arrays)
-            finally:
-                cr.folding -= 1 if h.kind is UploadKind.CLIENT_UPDATE else 0
+            except BaseException:
+                cr.reserved -= h.count
+                raise
         except BaseException:
             a.in_flight = False
             raise
         self._delivered(slot)
 
     def _reserve_fold(self, cr: CohortRound, h: UploadHeader) -> None:
-        """The last check before a fold, on the loop thread. Updates already folding count
-        toward the target, so two uploads racing for the last slot cannot both get in."""
+        """The last check before a fold, on the loop thread. A fold reserves its count here,
+        before it runs, so two uploads racing for the last slot cannot both get in. (A
+        partial from below is never refused for overshooting: it is a whole cohort.)"""
         if cr.closed:
             raise RoundClosedError(f"round {cr.task.round} closed ({cr.close_reason}) while the upload arrived; "
                                    "late uploads are refused")
-        if h.kind is UploadKind.CLIENT_UPDATE:
-            if cr.received + cr.folding >= cr.task.target:
-                raise RoundClosedError(f"round {cr.task.round} already has its {cr.task.target} updates; "
-                                       "late uploads are refused")
-            cr.folding += 1
+        if h.kind is UploadKind.CLIENT_UPDATE and cr.reserved >= cr.task.target:
+            raise RoundClosedError(f"round {cr.task.round} already has its {cr.task.target} updates; "
+                                   "late uploads are refused")
+        cr.reserved += h.count
 
     def submit_local(self, node_id: str, h: UploadHeader, payload: bytes) -> None:
         """In-process upload (the simulator): the same checks, decode and fold as over gRPC,
@@ -477,8 +478,9 @@ class Coordinator:
             try:
                 if h.count > 0:
                     self._fold(slot.cohort, h, arrays)
-            finally:
-                slot.cohort.folding -= 1 if h.kind is UploadKind.CLIENT_UPDATE else 0
+            except BaseException:
+                slot.cohort.reserved -= h.count
+                raise
         except OrchardError as err:
             self.abort_upload(slot, type(err).__name__)
             raise

@@ -22,8 +22,19 @@ from orchard.simulation.config import (
     load_simulation_config,
     simulation_problems,
 )
-from orchard.simulation.report import SimulationReport
-from orchard.simulation.runner import run_simulation
+
+
+def __getattr__(name: str):  # PEP 562: `orchard --help` and servers need not load torch
+    if name == "SimulationReport":
+        from orchard.simulation.report import SimulationReport
+
+        return SimulationReport
+    if name == "run_simulation":
+        from orchard.simulation.runner import run_simulation
+
+        return run_simulation
+    raise AttributeError(f"module 'orchard.simulation' has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_PROFILES",
