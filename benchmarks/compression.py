@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass
 from typing import TypeVar
 
 import numpy as np
-from orchard.compression import build_codec
 
+from orchard.compression import build_codec
 from orchard.config import CodecSpec
 
 T = TypeVar("T")

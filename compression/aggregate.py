@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import numpy as np
+
 from orchard.compression.base import Codec, check_seed, check_shape
 from orchard.compression.wire import EncodedTensor
-
 from orchard.errors import CodecError
 
 

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
+
 from orchard.compression.errors import CodecMismatchError, MalformedPayloadError
 from orchard.compression.wire import MAX_COUNT, EncodedTensor, Field, parse_payload
-
 from orchard.errors import CodecError
 
 State = dict[str, np.ndarray]

@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
+
 from orchard.compression.base import Algebra, BaseCodec, State, expect_field, expect_fields, numel
 from orchard.compression.wire import CODEC_IDS, EncodedTensor, Field
-
 from orchard.errors import CodecError
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)

@@ -20,6 +20,7 @@ state under ``"inner.<key>"`` (PowerSGD's ``q``), all plain arrays.
 from __future__ import annotations
 
 import numpy as np
+
 from orchard.compression.base import Algebra, BaseCodec, State, as_float32, check_seed
 from orchard.compression.errors import StateError
 from orchard.compression.wire import EncodedTensor

@@ -27,6 +27,7 @@ the cohort and the layout is data dependent, so not field-linear.
 from __future__ import annotations
 
 import numpy as np
+
 from orchard.compression.base import (
     Algebra,
     BaseCodec,
@@ -37,7 +38,6 @@ from orchard.compression.base import (
 )
 from orchard.compression.errors import MalformedPayloadError, StateError
 from orchard.compression.wire import CODEC_IDS, EncodedTensor, Field
-
 from orchard.errors import CodecError
 
 

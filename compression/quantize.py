@@ -32,6 +32,7 @@ element within ``2**-23 * s`` of zero may take either sign.
 from __future__ import annotations
 
 import numpy as np
+
 from orchard.compression.base import (
     Algebra,
     BaseCodec,
@@ -42,7 +43,6 @@ from orchard.compression.base import (
 )
 from orchard.compression.errors import CodecMismatchError, MalformedPayloadError
 from orchard.compression.wire import CODEC_IDS, EncodedTensor, Field
-
 from orchard.errors import CodecError
 
 QUANT_BITS = (1, 2, 4, 8)

@@ -8,14 +8,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from pydantic import ValidationError
+
 from orchard.compression.base import BaseCodec, Codec
 from orchard.compression.casts import bfloat16_codec, float16_codec, float32_codec
 from orchard.compression.feedback import ErrorFeedback
 from orchard.compression.powersgd import PowerSGDCodec
 from orchard.compression.quantize import QUANT_BITS, qsgd_codec, sign_codec
 from orchard.compression.sparse import RandK, SparsifiedCodec, TopK
-from pydantic import ValidationError
-
 from orchard.config import CodecSpec
 from orchard.errors import ConfigError
 

@@ -26,10 +26,10 @@ import zlib
 from typing import Protocol
 
 import numpy as np
+
 from orchard.compression.base import Algebra, BaseCodec, State, expect_field, numel
 from orchard.compression.errors import CodecMismatchError, MalformedPayloadError
 from orchard.compression.wire import CODEC_IDS, EncodedTensor, Field
-
 from orchard.errors import CodecError
 
 

@@ -18,9 +18,9 @@ import zlib
 from collections.abc import Mapping
 
 import numpy as np
+
 from orchard.compression.base import Codec, State, check_seed, check_shape
 from orchard.compression.errors import MalformedPayloadError, UpdateMismatchError
-
 from orchard.errors import CodecError
 
 States = dict[str, State]

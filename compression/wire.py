@@ -28,6 +28,7 @@ import struct
 from dataclasses import dataclass
 
 import numpy as np
+
 from orchard.compression.bits import pack_uint, packed_nbytes, unpack_uint
 from orchard.compression.errors import CodecMismatchError, MalformedPayloadError
 

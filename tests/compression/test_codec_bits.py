@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
+
 from orchard.compression.bits import pack_uint, packed_nbytes, unpack_uint
 
 

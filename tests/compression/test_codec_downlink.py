@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from orchard.compression import UpdateMismatchError, apply_model_delta, encode_model_delta
 
+from orchard.compression import UpdateMismatchError, apply_model_delta, encode_model_delta
 from orchard.config import CodecSpec
 
 

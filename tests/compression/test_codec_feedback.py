@@ -7,6 +7,7 @@ import pytest
 from codec_cases import SPECS, shapes
 from hypothesis import given
 from hypothesis import strategies as st
+
 from orchard.compression import StateError, build_codec, states_from_bytes, states_to_bytes
 from orchard.compression.update import encode_update
 

@@ -13,9 +13,9 @@ import pytest
 from codec_cases import SPECS
 from hypothesis import given
 from hypothesis import strategies as st
+
 from orchard.compression import CodecMismatchError, MalformedPayloadError, build_codec
 from orchard.compression.wire import EncodedTensor, Field
-
 from orchard.config import CodecSpec
 from orchard.errors import CodecError
 

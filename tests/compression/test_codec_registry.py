@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from orchard.compression import available_codecs, build_codec, validate_codec_for_secure_aggregation
 
+from orchard.compression import available_codecs, build_codec, validate_codec_for_secure_aggregation
 from orchard.config import CodecSpec
 from orchard.errors import ConfigError
 

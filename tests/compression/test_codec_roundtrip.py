@@ -9,6 +9,7 @@ import pytest
 from codec_cases import SPECS, matrices, tensors
 from hypothesis import given
 from hypothesis import strategies as st
+
 from orchard.compression import build_codec
 from orchard.compression.quantize import FLUSH_SCALE
 from orchard.compression.wire import parse_payload

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from orchard.compression import build_codec
 from orchard.compression.quantize import QuantCodec, qsgd_variance_bound
-
 from orchard.config import CodecSpec
 
 Z = 5.0

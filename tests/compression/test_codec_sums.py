@@ -10,10 +10,10 @@ import pytest
 from codec_cases import SPECS, tensors
 from hypothesis import given
 from hypothesis import strategies as st
+
 from orchard.compression import PayloadSum, build_codec, sum_encoded, sum_payloads
 from orchard.compression.update import decode_update, encode_update
 from orchard.compression.wire import Field
-
 from orchard.config import CodecSpec
 from orchard.errors import CodecError
 
