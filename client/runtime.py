@@ -9,7 +9,15 @@ Updates are deltas ``local - global`` over exactly the tensors the task's schema
 encoded with the run's codec. Codec state that must live on the device across rounds
 (error-feedback residuals, PowerSGD's warm start) is kept per run and, given a
 ``state_dir``, persisted there.
+
+Given an :class:`~orchard.client.edge.EdgeGovernance` (device, budget policy, clock),
+the client is an edge client: it checks in with its device state, waits until the
+device is eligible before it polls, trains each task under a governor holding the
+policy's per-round budget, and when the governor stops early sends the partial update
+(its weight and ``num_steps`` say how much was done) unless not one step ran. After a
+stop at the thermal ceiling or battery floor it waits past them before it polls again.
 """
+
 
 from __future__ import annotations
 
@@ -22,14 +30,16 @@ from pathlib import Path
 from typing import Any
 
 from orchard import wire
+from orchard.client.edge import FEDNOVA, EdgeGovernance, fednova_update, with_fednova_tau
 from orchard.client.update import build_upload, delta_of, train_seed
 from orchard.compression import build_codec
 from orchard.compression.update import states_from_bytes, states_to_bytes
 from orchard.config import RunConfig
+from orchard.edge_runtime.governor import GovernorReport
 from orchard.errors import AuthError, OrchardError
 from orchard.link import FleetLink, UploadRefused
 from orchard.messages import Idle, TaskAssignment, UploadHeader
-from orchard.trainer import Trainer, TrainResult
+from orchard.trainer import TrainConfig, Trainer, TrainResult
 from orchard.typing import DeviceState, NDArrays
 
 log = logging.getLogger("orchard.client")
@@ -46,17 +56,23 @@ class TaskReport:
     num_examples: int = 0
     bytes_up: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    num_steps: int = 0
+    weight: float = 0.0
+    governor: GovernorReport | None = None  # None when no governor ran (not an edge client)
 
 
 class ClientRuntime:
     def __init__(self, link: FleetLink, trainer_factory: TrainerFactory, *, partition_id: int = 0,
-                 device: DeviceProvider | None = None, state_dir: str | Path | None = None, seed: int = 0) -> None:
+                 device: DeviceProvider | None = None, state_dir: str | Path | None = None, seed: int = 0,
+                 edge: EdgeGovernance | None = None) -> None:
         self.link = link
         self._factory = trainer_factory
         self._trainer: Trainer | None = None
         self._trainer_key: str | None = None
         self.partition_id = partition_id
-        self.device = device or (lambda: DeviceState())
+        self.edge = edge
+        self.device: DeviceProvider = device or (edge.state if edge is not None else (lambda: DeviceState()))
+        self.last_governor: GovernorReport | None = None  # the last task's, for when to resume
         self.state_dir = Path(state_dir) if state_dir else None
         self.seed = seed
         self.reports: list[TaskReport] = []
@@ -74,6 +90,8 @@ class ClientRuntime:
         await self.link.join(self.device())
         done = 0
         while (max_tasks is None or done < max_tasks) and not (stop is not None and stop.is_set()):
+            if self.edge is not None and not await self._wait_eligible(self.edge, stop):
+                break
             got = await self.link.poll(self.device())
             if isinstance(got, Idle):
                 if got.retry_after_s > 0:
@@ -81,6 +99,15 @@ class ClientRuntime:
                 continue
             self.reports.append(await self.do_task(got))
             done += 1
+
+    async def _wait_eligible(self, edge: EdgeGovernance, stop: asyncio.Event | None) -> bool:
+        """Wait (on the edge clock, in slices) until the device may train; False if stopped."""
+        while not (stop is not None and stop.is_set()):
+            decision = await asyncio.to_thread(edge.wait_until_eligible, self.last_governor)
+            if decision.eligible:
+                return True
+            log.info("device not eligible: %s", "; ".join(decision.reasons))
+        return False
 
     async def do_task(self, t: TaskAssignment) -> TaskReport:
         try:
@@ -103,27 +130,48 @@ class ClientRuntime:
         train_cfg = dataclasses.replace(cfg.train, seed=seed)
         loop = asyncio.get_running_loop()
         beat = asyncio.create_task(self._heartbeats(t))
+        report: GovernorReport | None = None
         try:
-            result: TrainResult = await loop.run_in_executor(None, trainer.train, global_arrays, train_cfg)
+            if self.edge is None:
+                result: TrainResult = await loop.run_in_executor(None, trainer.train, global_arrays, train_cfg)
+            else:
+                governed = await loop.run_in_executor(None, self.edge.train, trainer, global_arrays, train_cfg)
+                result, report = governed.result, governed.report
+                self.last_governor = report
         finally:
             beat.cancel()
+        if result.num_steps == 0 and report is not None:
+            # Nothing was trained: an upload would be the global model back, weight 0.
+            why = f"{report.stop_reason.value if report.stop_reason else 'stopped'}: {report.detail}"
+            log.info("round %d: the governor stopped before the first step (%s); no update", t.round, why)
+            return TaskReport(t.round, False, f"no step done ({why})", metrics=dict(result.metrics),
+                              governor=report)
+        if report is not None and result.stopped_early:
+            log.info("round %d: the governor stopped after %d steps (%s); sending the partial update",
+                     t.round, result.num_steps, report.stop_reason.value if report.stop_reason else "")
         delta = delta_of(t, global_arrays, result)
-        header, payload = await loop.run_in_executor(None, self._encode, t, cfg, delta, result, seed)
+        header, payload = await loop.run_in_executor(None, self._encode, t, cfg, train_cfg, delta, result, seed)
         await self.link.push_update(header, payload)
         self._save_state(t.run_id)
         return TaskReport(t.round, True, num_examples=result.num_examples, bytes_up=len(payload),
-                          metrics=dict(result.metrics))
+                          metrics=dict(result.metrics), num_steps=header.num_steps, weight=header.weight,
+                          governor=report)
 
     async def _heartbeats(self, t: TaskAssignment) -> None:
         while True:
             await asyncio.sleep(max(0.5, self.link.heartbeat_s / 2))
             await self.link.heartbeat(t.task_id, self.device())
 
-    def _encode(self, t: TaskAssignment, cfg: RunConfig, delta: NDArrays, result: TrainResult,
-                seed: int) -> tuple[UploadHeader, bytes]:
+    def _encode(self, t: TaskAssignment, cfg: RunConfig, train_cfg: TrainConfig, delta: NDArrays,
+                result: TrainResult, seed: int) -> tuple[UploadHeader, bytes]:
+        tau: float | None = None
+        if cfg.cohort.weighting == FEDNOVA:
+            delta, result, tau = fednova_update(delta, result, train_cfg)
         states = self._codec_state.get(t.run_id) or self._load_state(t.run_id)
         header, payload, new_states = build_upload(t, cfg, build_codec(cfg.codec), self.link.node_id, delta,
                                                    result, seed, states)
+        if tau is not None:
+            header = with_fednova_tau(header, tau)
         if new_states:
             self._codec_state[t.run_id] = new_states
         return header, payload

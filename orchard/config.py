@@ -44,6 +44,9 @@ class SecureAggregationConfig(_Strict):
     clip: float = Field(1.0, gt=0.0)
     bits: int = Field(16, ge=2, le=24)
     modulus_bits: int = Field(32, ge=16, le=62)
+    # Clients mask (w / weight_scale) * update so that weighted values stay inside the
+    # clip; weights above weight_scale are capped. Weights travel in the clear.
+    weight_scale: float = Field(1000.0, gt=0.0)
 
 
 class ServerOptimizerConfig(_Strict):
@@ -71,7 +74,10 @@ class CohortConfig(_Strict):
     min_fraction: float = Field(0.8, gt=0.0, le=1.0)
     deadline_s: float = Field(120.0, gt=0.0)
     max_retries: int = Field(3, ge=0)
-    weighting: Literal["examples", "steps", "uniform"] = "examples"
+    # "fednova": FedNova (Wang et al., 2020): clients send their delta divided by their
+    # local step count, weighted by data; the root rescales the mean by the cohort's
+    # mean step count (orchard.client.edge, orchard.edge_runtime.fednova).
+    weighting: Literal["examples", "steps", "uniform", "fednova"] = "examples"
 
 
 class EligibilityConfig(_Strict):

@@ -40,6 +40,18 @@ def warm_up() -> None:
     ServerOptimizer(ServerOptimizerConfig(), {"w": np.zeros(1, np.float32)}).step({"w": np.zeros(1, np.float32)})
 
 
+def fednova_rescale(mean: NDArrays, metrics: dict[str, float]) -> NDArrays:
+    """FedNova's root step (Wang et al., 2020, eq. 6): clients sent ``d_i = Delta_i / a_i``
+    weighted by ``p_i`` and ``a_i`` as the metric ``fednova_tau`` under the same weights,
+    so ``mean = sum p_i d_i`` and the metric mean is ``tau_eff``; the update is their
+    product. Only the root multiplies: every tier below folds plain weighted sums."""
+    tau_eff = metrics.get("fednova_tau")
+    if tau_eff is None or not math.isfinite(tau_eff) or tau_eff < 0:
+        raise UpdateSchemaError(f"weighting 'fednova' needs the metric 'fednova_tau' from every client; "
+                                f"the cohort reported {tau_eff!r}")
+    return {k: np.multiply(v, tau_eff, dtype=np.float64).astype(np.float32) for k, v in mean.items()}
+
+
 @dataclass
 class ActiveRun:
     run_id: str
@@ -206,6 +218,8 @@ class RootRunner:
             return False
         loop = asyncio.get_running_loop()
         mean, metrics = finalize(out.partial)
+        if cfg.cohort.weighting == "fednova":
+            mean = fednova_rescale(mean, metrics)
         new_arrays = await loop.run_in_executor(None, run.optimizer.step, mean)
         blob = await loop.run_in_executor(None, wire.arrays_to_blob, new_arrays)
         path = self._ckpt_path(run.run_id, rnd)
