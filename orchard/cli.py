@@ -152,7 +152,8 @@ def aggregator_start(
 # ---------------------------------------------------------------------------- client
 
 
-def _warm_up(task: str | None, partition: int, num_partitions: int, seed: int) -> None:
+def _warm_up(task: str | None, partition: int, num_partitions: int, seed: int,
+             params: dict[str, Any] | None = None) -> None:
     """Build and run the trainer once before joining: torch's first optimizer import alone
     takes seconds, and a round should not wait for framework start-up."""
     if task is None:
@@ -160,11 +161,12 @@ def _warm_up(task: str | None, partition: int, num_partitions: int, seed: int) -
     from orchard.tasks import get_task
     from orchard.trainer import TrainConfig
 
-    t = get_task(task)
+    t = get_task(task, **(params or {}))
     t.client_trainer(partition, num_partitions, seed).train(t.initial_arrays(seed), TrainConfig(steps=1))
 
 
-def _trainer_factory(task: str | None, flower_app: str | None, partition: int, num_partitions: int, seed: int):
+def _trainer_factory(task: str | None, flower_app: str | None, partition: int, num_partitions: int,
+                     seed: int) -> Any:
     def factory(cfg: Any) -> Any:
         if flower_app:
             from orchard.client.flower_adapter import FlowerTrainer
@@ -180,6 +182,22 @@ def _trainer_factory(task: str | None, flower_app: str | None, partition: int, n
     return factory
 
 
+def _load_policy(path: Path) -> Any:
+    """A DevicePolicy from TOML: a [policy] table, or the whole file."""
+    from pydantic import ValidationError
+
+    from orchard.config import load_toml
+    from orchard.edge_runtime.policy import DevicePolicy
+    from orchard.errors import ConfigError
+
+    raw = load_toml(path)
+    try:
+        return DevicePolicy.model_validate(raw.get("policy", raw))
+    except ValidationError as err:
+        raise ConfigError([f"{path}: policy.{'.'.join(map(str, e['loc']))}: {e['msg']}"
+                           for e in err.errors()]) from None
+
+
 @client_app.command("start")
 def client_start(
     server: Annotated[str | None, typer.Option("--server", help="HOST:PORT of an aggregator or the root.")] = None,
@@ -193,26 +211,42 @@ def client_start(
     node_id: Annotated[str, typer.Option("--node-id")] = "",
     state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Persist device-side codec state here.")] = None,
     max_tasks: Annotated[int | None, typer.Option("--max-tasks", help="Exit after this many tasks.")] = None,
-    bundle: Annotated[Path | None, typer.Option("--bundle", help="Run from a client bundle dir.")] = None,
+    bundle: Annotated[Path | None, typer.Option("--bundle", help="Run from a client bundle dir (server, token, CA, policy).")] = None,
+    policy: Annotated[Path | None, typer.Option("--policy", help="Device policy TOML: train under its budgets (overrides the bundle's).")] = None,
     systemd: Annotated[bool, typer.Option("--systemd", help="Print a systemd unit for this bundle and exit.")] = False,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = True,
 ) -> None:
-    """Start an edge client: join, long-poll, train, push."""
+    """Start an edge client: join, long-poll, train (under the device policy's budgets), push."""
     _logging(verbose)
-    if bundle is not None:
-        from orchard.edge_runtime import bundle as bundle_mod
+    device_policy = None
+    task_params: dict[str, Any] = {}
+    try:
+        if bundle is not None:
+            from orchard.edge_runtime.bundle import read_bundle, systemd_unit
+            from orchard.edge_runtime.bundle_task import read_bundle_task
 
-        b = bundle_mod.read_bundle(bundle)
-        if systemd:
-            out.print(bundle_mod.systemd_unit(bundle, sys.executable), highlight=False)
-            return
-        server = server or b.server
-        token = token or b.token
-        ca_cert = ca_cert or b.ca_cert
-        task = task or b.task
-        partition = b.partition if partition == 0 else partition
-        num_partitions = b.num_partitions if num_partitions == 1 else num_partitions
+            b = read_bundle(bundle)
+            if systemd:
+                # The console script next to this interpreter (a venv's bin/), so the
+                # unit runs this installation, not whatever "orchard" PATH finds first.
+                exe = Path(sys.executable).parent / "orchard"
+                # Plain echo: rich would wrap the long ExecStart line, breaking the unit.
+                typer.echo(systemd_unit(bundle, exe if exe.is_file() else "orchard"), nl=False)
+                return
+            sidecar = read_bundle_task(bundle)
+            server = server or b.config.server_address
+            token = token or b.enrollment_token()
+            ca_cert = ca_cert or b.ca_cert_path
+            device_policy = b.config.policy
+            if task is None and sidecar is not None and flower_app is None:
+                task, task_params = sidecar.task, sidecar.task_params
+        elif systemd:
+            raise OrchardError("--systemd prints the unit of a bundle: pass --bundle DIR")
+        if policy is not None:
+            device_policy = _load_policy(policy)
+    except OrchardError as err:
+        _fail(err)
     if server is None:
         _fail(OrchardError("--server HOST:PORT is required (or --bundle DIR)"))
     if task is None and flower_app is None:
@@ -221,13 +255,22 @@ def client_start(
     from orchard.link import FleetLink, LinkConfig
     from orchard.typing import Role
 
-    _warm_up(task, partition, num_partitions, seed)
+    edge = None
+    if device_policy is not None:
+        from orchard.client.edge import EdgeGovernance
+        from orchard.edge_runtime.device import default_provider
+
+        # The host's own sensors (sysfs, else psutil) and real time: the governor paces
+        # the actual device.
+        edge = EdgeGovernance(default_provider(), device_policy)
+
+    _warm_up(task, partition, num_partitions, seed, task_params)
 
     async def main() -> None:
         link = FleetLink(LinkConfig(target=server, role=Role.CLIENT, token=token, ca_cert=ca_cert, insecure=insecure,
                                     node_id=node_id, capabilities=(("task", task or "flower"),)))
         rt = ClientRuntime(link, _trainer_factory(task, flower_app, partition, num_partitions, seed),
-                           partition_id=partition, state_dir=state_dir, seed=seed)
+                           partition_id=partition, state_dir=state_dir, seed=seed, edge=edge)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -244,27 +287,119 @@ def client_start(
     _run_async(main())
 
 
+def _pull_current_adapter(server: str, task: str, run_id: str, admin_token: str | None, ca_cert: Path | None,
+                          insecure: bool, data_dir: Path | None) -> tuple[Any, int] | None:
+    """(global arrays, round) of the root's latest global model for ``task``, or None when
+    the root cannot be reached or has no run yet (the bundle then ships the initial adapter)."""
+    import grpc
+
+    from orchard import wire
+
+    try:
+        with _control(server, admin_token, ca_cert, insecure, data_dir) as ctl:
+            st = ctl.status(run_id)
+            if st.get("run_id") is None:
+                console.print("[yellow]the root has no run yet: bundling the task's initial adapter[/]")
+                return None
+            if st.get("task") != task:
+                raise OrchardError(f"the root's run {st['run_id']} trains task {st.get('task')!r}, "
+                                   f"not {task!r}: pass --task {st.get('task')}")
+            blob = ctl.pull_global(st["run_id"], -1)
+            return wire.blob_to_arrays(blob), int(st.get("completed_rounds", 0))
+    except grpc.RpcError as err:
+        code = err.code()  # type: ignore[attr-defined]
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            console.print(f"[yellow]root {server} not reachable ({code.name}): bundling the task's "
+                          "initial adapter[/]")
+            return None
+        raise OrchardError(f"pulling the global model from {server} failed: {code.name}: "
+                           f"{err.details()}") from None  # type: ignore[attr-defined]
+
+
 @client_app.command("bundle")
 def client_bundle(
     server: Annotated[str, typer.Option("--server", help="HOST:PORT the device will dial.")],
     out_dir: Annotated[Path, typer.Option("--out", help="Bundle dir to write.")],
-    task: Annotated[str, typer.Option("--task")] = "digits",
-    partition: Annotated[int, typer.Option("--partition")] = 0,
-    num_partitions: Annotated[int, typer.Option("--num-partitions")] = 1,
+    task: Annotated[str, typer.Option("--task", help="A LoRA reference task.")] = "shakespeare",
+    task_params: Annotated[str | None, typer.Option("--task-params", help="Task parameters as JSON, e.g. '{\"lora_rank\": 4}'.")] = None,
     token: Token = None,
     ca_cert: CaCert = None,
-    base_model: Annotated[Path | None, typer.Option("--base-model", help="Pretrained base model dir.")] = None,
+    policy: Annotated[Path | None, typer.Option("--policy", help="Device policy TOML (eligibility, window, budget, pacing).")] = None,
+    admin_token: AdminToken = None,
+    data_dir: DataDirOpt = None,
+    run_id: Annotated[str, typer.Option("--run-id", help="Run whose global adapter to ship (default: the latest).")] = "",
+    insecure: Insecure = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing bundle.")] = False,
 ) -> None:
-    """Write what a device needs: base ONNX model, adapter, config with budgets, CA, token."""
-    from orchard.edge_runtime import bundle as bundle_mod
+    """Write what a device needs: base ONNX model, current adapter, config with budgets, CA, token.
+
+    With --admin-token or --data-dir (or --insecure) the adapter is the root's latest
+    global model; otherwise, or when the root is not reachable, the task's initial one."""
+    from orchard.edge_runtime.task_bundle import write_task_bundle
+    from orchard.tasks import get_task
 
     try:
-        p = bundle_mod.make_bundle(out_dir, server=server, task=task, partition=partition,
-                                   num_partitions=num_partitions, token=token, ca_cert=ca_cert,
-                                   base_model=base_model)
+        params = json.loads(task_params) if task_params else {}
+        if not isinstance(params, dict):
+            raise OrchardError(f"--task-params must be a JSON object, got {task_params!r}")
+        device_policy = _load_policy(policy) if policy is not None else None
+        if ca_cert is None and data_dir is not None and (data_dir / "tls" / "ca.pem").is_file():
+            ca_cert = data_dir / "tls" / "ca.pem"
+        pulled = None
+        if admin_token or data_dir is not None or insecure:
+            pulled = _pull_current_adapter(server, task, run_id, admin_token, ca_cert, insecure, data_dir)
+        arrays, version = pulled if pulled is not None else (None, 0)
+        b = write_task_bundle(out_dir, task=get_task(task, **params), server_address=server, global_arrays=arrays,
+                              adapter_version=version, policy=device_policy, ca_cert=ca_cert,
+                              enrollment_token=token, overwrite=overwrite)
+    except json.JSONDecodeError as err:
+        _fail(OrchardError(f"--task-params is not JSON: {err}"))
     except OrchardError as err:
         _fail(err)
-    out.print(f"bundle written to {p}")
+    out.print(f"bundle written to {b.path}: task {task}, adapter version {b.config.adapter_version}"
+              f"{', CA' if b.config.ca_cert else ''}{', enrollment token' if b.config.enrollment_token else ''}")
+
+
+@edge_app.command("infer")
+def edge_infer(
+    bundle: Annotated[Path, typer.Option("--bundle", help="Client bundle dir.")],
+    text: Annotated[str | None, typer.Option("--text", help="Prompt: print the predicted next characters.")] = None,
+    input_file: Annotated[Path | None, typer.Option("--input", help="Model input as .npy: print a logits summary.")] = None,
+    top_k: Annotated[int, typer.Option("--top-k", help="How many next characters to list.")] = 5,
+    generate: Annotated[int, typer.Option("--generate", help="Greedy continuation length (characters).")] = 40,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON.")] = False,
+) -> None:
+    """Run the bundle's base model with its active adapter through ONNX Runtime (no torch)."""
+    if (text is None) == (input_file is None):
+        _fail(OrchardError("pass exactly one of --text PROMPT or --input FILE.npy"))
+    import numpy as np
+
+    from orchard.edge_runtime import infer
+
+    try:
+        if text is not None:
+            p = infer.predict_text(bundle, text, top_k=top_k, generate=generate)
+            if as_json:
+                out.print_json(json.dumps({"prompt": p.prompt, "adapter_version": p.adapter_version,
+                                           "top": [{"char": c.char, "p": c.probability} for c in p.top],
+                                           "continuation": p.continuation}))
+                return
+            out.print(f"adapter version {p.adapter_version}; next character after {p.prompt!r}:", highlight=False)
+            for c in p.top:
+                out.print(f"  {c.char!r:>6}  {c.probability:.3f}", highlight=False)
+            out.print(f"greedy continuation: {p.prompt + p.continuation!r}", highlight=False, soft_wrap=True)
+        elif input_file is not None:
+            arr = np.load(input_file, allow_pickle=False)
+            s = infer.summarize_array(bundle, arr)
+            summary = {"shape": list(s.shape), "dtype": s.dtype, "min": s.min, "max": s.max, "mean": s.mean,
+                       "argmax_last": s.argmax_last}
+            if as_json:
+                out.print_json(json.dumps(summary))
+                return
+            out.print(f"logits {s.shape} {s.dtype}: min {s.min:.4g}, max {s.max:.4g}, mean {s.mean:.4g}; "
+                      f"argmax at the last position per row: {s.argmax_last}", highlight=False, soft_wrap=True)
+    except (OrchardError, OSError, ValueError) as err:
+        _fail(err)
 
 
 # ---------------------------------------------------------------------------- operators

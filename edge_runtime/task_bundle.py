@@ -1,0 +1,131 @@
+"""A client bundle for a reference LoRA task: what ``orchard client bundle`` writes.
+
+:func:`~orchard.edge_runtime.bundle.write_bundle` takes an exported base and an adapter
+keyed by the base's LoRA input names. A federated LoRA run's global model is keyed
+differently: it holds only the trained tensors (``B`` for FFA-LoRA), under peft's
+*parameter* names (``...lora_B.default.weight``), while the ONNX graph takes every LoRA
+matrix (``A`` too) under peft's *state-dict* keys (``...lora_B.weight``). So the global
+tensors are loaded into the task's adapted model (whose frozen ``A`` comes from the
+run's shared seed) and read back by state-dict key (:func:`onnx_adapter_of`).
+
+Besides the files ``bundle.py`` describes, a task bundle holds the sidecars of
+:mod:`orchard.edge_runtime.bundle_task` (the task, the tokenizer of a text task),
+written before ``client.json`` so that a bundle with a config is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from peft import PeftModel
+from torch import nn
+
+from orchard.text import CharTokenizer
+from orchard.typing import NDArrays
+
+from .bundle import CONFIG_FILE, BundleError, ClientBundle, _write_atomic, write_bundle
+from .bundle_task import TASK_FILE, TOKENIZER_FILE, BundleTask
+from .lora import set_arrays
+from .onnx_export import adapter_arrays, export_lora_model
+from .policy import DevicePolicy
+
+
+class _Examples(Protocol):
+    x: torch.Tensor
+
+
+class LoRATask(Protocol):
+    """What a bundle needs of a task (``orchard.tasks.SupervisedTask`` has it all).
+
+    Taken as an argument, not looked up by name: the edge runtime sits below the
+    reference tasks and does not import them.
+    """
+
+    name: str
+    params: dict[str, Any]
+    info: dict[str, Any]
+    trainable: list[str]
+    train_data: _Examples
+
+    def build_model(self, seed: int | None = None) -> nn.Module: ...
+
+    def initial_arrays(self, seed: int) -> NDArrays: ...
+
+
+def _lora_model(task: LoRATask) -> PeftModel:
+    model = task.build_model()
+    if not isinstance(model, PeftModel):
+        raise BundleError(
+            f"task {task.name!r} trains a plain model, not a LoRA adapter: a bundle ships a base "
+            "and an adapter (use a LoRA task, e.g. shakespeare with lora=true)"
+        )
+    model.eval()
+    return model
+
+
+def onnx_adapter_of(task: LoRATask, global_arrays: Mapping[str, np.ndarray]) -> NDArrays:
+    """A run's global tensors (the task's trainable names) as the ONNX base's LoRA inputs."""
+    model = _lora_model(task)
+    set_arrays(model, dict(global_arrays), task.trainable)
+    return adapter_arrays(model)
+
+
+def write_task_bundle(
+    bundle_dir: str | os.PathLike[str],
+    *,
+    task: LoRATask,
+    server_address: str,
+    global_arrays: Mapping[str, np.ndarray] | None = None,
+    adapter_version: int = 0,
+    policy: DevicePolicy | None = None,
+    ca_cert: str | os.PathLike[str] | bytes | None = None,
+    enrollment_token: str | None = None,
+    overwrite: bool = False,
+) -> ClientBundle:
+    """Export ``task``'s base with LoRA inputs and write a bundle for it.
+
+    ``global_arrays`` is the run's current global adapter (from the root); None ships
+    the task's initial adapter (``B = 0``: the bare base), version 0.
+    """
+    root = Path(bundle_dir)
+    if (root / CONFIG_FILE).exists() and not overwrite:
+        raise BundleError(f"{root} already holds a bundle: pass overwrite to replace it")
+    arrays = dict(global_arrays) if global_arrays is not None else task.initial_arrays(0)
+    adapter = onnx_adapter_of(task, arrays)
+
+    model = _lora_model(task)
+    # Two rows: an exported axis of size 1 would be specialised to 1.
+    example = task.train_data.x[:2]
+    # Token inputs (batch, seq) get a dynamic sequence axis so the device can feed any
+    # prompt length up to the context; feature inputs keep their fixed width.
+    sequence = example.ndim == 2 and not torch.is_floating_point(example)
+    axes = {0: "batch", 1: "seq"} if sequence else {0: "batch"}
+    context = int(task.params["seq_len"]) if sequence and "seq_len" in task.params else None
+
+    root.mkdir(parents=True, exist_ok=True)
+    os.chmod(root, 0o700)
+    _write_atomic(root / TASK_FILE, BundleTask(task.name, dict(task.params), context).to_json().encode())
+    vocab = task.info.get("vocab")
+    if vocab is not None:
+        tok = CharTokenizer(vocab)
+        _write_atomic(root / TOKENIZER_FILE, json.dumps(tok.to_dict(), ensure_ascii=False).encode())
+    with tempfile.TemporaryDirectory(prefix="orchard-export-") as tmp:
+        info = export_lora_model(model, example, Path(tmp) / "model.onnx", dynamic_axes=axes)
+        return write_bundle(
+            root,
+            model_path=info.path,
+            adapter=adapter,
+            adapter_version=adapter_version,
+            server_address=server_address,
+            policy=policy,
+            ca_cert=ca_cert,
+            enrollment_token=enrollment_token,
+            overwrite=overwrite,
+        )
