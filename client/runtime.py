@@ -131,6 +131,7 @@ class ClientRuntime:
         loop = asyncio.get_running_loop()
         beat = asyncio.create_task(self._heartbeats(t))
         report: GovernorReport | None = None
+        secure, upload = self._start_secure(t, cfg, seed)
         try:
             if self.edge is None:
                 result: TrainResult = await loop.run_in_executor(None, trainer.train, global_arrays, train_cfg)
@@ -138,9 +139,15 @@ class ClientRuntime:
                 governed = await loop.run_in_executor(None, self.edge.train, trainer, global_arrays, train_cfg)
                 result, report = governed.result, governed.report
                 self.last_governor = report
+        except BaseException:
+            if secure is not None:
+                secure.cancel()
+            raise
         finally:
             beat.cancel()
         if result.num_steps == 0 and report is not None:
+            if secure is not None:
+                secure.cancel()
             # Nothing was trained: an upload would be the global model back, weight 0.
             why = f"{report.stop_reason.value if report.stop_reason else 'stopped'}: {report.detail}"
             log.info("round %d: the governor stopped before the first step (%s); no update", t.round, why)
@@ -151,11 +158,25 @@ class ClientRuntime:
                      t.round, result.num_steps, report.stop_reason.value if report.stop_reason else "")
         delta = delta_of(t, global_arrays, result)
         header, payload = await loop.run_in_executor(None, self._encode, t, cfg, train_cfg, delta, result, seed)
-        await self.link.push_update(header, payload)
+        if secure is not None and upload is not None:
+            upload.set_result((header, payload))  # only its masked form leaves the device
+            await secure
+        else:
+            await self.link.push_update(header, payload)
         self._save_state(t.run_id)
         return TaskReport(t.round, True, num_examples=result.num_examples, bytes_up=len(payload),
                           metrics=dict(result.metrics), num_steps=header.num_steps, weight=header.weight,
                           governor=report)
+
+    def _start_secure(self, t: TaskAssignment, cfg: RunConfig, seed: int):
+        """Start this task's SecAgg+ session, if the run uses one: the key stages overlap training."""
+        if not cfg.secure_aggregation.enabled:
+            return None, None
+        from orchard.client.secure import secure_session
+
+        upload: asyncio.Future[tuple[UploadHeader, bytes]] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(secure_session(self.link, t, cfg, build_codec(cfg.codec), upload, seed))
+        return task, upload
 
     async def _heartbeats(self, t: TaskAssignment) -> None:
         while True:

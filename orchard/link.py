@@ -207,6 +207,24 @@ class FleetLink:
             raise UploadRefused(err.code(), err.details() or "") from None
         self.bytes_up += len(payload)
 
+    async def secagg(self, t: TaskAssignment, stage: int = 0, message: bytes = b"",
+                     header: UploadHeader | None = None, wait_s: float | None = None) -> pb.SecAggReply:
+        """Post one secure-aggregation stage message (or none) and long-poll for the next broadcast."""
+        wait = self.long_poll_s if wait_s is None else wait_s
+        req = pb.SecAggRequest(node_id=self.node_id, run_id=t.run_id, round=t.round, attempt=t.attempt,
+                               task_id=t.task_id, stage=stage, message=message, wait_s=wait)
+        if header is not None:
+            req.header.CopyFrom(wire.header_to_proto(header))
+
+        async def call() -> pb.SecAggReply:
+            return await self._stub.SecAgg(req, metadata=self._meta, timeout=wait + 15)
+
+        # A message must not be resent blindly (the server refuses duplicates); polls may be.
+        reply: pb.SecAggReply = await self._retry("secure aggregation", call, attempts=None if not message else 3)
+        self.bytes_up += len(message)
+        self.bytes_down += len(reply.broadcast)
+        return reply
+
     async def verify_token(self, token: str, role: Role) -> bool:
         async def call() -> pb.VerifyTokenReply:
             return await self._stub.VerifyToken(pb.VerifyTokenRequest(token=token, role=role.value),

@@ -45,10 +45,15 @@ from orchard.errors import (
     NotSelectedError,
     OrchardError,
     RoundClosedError,
+    SecAggError,
     UnknownNodeError,
     UpdateSchemaError,
 )
 from orchard.messages import PARTIAL_CODEC, Idle, TaskAssignment, UploadHeader, UploadKind
+from orchard.secure_agg import Stage
+from orchard.secure_agg.stages import stage_index as stage_index_of
+from orchard.secure_agg.stages import stage_of
+from orchard.server.secagg import SecureCohort, new_cohort
 from orchard.server.selection import allocate, device_eligible, over_select
 from orchard.typing import DeviceState, NDArrays, Role, TensorSpec
 from orchard.updates import decode_partial
@@ -128,6 +133,7 @@ class CohortRound:
         self.tier_participants: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
         self.reserved = 0  # updates (counts) folded or being folded: never above target for clients
+        self.secure: SecureCohort | None = None  # SecAgg+ session over the direct clients, if on
 
     @property
     def received(self) -> int:
@@ -234,8 +240,25 @@ class Coordinator:
         cr = CohortRound(task, self._mono())
         self.current = cr
         self._select(cr)
+        if task.config.secure_aggregation.enabled:
+            self._start_secure(cr)
         self._notify()
         return cr
+
+    def _start_secure(self, cr: CohortRound) -> None:
+        """One SecAgg+ session over the direct clients selected now; no fill-ins join it."""
+        clients = [a.node_id for a in cr.assignments.values() if self.children[a.node_id].role is Role.CLIENT]
+        cr.client_quota = len(clients)
+        if not clients:
+            return
+        try:
+            cr.secure = new_cohort(cr.task.config.secure_aggregation, cr.task.schema, clients, cr.task.round,
+                                   cr.task.deadline_unix, self._wall)
+        except OrchardError as err:
+            # Too few clients for the protocol's threshold: this cohort contributes nothing.
+            for n in clients:
+                cr.assignments[n].dropped = True
+            cr.rejected[f"secure aggregation could not start: {err}"] = len(clients)
 
     def _select(self, cr: CohortRound) -> None:
         cfg = cr.task.config
@@ -320,7 +343,8 @@ class Coordinator:
         if a is None:
             c = self.children[node_id]
             # Fill-in: a client that arrived after selection may take an unused quota slot.
-            if (c.role is Role.CLIENT and self._selected_clients(cr) < cr.client_quota
+            if (c.role is Role.CLIENT and not cr.task.config.secure_aggregation.enabled
+                    and self._selected_clients(cr) < cr.client_quota
                     and cr.received < cr.task.target
                     and device_eligible(c.device, cr.task.config.eligibility)[0]):
                 a = self._assign(cr, node_id, 1)
@@ -352,25 +376,32 @@ class Coordinator:
 
     # ------------------------------------------------------------------ uploads
 
+    def _assignment(self, node_id: str, run_id: str, rnd: int, attempt: int,
+                    task_id: str) -> tuple[CohortRound, Assignment]:
+        """The open round and this node's assignment in it, or the reason there is none."""
+        cr = self.current
+        if cr is None:
+            raise RoundClosedError("no round is open at this tier; this upload is stale")
+        t = cr.task
+        if (run_id, rnd, attempt) != (t.run_id, t.round, t.attempt):
+            when = "stale" if (run_id == t.run_id and (rnd, attempt) < (t.round, t.attempt)) else "unknown or future"
+            raise RoundClosedError(
+                f"upload for run {run_id!r} round {rnd} attempt {attempt} is {when}; "
+                f"the open round is {t.run_id!r} round {t.round} attempt {t.attempt}")
+        if cr.closed:
+            raise RoundClosedError(f"round {t.round} closed ({cr.close_reason}); late uploads are refused")
+        a = cr.assignments.get(node_id)
+        if a is None or a.task_id != task_id:
+            raise NotSelectedError(f"node {node_id!r} holds no assignment {task_id!r} in round {t.round}")
+        return cr, a
+
     def begin_upload(self, node_id: str, h: UploadHeader) -> UploadSlot:
         """Check an upload's header against the open round. Nothing is reserved unless it passes."""
         c = self.child(node_id)
         if h.node_id != node_id:
             raise UpdateSchemaError(f"header names node {h.node_id!r} but the caller is {node_id!r}")
-        cr = self.current
-        if cr is None:
-            raise RoundClosedError("no round is open at this tier; this upload is stale")
+        cr, a = self._assignment(node_id, h.run_id, h.round, h.attempt, h.task_id)
         t = cr.task
-        if (h.run_id, h.round, h.attempt) != (t.run_id, t.round, t.attempt):
-            when = "stale" if (h.run_id == t.run_id and (h.round, h.attempt) < (t.round, t.attempt)) else "unknown or future"
-            raise RoundClosedError(
-                f"upload for run {h.run_id!r} round {h.round} attempt {h.attempt} is {when}; "
-                f"the open round is {t.run_id!r} round {t.round} attempt {t.attempt}")
-        if cr.closed:
-            raise RoundClosedError(f"round {t.round} closed ({cr.close_reason}); late uploads are refused")
-        a = cr.assignments.get(node_id)
-        if a is None or a.task_id != h.task_id:
-            raise NotSelectedError(f"node {node_id!r} holds no assignment {h.task_id!r} in round {t.round}")
         if a.delivered:
             raise DuplicateUploadError(f"node {node_id!r} already delivered its update for round {t.round}")
         if a.in_flight:
@@ -378,6 +409,8 @@ class Coordinator:
         if a.dropped:
             raise RoundClosedError(f"node {node_id!r} was dropped from round {t.round} after missing heartbeats")
         want_kind = UploadKind.PARTIAL_SUM if c.role is Role.AGGREGATOR else UploadKind.CLIENT_UPDATE
+        if want_kind is UploadKind.CLIENT_UPDATE and t.config.secure_aggregation.enabled:
+            raise UpdateSchemaError("this round uses secure aggregation: send the update masked, through SecAgg")
         if h.kind != want_kind:
             raise UpdateSchemaError(f"a {c.role.value} must upload {want_kind.name}, got {h.kind.name}")
         names = [s.name for s in t.schema]
@@ -511,6 +544,77 @@ class Coordinator:
             cr.acc.accumulate(arrays, h.weight, checked=True)  # the decoder checked it
             cr.acc.partial.metrics.merge(ms)
 
+    # ------------------------------------------------------------------ secure aggregation
+
+    async def secagg_exchange(self, node_id: str, run_id: str, rnd: int, attempt: int, task_id: str,
+                              stage_index: int, message: bytes, header: UploadHeader | None,
+                              wait_s: float) -> tuple[int, bytes, bool, str]:
+        """Take one stage message (if any), then long-poll for this node's next broadcast.
+
+        Returns (current stage index, broadcast or b"", done, abort reason)."""
+        self.touch(node_id)
+        cr, a = self._assignment(node_id, run_id, rnd, attempt, task_id)
+        sc = cr.secure
+        if sc is None:
+            raise SecAggError(f"round {rnd} runs no secure aggregation for {node_id!r}")
+        if message:
+            if header is not None:
+                names = [s.name for s in cr.task.schema]
+                if header.node_id != node_id or [s.name for s in header.schema] != names:
+                    raise UpdateSchemaError("masked-input header does not match the caller or the round's schema")
+            sc.receive(node_id, stage_of(stage_index), message, header)
+            self._secure_progress(cr)
+            self._notify()
+        end = self._mono() + max(0.0, min(wait_s, self.cfg.long_poll_s))
+        while True:
+            if sc.finished:
+                return stage_index_of(sc.stage), b"", sc.stage is Stage.DONE, sc.abort_reason
+            b = sc.broadcast(node_id)
+            if b:
+                return stage_index_of(sc.stage), b, False, ""
+            remaining = end - self._mono()
+            if remaining <= 0 or cr.closed:
+                return stage_index_of(sc.stage), b"", False, ""
+            ev = self._changed
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ev.wait(), timeout=remaining)
+            self.touch(node_id)
+
+    def _secure_progress(self, cr: CohortRound) -> None:
+        """Move the session's stages on; fold the cohort's sum once it is unmasked."""
+        sc = cr.secure
+        if sc is None or cr.closed:
+            return
+        moved = False
+        while sc.advance(self._wall()):
+            moved = True
+        if not moved or not sc.finished:
+            if moved:
+                self._notify()
+            return
+        clients = [a for a in cr.assignments.values() if self.children.get(a.node_id) is not None
+                   and self.children[a.node_id].role is Role.CLIENT]
+        if sc.stage is Stage.DONE:
+            p = sc.partial()
+            contributed = set(sc.contributors())
+            if p.count > 0:
+                cr.acc.merge(p)
+                cr.reserved += p.count
+            for a in clients:
+                a.delivered = a.node_id in contributed
+                a.dropped = not a.delivered
+            cr.tier_participants[self.name] = cr.tier_participants.get(self.name, 0) + p.count
+            self.counters["uploads_accepted"] += p.count
+        else:
+            for a in clients:
+                a.dropped = True
+            cr.rejected[f"secure aggregation aborted: {sc.abort_reason}"] = len(clients)
+        cr.bytes_up += sc.bytes_up
+        cr.bytes_down += sc.bytes_down
+        self.counters["bytes_up"] += sc.bytes_up
+        self._check_close(cr)
+        self._notify()
+
     # ------------------------------------------------------------------ closing
 
     def sweep(self) -> None:
@@ -523,6 +627,10 @@ class Coordinator:
             c = self.children.get(a.node_id)
             if c is None or (now - c.last_seen > self.cfg.node_timeout_s and not a.in_flight):
                 a.dropped = True
+        if cr.secure is not None:
+            self._secure_progress(cr)
+            if cr.closed:
+                return
         if self._wall() >= cr.task.deadline_unix:
             self.close_round(cr, "deadline")
             return

@@ -208,6 +208,15 @@ class FleetServicer(pbg.FleetServicer):
         return pb.UploadReply(accepted=True)
 
     @mapped
+    async def SecAgg(self, request: pb.SecAggRequest, context: grpc.aio.ServicerContext) -> pb.SecAggReply:
+        await self._caller(context, request.node_id)
+        header = wire.header_from_proto(request.header) if request.HasField("header") else None
+        stage, broadcast, done, aborted = await self.coord.secagg_exchange(
+            request.node_id, request.run_id, request.round, request.attempt, request.task_id, request.stage,
+            request.message, header, request.wait_s)
+        return pb.SecAggReply(stage=stage, broadcast=broadcast, done=done, aborted=aborted)
+
+    @mapped
     async def VerifyToken(self, request: pb.VerifyTokenRequest, context: grpc.aio.ServicerContext) -> pb.VerifyTokenReply:
         # Only an enrolled aggregator may ask, so the call cannot be used to probe tokens.
         await self.auth.verify(bearer_token(context.invocation_metadata()), Role.AGGREGATOR)

@@ -254,6 +254,40 @@ class UploadReply(_message.Message):
     reason: str
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
+class SecAggRequest(_message.Message):
+    __slots__ = ("node_id", "run_id", "round", "attempt", "task_id", "stage", "message", "wait_s", "header")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    run_id: str
+    round: int
+    attempt: int
+    task_id: str
+    stage: int
+    message: bytes
+    wait_s: float
+    header: UploadHeader
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., task_id: _Optional[str] = ..., stage: _Optional[int] = ..., message: _Optional[bytes] = ..., wait_s: _Optional[float] = ..., header: _Optional[_Union[UploadHeader, _Mapping]] = ...) -> None: ...
+
+class SecAggReply(_message.Message):
+    __slots__ = ("stage", "broadcast", "done", "aborted")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    BROADCAST_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    ABORTED_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    broadcast: bytes
+    done: bool
+    aborted: str
+    def __init__(self, stage: _Optional[int] = ..., broadcast: _Optional[bytes] = ..., done: _Optional[bool] = ..., aborted: _Optional[str] = ...) -> None: ...
+
 class VerifyTokenRequest(_message.Message):
     __slots__ = ("token", "role")
     TOKEN_FIELD_NUMBER: _ClassVar[int]

@@ -64,6 +64,11 @@ class FleetStub:
                 request_serializer=orchard_dot_v1_dot_orchard__pb2.VerifyTokenRequest.SerializeToString,
                 response_deserializer=orchard_dot_v1_dot_orchard__pb2.VerifyTokenReply.FromString,
                 _registered_method=True)
+        self.SecAgg = channel.unary_unary(
+                '/orchard.v1.Fleet/SecAgg',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.SecAggRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.SecAggReply.FromString,
+                _registered_method=True)
 
 
 class FleetServicer:
@@ -106,6 +111,12 @@ class FleetServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SecAgg(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FleetServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,6 +149,11 @@ def add_FleetServicer_to_server(servicer, server):
                     servicer.VerifyToken,
                     request_deserializer=orchard_dot_v1_dot_orchard__pb2.VerifyTokenRequest.FromString,
                     response_serializer=orchard_dot_v1_dot_orchard__pb2.VerifyTokenReply.SerializeToString,
+            ),
+            'SecAgg': grpc.unary_unary_rpc_method_handler(
+                    servicer.SecAgg,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.SecAggRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.SecAggReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -302,6 +318,33 @@ class Fleet:
             '/orchard.v1.Fleet/VerifyToken',
             orchard_dot_v1_dot_orchard__pb2.VerifyTokenRequest.SerializeToString,
             orchard_dot_v1_dot_orchard__pb2.VerifyTokenReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SecAgg(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Fleet/SecAgg',
+            orchard_dot_v1_dot_orchard__pb2.SecAggRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.SecAggReply.FromString,
             options,
             channel_credentials,
             insecure,

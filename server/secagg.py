@@ -1,0 +1,147 @@
+"""Secure aggregation of one tier's direct-client cohort over the wire (SecAgg+).
+
+The lowest aggregating tier runs one :class:`~orchard.secure_agg.SecAggServer` per round
+for the clients it selected. Clients post each stage's message and long-poll for the
+next broadcast (``Fleet.SecAgg``); the tier moves a stage on when every expected
+client has answered, or at the stage's deadline, with whoever did.
+
+What the tier learns is the cohort's sum. Each client masks ``(w / weight_scale) *
+values`` (the values its codec's payload decodes to, so any field-linear codec works),
+quantised with the run's clip and bits; weights, counts and metrics travel in the clear
+in the header that comes with the masked input. The unmasked, dequantised sum times
+``weight_scale`` is ``sum_i w_i * values_i``: the cohort's partial sum, folded like any
+other and pushed up the tree as a PARTIAL_SUM.
+
+Stage deadlines, as fractions of the round's time: keys 15% each, masked input until
+85%, unmasking until the deadline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from orchard.aggregation import MetricSums, Partial
+from orchard.config import SecureAggregationConfig
+from orchard.errors import SecAggAbort, UpdateSchemaError
+from orchard.messages import UploadHeader
+from orchard.secure_agg import (
+    SecAggServer,
+    SessionConfig,
+    Stage,
+    check_headroom,
+    dequantize,
+    parameters_from_config,
+)
+from orchard.typing import TensorSpec
+
+# Fraction of the round's time by which each stage must be over.
+STAGE_END = {Stage.ADVERTISE_KEYS: 0.15, Stage.SHARE_KEYS: 0.30, Stage.MASKED_INPUT: 0.85, Stage.UNMASKING: 1.0}
+
+
+def flat_to_sums(flat: np.ndarray, schema: tuple[TensorSpec, ...]) -> dict[str, np.ndarray]:
+    out, off = {}, 0
+    for s in schema:
+        out[s.name] = flat[off : off + s.numel].reshape(s.shape)
+        off += s.numel
+    return out
+
+
+@dataclass
+class SecureCohort:
+    """One SecAgg+ session over a tier's selected direct clients, for one round."""
+
+    cfg: SecureAggregationConfig
+    schema: tuple[TensorSpec, ...]
+    participants: tuple[str, ...]
+    round_number: int
+    started_wall: float
+    deadline_wall: float
+    server: SecAggServer = field(init=False)
+    headers: dict[str, UploadHeader] = field(default_factory=dict)
+    bytes_up: int = 0
+    bytes_down: int = 0
+    neighbours: int = 0
+    threshold: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.participants)
+        check_headroom(n, self.cfg.bits, self.cfg.modulus_bits)
+        params = parameters_from_config(self.cfg, n)
+        self.neighbours, self.threshold = params.neighbours, params.threshold
+        d = sum(s.numel for s in self.schema)
+        session = SessionConfig.create(sorted(self.participants), d, neighbours=params.neighbours,
+                                       threshold=params.threshold, round_number=self.round_number,
+                                       entropy=secrets.token_bytes(32), modulus_bits=self.cfg.modulus_bits)
+        self.server = SecAggServer(session)
+
+    @property
+    def stage(self) -> Stage:
+        return self.server.stage
+
+    @property
+    def finished(self) -> bool:
+        return self.server.stage in (Stage.DONE, Stage.ABORTED)
+
+    def broadcast(self, node: str) -> bytes:
+        """The current broadcast for ``node`` if it is expected to answer now, else b""."""
+        if self.finished or node not in self.server.pending():
+            return b""
+        data = self.server.broadcast_for(node).to_bytes()
+        self.bytes_down += len(data)
+        return data
+
+    def receive(self, node: str, stage: Stage, message: bytes, header: UploadHeader | None) -> None:
+        if stage is Stage.MASKED_INPUT:
+            if header is None:
+                raise UpdateSchemaError("a masked input must come with its header (weight, counts, metrics)")
+            if not (np.isfinite(header.weight) and header.weight > 0):
+                raise UpdateSchemaError(f"update weight must be positive and finite, got {header.weight}")
+        self.server.receive(stage, node, message)  # refuses with a SecAggError and changes nothing
+        self.bytes_up += len(message)
+        if stage is Stage.MASKED_INPUT and header is not None:
+            self.headers[node] = header
+
+    def advance(self, now_wall: float) -> bool:
+        """Close the current stage if everyone answered or its deadline passed. True if it moved."""
+        if self.finished:
+            return False
+        end = self.started_wall + STAGE_END[self.stage] * (self.deadline_wall - self.started_wall)
+        if self.server.pending() and now_wall < end:
+            return False
+        # An abort is recorded by the session (abort_reason); this cohort then adds nothing.
+        with contextlib.suppress(SecAggAbort):
+            self.server.close_stage()
+        return True
+
+    @property
+    def abort_reason(self) -> str:
+        return (self.server.abort_reason or "aborted") if self.server.stage is Stage.ABORTED else ""
+
+    def partial(self) -> Partial:
+        """The cohort's unmasked partial sum (after DONE)."""
+        res = self.server.result()
+        n = len(res.contributors)
+        w_scale = self.cfg.weight_scale
+        total = dequantize(res.total, self.cfg.clip, self.cfg.bits, n) * w_scale
+        metrics = MetricSums()
+        weight = 0.0
+        for node in res.contributors:
+            h = self.headers[node]
+            weight += min(h.weight, w_scale)
+            metrics.merge(MetricSums(dict(h.metric_sums), dict(h.metric_weights)))
+        return Partial(sums=flat_to_sums(np.asarray(total, np.float64), self.schema), weight=weight, count=n,
+                       metrics=metrics)
+
+    def contributors(self) -> list[str]:
+        return list(self.server.result().contributors)
+
+
+def new_cohort(cfg: SecureAggregationConfig, schema: tuple[TensorSpec, ...], participants: list[str],
+               round_number: int, deadline_wall: float, wall: Callable[[], float] = time.time) -> SecureCohort:
+    return SecureCohort(cfg, schema, tuple(participants), round_number, wall(), deadline_wall)
