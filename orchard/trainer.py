@@ -52,8 +52,9 @@ class TrainResult:
     stopped training early, ``num_steps`` is the steps actually done, ``num_examples``
     the distinct examples those steps drew, and ``weight`` the examples scaled by the
     fraction of the planned steps that ran (``n * done / planned``), so a partial update
-    counts for the work in it, in the same unit as everyone else's weight.
-    ``stopped_early`` says a gate cut the work short.
+    counts for the work in it, in the same unit as everyone else's weight; and
+    ``planned_weight`` the weight a complete run would have had (FedNova weighs by
+    data, not by work: it normalises by the steps itself).
     """
 
     arrays: NDArrays
@@ -61,7 +62,11 @@ class TrainResult:
     num_examples: int
     num_steps: int
     metrics: Metrics = field(default_factory=dict)
-    stopped_early: bool = False
+    planned_weight: float | None = None  # set only when a gate stopped training early
+
+    @property
+    def stopped_early(self) -> bool:
+        return self.planned_weight is not None
 
 
 @dataclass
@@ -117,7 +122,7 @@ def train_gated(
         return trainer.train(arrays, config, gate=gate)  # type: ignore[call-arg]
     if not gate.before_step():
         return TrainResult(
-            arrays=dict(arrays), weight=0.0, num_examples=0, num_steps=0, stopped_early=True
+            arrays=dict(arrays), weight=0.0, num_examples=0, num_steps=0, planned_weight=0.0
         )
     result = trainer.train(arrays, config)
     gate.after_step(float(max(result.num_examples, 1)))

@@ -316,7 +316,7 @@ class TorchTrainer:
                 "train_loss": float(loss_sum) / seen_targets if seen_targets else nan,
                 "train_accuracy": float(correct) / seen_targets if seen_targets else nan,
             },
-            stopped_early=True,
+            planned_weight=float(n),
         )
 
     def evaluate(self, arrays: NDArrays, config: TrainConfig) -> EvalResult:

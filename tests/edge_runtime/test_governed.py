@@ -96,6 +96,7 @@ def test_battery_floor_stops_training_with_fewer_steps(digits) -> None:
     assert r.stopped_early
     assert r.num_examples == min(n, 8 * r.num_steps)
     assert r.weight == pytest.approx(n * r.num_steps / PLANNED.steps)
+    assert r.planned_weight == n
     assert device.min_battery_percent >= 20.0
     assert r.metrics["governor_steps"] == r.num_steps
     assert r.metrics["governor_stopped_early"] == 1.0
