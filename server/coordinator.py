@@ -133,6 +133,8 @@ class CohortRound:
         self.tier_participants: dict[str, int] = {}
         self.rejected: dict[str, int] = {}
         self.reserved = 0  # updates (counts) folded or being folded: never above target for clients
+        self.open = 0  # assignments neither delivered nor dropped
+        self.clients_selected = 0
         self.secure: SecureCohort | None = None  # SecAgg+ session over the direct clients, if on
 
     @property
@@ -141,6 +143,19 @@ class CohortRound:
 
     def pending(self) -> list[Assignment]:
         return [a for a in self.assignments.values() if not (a.delivered or a.dropped)]
+
+    def add(self, a: Assignment, is_client: bool) -> None:
+        self.assignments[a.node_id] = a
+        self.open += 1
+        self.clients_selected += int(is_client)
+
+    def settle(self, a: Assignment, delivered: bool) -> None:
+        """Mark an assignment delivered or dropped, once. Counts are kept incrementally so that
+        closing checks stay O(1) per upload, not O(cohort)."""
+        if a.delivered or a.dropped:
+            return
+        a.delivered, a.dropped = delivered, not delivered
+        self.open -= 1
 
 
 @dataclass
@@ -257,7 +272,7 @@ class Coordinator:
         except OrchardError as err:
             # Too few clients for the protocol's threshold: this cohort contributes nothing.
             for n in clients:
-                cr.assignments[n].dropped = True
+                cr.settle(cr.assignments[n], delivered=False)
             cr.rejected[f"secure aggregation could not start: {err}"] = len(clients)
 
     def _select(self, cr: CohortRound) -> None:
@@ -288,12 +303,12 @@ class Coordinator:
 
     def _assign(self, cr: CohortRound, node_id: str, target: int) -> Assignment:
         a = Assignment(node_id, f"{cr.task.run_id}.{cr.task.round}.{cr.task.attempt}.{next(self._ids)}", target)
-        cr.assignments[node_id] = a
+        cr.add(a, self.children[node_id].role is Role.CLIENT)
         return a
 
-    def _selected_clients(self, cr: CohortRound) -> int:
-        return sum(1 for a in cr.assignments.values() if self.children.get(a.node_id) is not None
-                   and self.children[a.node_id].role is Role.CLIENT)
+    @staticmethod
+    def _selected_clients(cr: CohortRound) -> int:
+        return cr.clients_selected
 
     def _task_for(self, cr: CohortRound, a: Assignment) -> TaskAssignment:
         c = self.children[a.node_id]
@@ -522,7 +537,7 @@ class Coordinator:
     def _delivered(self, slot: UploadSlot) -> None:
         h, cr, a = slot.header, slot.cohort, slot.assignment
         a.in_flight = False
-        a.delivered = True
+        cr.settle(a, delivered=True)
         self.counters["uploads_accepted"] += 1
         self.counters["bytes_up"] += h.total_bytes
         cr.bytes_up += h.total_bytes + (h.bytes_up if h.kind is UploadKind.PARTIAL_SUM else 0)
@@ -601,13 +616,12 @@ class Coordinator:
                 cr.acc.merge(p)
                 cr.reserved += p.count
             for a in clients:
-                a.delivered = a.node_id in contributed
-                a.dropped = not a.delivered
+                cr.settle(a, a.node_id in contributed)
             cr.tier_participants[self.name] = cr.tier_participants.get(self.name, 0) + p.count
             self.counters["uploads_accepted"] += p.count
         else:
             for a in clients:
-                a.dropped = True
+                cr.settle(a, delivered=False)
             cr.rejected[f"secure aggregation aborted: {sc.abort_reason}"] = len(clients)
         cr.bytes_up += sc.bytes_up
         cr.bytes_down += sc.bytes_down
@@ -626,7 +640,7 @@ class Coordinator:
         for a in cr.pending():
             c = self.children.get(a.node_id)
             if c is None or (now - c.last_seen > self.cfg.node_timeout_s and not a.in_flight):
-                a.dropped = True
+                cr.settle(a, delivered=False)
         if cr.secure is not None:
             self._secure_progress(cr)
             if cr.closed:
@@ -641,7 +655,7 @@ class Coordinator:
             return
         if cr.received >= cr.task.target:
             self.close_round(cr, "target reached")
-        elif cr.assignments and not cr.pending() and self._selected_clients(cr) >= cr.client_quota:
+        elif cr.assignments and cr.open == 0 and cr.clients_selected >= cr.client_quota:
             self.close_round(cr, "every selected node delivered or dropped")
 
     def close_round(self, cr: CohortRound, reason: str) -> None:
