@@ -102,11 +102,14 @@ class ClientRuntime:
 
     async def _wait_eligible(self, edge: EdgeGovernance, stop: asyncio.Event | None) -> bool:
         """Wait (on the edge clock, in slices) until the device may train; False if stopped."""
+        said: list[str] = []
         while not (stop is not None and stop.is_set()):
             decision = await asyncio.to_thread(edge.wait_until_eligible, self.last_governor)
             if decision.eligible:
                 return True
-            log.info("device not eligible: %s", "; ".join(decision.reasons))
+            if decision.reasons != said:  # once per change, not once per slice
+                said = list(decision.reasons)
+                log.info("device not eligible, waiting: %s", "; ".join(said))
         return False
 
     async def do_task(self, t: TaskAssignment) -> TaskReport:
