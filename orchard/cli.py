@@ -85,7 +85,6 @@ def server_start(
     insecure: Insecure = False,
     tls_dir: Annotated[Path | None, typer.Option("--tls-dir", help="server.pem/server.key/ca.pem (default DATA_DIR/tls, created if absent).")] = None,
     metrics_port: Annotated[int | None, typer.Option("--metrics-port", help="Serve Prometheus metrics on this port.")] = None,
-    base_model: Annotated[Path | None, typer.Option("--base-model", help="Pretrained base model dir (from `orchard pretrain`).")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = True,
 ) -> None:
     """Start the root server."""
@@ -94,14 +93,10 @@ def server_start(
     from orchard.server.app import start_root
 
     scfg = ServerConfig.model_validate(load_toml(config).get("server", {})) if config else ServerConfig()
-    if base_model is not None and not (base_model / "config.json").is_file():
-        _fail(OrchardError(f"--base-model {base_model} has no config.json; pass a dir written by `orchard pretrain`"))
 
     async def main() -> None:
         h = await start_root(data_dir, host=host, port=port, insecure=insecure, server_cfg=scfg, tls_dir=tls_dir,
                              metrics_port=metrics_port)
-        if base_model is not None:
-            (data_dir / "base_model").write_text(str(base_model.resolve()))
         console.print(f"[green]root listening on {h.address}[/] ({'INSECURE' if insecure else 'TLS'}); "
                       f"data in {data_dir}")
         if h.admin_token:
@@ -461,6 +456,7 @@ def run_start(
     codec: Annotated[str | None, typer.Option("--codec")] = None,
     secure_aggregation: Annotated[bool | None, typer.Option("--secure-aggregation/--no-secure-aggregation")] = None,
     initial_arrays: Annotated[Path | None, typer.Option("--initial-arrays", help="Initial global model (.safetensors), e.g. for a Flower app.")] = None,
+    base_model: Annotated[Path | None, typer.Option("--base-model", help="Base model dir from `orchard pretrain`: the LoRA task adapts it.")] = None,
     detach: Annotated[bool, typer.Option("--detach", help="Return once the run is started.")] = False,
     admin_token: AdminToken = None,
     ca_cert: CaCert = None,
@@ -472,6 +468,8 @@ def run_start(
 
     cfg = build_run_config(config, {"task": task, "rounds": rounds, "cohort.target": clients_per_round,
                                     "codec.name": codec, "secure_aggregation.enabled": secure_aggregation})
+    if base_model is not None:
+        cfg = cfg.model_copy(update={"task_params": {**cfg.task_params, **base_model_params(cfg.task, base_model)}})
     if initial_arrays is not None:
         from safetensors.numpy import load_file
 
@@ -485,6 +483,27 @@ def run_start(
         out.print(f"started {run_id}: task {cfg.task}, {cfg.rounds} rounds, {cfg.cohort.target} clients per round")
         if not detach:
             watch_run(ctl, run_id, cfg.rounds)
+
+
+def base_model_params(task: str, base_dir: Path) -> dict[str, Any]:
+    """Task parameters that make a LoRA task adapt a base written by `orchard pretrain`.
+
+    Clients load the base from this path, so it must exist where they run (the demo and
+    the simulator share the machine; devices get the base in their bundle)."""
+    from orchard.tasks import task_params
+
+    cfg_path, weights = base_dir / "config.json", base_dir / "model.safetensors"
+    if not (cfg_path.is_file() and weights.is_file()):
+        raise OrchardError(f"--base-model {base_dir} lacks config.json or model.safetensors; "
+                           "pass a directory written by `orchard pretrain`")
+    accepted = task_params(task)
+    arch = json.loads(cfg_path.read_text())["model"]
+    wanted = {"base": str(weights.resolve()), **{k: arch[k] for k in ("seq_len", "n_layer", "n_head", "d_model")}}
+    missing = [k for k in wanted if k not in accepted]
+    if missing:
+        raise OrchardError(f"task {task!r} cannot take a pretrained base (it has no parameters {missing}); "
+                           "use a LoRA task such as shakespeare")
+    return wanted
 
 
 def watch_run(ctl: Any, run_id: str, rounds: int, on_round: Any = None, poll_s: float = 0.5) -> dict[str, Any]:

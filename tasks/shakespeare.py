@@ -291,6 +291,8 @@ def _load_base(model: nn.Module, state: dict[str, torch.Tensor], path: Path | No
     # The LM head is tied to the token embedding; a checkpoint may hold either name.
     if "lm_head.weight" not in state and "wte.weight" in state:
         state["lm_head.weight"] = state["wte.weight"]
+    if "wte.weight" not in state and "lm_head.weight" in state:  # `orchard pretrain` stores it once
+        state["wte.weight"] = state["lm_head.weight"]
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ConfigError(
