@@ -56,7 +56,8 @@ async def _run(tmp: Path, n: int, via_aggregator: bool, dead: set[int], deadline
     weights = [10.0 * (k + 1) for k in range(n)]
     for k in range(n):
         link = FleetLink(LinkConfig(target=target.address, role=Role.CLIENT, insecure=True, node_id=f"c{k}"))
-        rt = ClientRuntime(link, (lambda k: lambda cfg: Shift(k, weights[k], k in dead))(k), partition_id=k)
+        trainer = Shift(k, weights[k], k in dead)
+        rt = ClientRuntime(link, lambda cfg, t=trainer: t, partition_id=k)
         fed.clients.append(rt)
         fed.client_tasks.append(asyncio.create_task(rt.run()))
     await wait_joined(target, n)
