@@ -134,9 +134,14 @@ class FlowerTrainer:
             state=RecordDict(),
             run_config=dict(run_config or {}),
         )
+        self._explicit_run_config = dict(run_config or {})
         self._sent = 0  # messages sent, for unique message ids
 
     def _call(self, kind: str, arrays: NDArrays, config: TrainConfig) -> RecordDict:
+        # Flower apps read their hyper-parameters from context.run_config (Flower fills it
+        # from the app's pyproject); here the round's training config fills it, and an
+        # explicit run_config given to this trainer wins.
+        self.context.run_config = {**dict(config_record(config)), **self._explicit_run_config}
         content = RecordDict(
             {
                 "arrays": ArrayRecord(

@@ -22,9 +22,6 @@ def run_config_problems(cfg: RunConfig) -> list[str]:
             validate_codec_for_secure_aggregation(cfg.codec)
         except ConfigError as err:
             problems += [f"secure_aggregation: {p}" for p in err.problems]
-    c = cfg.cohort
-    if c.target * c.min_fraction < 1:
-        problems.append(f"cohort: target {c.target} x min_fraction {c.min_fraction} needs less than one update")
     return problems
 
 

@@ -115,3 +115,25 @@ async def wait_joined(tier: TierHandle, n: int, timeout: float = 30.0) -> None:
         if loop.time() > end:
             raise AssertionError(f"only {tier.coordinator.capacity()[0]} of {n} clients joined in {timeout}s")
         await asyncio.sleep(0.05)
+
+
+class BackgroundRoot:
+    """A root serving from its own event loop in a thread, for tests that speak to it
+    synchronously (raw gRPC stubs, subprocess clients)."""
+
+    def __init__(self, data_dir: Path, cfg: ServerConfig = FAST, start_grace_s: float = 0.1) -> None:
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.root: TierHandle = self.call(start_root(data_dir, insecure=True, server_cfg=cfg,
+                                                     start_grace_s=start_grace_s))
+
+    def call(self, coro: Any, timeout: float = 60.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.call(self.root.stop(0.1))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)

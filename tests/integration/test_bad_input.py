@@ -6,21 +6,18 @@ it as a misbehaving node would, then checks the round's accumulator is untouched
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Iterator
 from dataclasses import replace
-from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+from fed_harness import BackgroundRoot
 
 from orchard import wire
 from orchard.compression import build_codec, encode_update
 from orchard.config import CodecSpec, CohortConfig, RunConfig, ServerConfig
 from orchard.messages import TaskAssignment, UploadHeader, UploadKind
-from orchard.server.app import TierHandle, start_root
 from orchard.tasks import get_task
 from orchard.updates import pack
 from orchard.v1 import orchard_pb2 as pb
@@ -29,26 +26,10 @@ from orchard.v1 import orchard_pb2_grpc as pbg
 MAX_UPLOAD = 200_000
 
 
-class Server:
-    def __init__(self, tmp: Path) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        cfg = ServerConfig(max_upload_bytes=MAX_UPLOAD, node_timeout_s=600, long_poll_s=1.0)
-        self.root: TierHandle = self.call(start_root(tmp, insecure=True, server_cfg=cfg, start_grace_s=0.1))
-
-    def call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(60)
-
-    def stop(self) -> None:
-        self.call(self.root.stop(0.1))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(5)
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    srv = Server(tmp_path_factory.mktemp("root"))
+    srv = BackgroundRoot(tmp_path_factory.mktemp("root"),
+                         ServerConfig(max_upload_bytes=MAX_UPLOAD, node_timeout_s=600, long_poll_s=1.0))
     ch = grpc.insecure_channel(srv.root.address)
     fleet = pbg.FleetStub(ch)
     for n in ("good", "other"):
