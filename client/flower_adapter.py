@@ -141,7 +141,8 @@ class FlowerTrainer:
         # Flower apps read their hyper-parameters from context.run_config (Flower fills it
         # from the app's pyproject); here the round's training config fills it, and an
         # explicit run_config given to this trainer wins.
-        self.context.run_config = {**dict(config_record(config)), **self._explicit_run_config}
+        derived: dict[str, Any] = {k: v for k, v in config_record(config).items()}
+        self.context.run_config = {**derived, **self._explicit_run_config}
         content = RecordDict(
             {
                 "arrays": ArrayRecord(
