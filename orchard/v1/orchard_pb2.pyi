@@ -148,26 +148,36 @@ class HeartbeatReply(_message.Message):
     def __init__(self, task_still_wanted: _Optional[bool] = ...) -> None: ...
 
 class PullModelRequest(_message.Message):
-    __slots__ = ("node_id", "model_hash", "offset")
+    __slots__ = ("node_id", "model_hash", "offset", "have_hash")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_HASH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    HAVE_HASH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     model_hash: str
     offset: int
-    def __init__(self, node_id: _Optional[str] = ..., model_hash: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+    have_hash: str
+    def __init__(self, node_id: _Optional[str] = ..., model_hash: _Optional[str] = ..., offset: _Optional[int] = ..., have_hash: _Optional[str] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("data", "offset", "total_bytes", "blob_sha256")
+    __slots__ = ("data", "offset", "total_bytes", "blob_sha256", "delta_from", "target_hash", "result_sha256", "encoding")
     DATA_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOB_SHA256_FIELD_NUMBER: _ClassVar[int]
+    DELTA_FROM_FIELD_NUMBER: _ClassVar[int]
+    TARGET_HASH_FIELD_NUMBER: _ClassVar[int]
+    RESULT_SHA256_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     offset: int
     total_bytes: int
     blob_sha256: str
-    def __init__(self, data: _Optional[bytes] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., blob_sha256: _Optional[str] = ...) -> None: ...
+    delta_from: str
+    target_hash: str
+    result_sha256: str
+    encoding: str
+    def __init__(self, data: _Optional[bytes] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., blob_sha256: _Optional[str] = ..., delta_from: _Optional[str] = ..., target_hash: _Optional[str] = ..., result_sha256: _Optional[str] = ..., encoding: _Optional[str] = ...) -> None: ...
 
 class UploadHeader(_message.Message):
     __slots__ = ("node_id", "run_id", "round", "attempt", "task_id", "kind", "schema", "payload_sizes", "codec", "payload_sha256", "weight", "count", "num_examples", "num_steps", "metric_sums", "metric_weights", "bytes_up", "bytes_down", "tier_participants")
