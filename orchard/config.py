@@ -100,6 +100,10 @@ class RunConfig(_Strict):
     cohort: CohortConfig = CohortConfig()
     train: TrainConfig = TrainConfig()
     codec: CodecSpec = CodecSpec()
+    # Downlink: a client holding the previous global may receive the next one as a
+    # quantised delta (orchard.compression.DOWNLINK_CODEC) when that is smaller. Off by
+    # default: clients then train from a reconstruction, not the exact global model.
+    downlink_delta: bool = False
     secure_aggregation: SecureAggregationConfig = SecureAggregationConfig()
     server_optimizer: ServerOptimizerConfig = ServerOptimizerConfig()
     eligibility: EligibilityConfig = EligibilityConfig()

@@ -8,7 +8,7 @@ protos into domain objects, so protobuf types never reach the round logic or the
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import numpy as np
 from safetensors import SafetensorError
@@ -53,6 +53,24 @@ def blob_to_arrays(blob: bytes) -> NDArrays:
     except (SafetensorError, ValueError, OSError) as err:
         raise UpdateSchemaError(f"model blob is not a valid safetensors file: {err}") from None
     return dict(loaded)
+
+
+def payloads_to_blob(payloads: Mapping[str, bytes]) -> bytes:
+    """Encoded per-tensor payloads (a model delta) as one safetensors blob of uint8 vectors."""
+    return st_save({k: np.frombuffer(v, dtype=np.uint8).copy() for k, v in payloads.items()})
+
+
+def blob_to_payloads(blob: bytes) -> dict[str, bytes]:
+    return {k: np.asarray(v, dtype=np.uint8).tobytes() for k, v in blob_to_arrays(blob).items()}
+
+
+def downlink_seed(base_hash: str) -> int:
+    """The shared seed of a model delta taken from the model blob with this sha256.
+
+    Both ends derive it from the base's hash, so it never travels and a delta decodes
+    only against the base it was encoded from.
+    """
+    return int(base_hash[:15], 16)
 
 
 def iter_chunks(blob: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES, offset: int = 0) -> Iterator[tuple[int, bytes]]:

@@ -53,6 +53,7 @@ from orchard.messages import PARTIAL_CODEC, Idle, TaskAssignment, UploadHeader, 
 from orchard.secure_agg import Stage
 from orchard.secure_agg.stages import stage_index as stage_index_of
 from orchard.secure_agg.stages import stage_of
+from orchard.server.downlink import DownlinkCache, ModelReply, full_reply
 from orchard.server.secagg import SecureCohort, new_cohort
 from orchard.server.selection import allocate, device_eligible, over_select
 from orchard.typing import DeviceState, NDArrays, Role, TensorSpec
@@ -185,6 +186,8 @@ class Coordinator:
         self._fold_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchard-fold")
         self._decode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="orchard-decode")
         self.upload_slots = asyncio.Semaphore(cfg.max_inflight_uploads)
+        # Models nodes below may hold, for downlink deltas (orchard.server.downlink).
+        self.downlink = DownlinkCache()
         self.counters: dict[str, int] = {"uploads_accepted": 0, "uploads_rejected": 0, "bytes_up": 0,
                                          "bytes_down": 0, "rounds_closed": 0}
 
@@ -252,6 +255,9 @@ class Coordinator:
     def open_round(self, task: RoundTask) -> CohortRound:
         if self.current is not None and not self.current.closed:
             self.close_round(self.current, "superseded by a new round")
+        if self.current is not None and self.current.task.model_hash != task.model_hash:
+            # Nodes that trained last round hold that model: keep it as a delta base.
+            self.downlink.remember(self.current.task.model_hash, self.current.task.model_blob)
         cr = CohortRound(task, self._mono())
         self.current = cr
         self._select(cr)
@@ -383,6 +389,16 @@ class Coordinator:
         if cr is None or cr.task.model_hash != model_hash:
             raise RoundClosedError(f"model {model_hash[:16]}... is not the current round's model; poll for a task")
         return cr.task.model_blob
+
+    async def model_reply(self, model_hash: str, have_hash: str = "") -> ModelReply:
+        """The current model for a node that holds ``have_hash`` (empty: nothing): a delta
+        from it when the run allows downlink deltas, the tier knows it and the delta is
+        smaller; the full model otherwise."""
+        blob = self.model_blob(model_hash)
+        cr = self.current
+        if cr is None or not cr.task.config.downlink_delta or not have_hash:
+            return full_reply(blob, model_hash)
+        return await self.downlink.reply(blob, model_hash, have_hash, self._decode_pool)
 
     def count_bytes_down(self, n: int) -> None:
         self.counters["bytes_down"] += n

@@ -169,12 +169,15 @@ class FleetServicer(pbg.FleetServicer):
     @mapped_stream
     async def PullModel(self, request: pb.PullModelRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.Chunk]:
         await self._caller(context, request.node_id)
-        blob = self.coord.model_blob(request.model_hash)
+        reply = await self.coord.model_reply(request.model_hash, request.have_hash)
+        blob = reply.blob
         if not 0 <= request.offset <= len(blob):
             raise IntegrityError(f"offset {request.offset} outside the {len(blob)}-byte model")
         for off, data in wire.iter_chunks(blob, self.coord.cfg.chunk_bytes, request.offset):
-            self.coord.count_bytes_down(len(data))
-            yield pb.Chunk(data=data, offset=off, total_bytes=len(blob), blob_sha256=request.model_hash)
+            self.coord.count_bytes_down(len(data))  # as sent: a delta counts its own size
+            yield pb.Chunk(data=data, offset=off, total_bytes=len(blob), blob_sha256=reply.sha256,
+                           delta_from=reply.delta_from, target_hash=reply.target_hash,
+                           result_sha256=reply.result_sha256, encoding=reply.encoding)
 
     @mapped
     async def PushUpdate(self, request_iterator: AsyncIterator[pb.UploadPart],
