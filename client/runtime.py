@@ -32,9 +32,9 @@ from typing import Any
 from orchard import wire
 from orchard.client.edge import FEDNOVA, EdgeGovernance, fednova_update, with_fednova_tau
 from orchard.client.update import build_upload, delta_of, train_seed
-from orchard.compression import build_codec
+from orchard.compression import apply_model_delta, build_codec
 from orchard.compression.update import states_from_bytes, states_to_bytes
-from orchard.config import RunConfig
+from orchard.config import CodecSpec, RunConfig
 from orchard.edge_runtime.governor import GovernorReport
 from orchard.errors import AuthError, OrchardError
 from orchard.link import FleetLink, UploadRefused
@@ -45,6 +45,15 @@ from orchard.typing import DeviceState, NDArrays
 log = logging.getLogger("orchard.client")
 
 DeviceProvider = Callable[[], DeviceState]
+
+
+def apply_downlink_delta(base_blob: bytes, delta_blob: bytes, base_hash: str, encoding: str) -> bytes:
+    """The model blob rebuilt from the one held and a downlink delta (the link checks its hash)."""
+    spec = CodecSpec.model_validate_json(encoding)
+    arrays = apply_model_delta(wire.blob_to_arrays(base_blob), wire.blob_to_payloads(delta_blob),
+                               from_version=wire.downlink_seed(base_hash), spec=spec)
+    return wire.arrays_to_blob(arrays)
+
 TrainerFactory = Callable[[RunConfig], Trainer]
 
 
@@ -126,7 +135,9 @@ class ClientRuntime:
 
     async def _do_task(self, t: TaskAssignment) -> TaskReport:
         cfg = RunConfig.model_validate_json(t.config_json)
-        blob = await self.link.pull_model(t.model_hash)
+        # With a downlink delta this is the client's reconstruction of the global model:
+        # it trains from it and its update is taken against it (see orchard.server.downlink).
+        blob = await self.link.pull_model(t.model_hash, apply_delta=apply_downlink_delta)
         global_arrays = wire.blob_to_arrays(blob)
         trainer = self.trainer_for(cfg)
         seed = train_seed(cfg.seed, t.round, self.partition_id)

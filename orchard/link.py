@@ -2,7 +2,8 @@
 
 A node behind NAT only ever opens connections: it joins, long-polls for tasks, pulls
 the model (chunked, sha256-checked, cached by hash so an unchanged model is not sent
-again) and pushes updates (chunked). Transient failures (server restarting, network
+again, or sent as a delta from the one it holds; see ``orchard.server.downlink``) and
+pushes updates (chunked). Transient failures (server restarting, network
 gone) are retried with capped exponential backoff and jitter; a server that forgot the
 node (it restarted) gets a fresh Join.
 """
@@ -29,6 +30,8 @@ from orchard.v1 import orchard_pb2_grpc as pbg
 
 log = logging.getLogger("orchard.link")
 T = TypeVar("T")
+# (base blob, delta blob, base sha256, encoding) -> the reconstructed model blob.
+DeltaApplier = Callable[[bytes, bytes, str, str], bytes]
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
              grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
@@ -79,7 +82,9 @@ class FleetLink:
         self._channel = make_channel(cfg.target, cfg.ca_cert, cfg.insecure, cfg.channel_options)
         self._stub = pbg.FleetStub(self._channel)
         self._meta = (("authorization", f"Bearer {cfg.token}"),) if cfg.token else ()
-        self._models: OrderedDict[str, bytes] = OrderedDict()
+        # model hash -> (the blob held for it, that blob's sha256): they differ when the
+        # blob is a reconstruction from a downlink delta.
+        self._models: OrderedDict[str, tuple[bytes, str]] = OrderedDict()
         self.joined = False
         self.heartbeat_s = 10.0
         self.long_poll_s = 20.0
@@ -157,23 +162,79 @@ class FleetLink:
             return True  # keep working; the upload will tell
         return bool(reply.task_still_wanted)
 
-    async def pull_model(self, model_hash: str) -> bytes:
-        """The model blob with this hash: from the cache, or streamed (resuming after breaks)."""
+    async def pull_model(self, model_hash: str, apply_delta: DeltaApplier | None = None) -> bytes:
+        """The model blob for this hash: from the cache, or streamed (resuming after breaks).
+
+        Given ``apply_delta``, the link tells the server which model it holds (the one it
+        used last), and the server may answer with a delta from it; the blob returned is
+        then the reconstruction, whose sha256 the server states and the link checks. A
+        delta that fails any check is dropped and the full model pulled instead. Without
+        ``apply_delta`` (aggregators, which serve the exact model on) only full models come.
+        """
         hit = self._models.get(model_hash)
         if hit is not None:
             self._models.move_to_end(model_hash)
-            return hit
+            return hit[0]
+        blob: bytes | None = None
+        if apply_delta is not None and self._models:
+            base_blob, base_hash = next(reversed(self._models.values()))
+            try:
+                blob = await self._pull_via_delta(model_hash, base_blob, base_hash, apply_delta)
+            except IntegrityError as err:
+                log.warning("model delta refused (%s); pulling the full model", err)
+        if blob is None:
+            blob, head = await self._stream(model_hash, "")
+            if head.delta_from:
+                raise IntegrityError("the server sent a delta to a pull that offered no base")
+            if wire.sha256_hex(blob) != model_hash:
+                raise IntegrityError("model blob does not match its sha256; refusing it")
+        self._models[model_hash] = (blob, wire.sha256_hex(blob))
+        while len(self._models) > self.cfg.model_cache_entries:
+            self._models.popitem(last=False)
+        return blob
+
+    async def _pull_via_delta(self, model_hash: str, base_blob: bytes, base_hash: str,
+                              apply_delta: DeltaApplier) -> bytes:
+        got, head = await self._stream(model_hash, base_hash)
+        if not head.delta_from:  # the server chose the full model
+            if wire.sha256_hex(got) != model_hash:
+                raise IntegrityError("model blob does not match its sha256")
+            return got
+        if head.delta_from != base_hash or head.target_hash != model_hash:
+            raise IntegrityError(f"delta from {head.delta_from[:12]} to {head.target_hash[:12]}, asked from "
+                                 f"{base_hash[:12]} to {model_hash[:12]}")
+        if wire.sha256_hex(got) != head.blob_sha256:
+            raise IntegrityError("model delta does not match its sha256")
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(
+                None, apply_delta, base_blob, got, base_hash, head.encoding)
+        except Exception as err:  # whatever a bad delta makes the decoder do, the answer is the same
+            raise IntegrityError(f"model delta does not decode: {type(err).__name__}: {err}") from None
+        if wire.sha256_hex(result) != head.result_sha256:
+            raise IntegrityError("model rebuilt from the delta does not match the hash the server stated")
+        return result
+
+    async def _stream(self, model_hash: str, have_hash: str) -> tuple[bytes, pb.Chunk]:
+        """One PullModel reply, resumed after breaks: its bytes and its first chunk's header."""
         parts: list[bytes] = []
         got = 0
         total = -1
+        head: pb.Chunk | None = None
 
         async def call() -> None:
-            nonlocal got, total
+            nonlocal got, total, head
             stream = self._stub.PullModel(pb.PullModelRequest(node_id=self.node_id, model_hash=model_hash,
-                                                              offset=got), metadata=self._meta)
+                                                              offset=got, have_hash=have_hash), metadata=self._meta)
             async for ch in stream:
                 if ch.offset != got:
                     raise IntegrityError(f"model chunk at offset {ch.offset}, expected {got}")
+                if head is None:
+                    head = pb.Chunk(total_bytes=ch.total_bytes, blob_sha256=ch.blob_sha256, delta_from=ch.delta_from,
+                                    target_hash=ch.target_hash, result_sha256=ch.result_sha256,
+                                    encoding=ch.encoding)
+                elif ch.blob_sha256 != head.blob_sha256:
+                    # A resumed stream must continue the same blob (the server changed its answer).
+                    raise IntegrityError("model stream changed blobs while resuming")
                 parts.append(ch.data)
                 got += len(ch.data)
                 total = ch.total_bytes
@@ -183,12 +244,7 @@ class FleetLink:
         blob = b"".join(parts)
         if total >= 0 and len(blob) != total:
             raise IntegrityError(f"model stream ended after {len(blob)} of {total} bytes")
-        if wire.sha256_hex(blob) != model_hash:
-            raise IntegrityError("model blob does not match its sha256; refusing it")
-        self._models[model_hash] = blob
-        while len(self._models) > self.cfg.model_cache_entries:
-            self._models.popitem(last=False)
-        return blob
+        return blob, head if head is not None else pb.Chunk()
 
     async def push_update(self, header: UploadHeader, payload: bytes) -> None:
         """Stream header + payload chunks. Raises UploadRefused when the server says no."""
