@@ -255,9 +255,11 @@ class Coordinator:
     def open_round(self, task: RoundTask) -> CohortRound:
         if self.current is not None and not self.current.closed:
             self.close_round(self.current, "superseded by a new round")
-        if self.current is not None and self.current.task.model_hash != task.model_hash:
-            # Nodes that trained last round hold that model: keep it as a delta base.
-            self.downlink.remember(self.current.task.model_hash, self.current.task.model_blob)
+        prev = self.current
+        if task.config.downlink_delta and prev is not None and prev.task.model_hash != task.model_hash:
+            # Nodes that trained last round hold that model: keep it as a delta base
+            # (only when deltas are on: each base is one more model in memory).
+            self.downlink.remember(prev.task.model_hash, prev.task.model_blob)
         cr = CohortRound(task, self._mono())
         self.current = cr
         self._select(cr)
