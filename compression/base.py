@@ -8,6 +8,7 @@ codec: ``_encode`` (float32 array -> fields) and ``decode_parsed`` (fields -> ar
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
@@ -93,6 +94,21 @@ def as_float32(x: object) -> np.ndarray:
 
 
 def check_shape(shape: object) -> tuple[int, ...]:
+    if type(shape) is tuple:
+        # Every update decodes the same few schema shapes: check each one once.
+        try:
+            return _checked_shape(shape)
+        except TypeError:  # unhashable elements: the general path says what is wrong
+            pass
+    return _check_shape(shape)
+
+
+@functools.lru_cache(maxsize=1024)
+def _checked_shape(shape: tuple) -> tuple[int, ...]:
+    return _check_shape(shape)
+
+
+def _check_shape(shape: object) -> tuple[int, ...]:
     try:
         dims = tuple(int(d) for d in shape)  # type: ignore[attr-defined]
     except (TypeError, ValueError):

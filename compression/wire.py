@@ -24,6 +24,7 @@ did not make.
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 
@@ -119,11 +120,16 @@ def _field_bytes(f: Field) -> list[bytes | memoryview]:
     return [_FIELD.pack(kind, 0, f.data.size), memoryview(data).cast("B")]  # type: ignore[arg-type]
 
 
+_BUFFERS = (bytes, bytearray, memoryview)
+
+
 def parse_payload(payload: bytes | bytearray | memoryview) -> EncodedTensor:
     """Parse and bounds-check a payload. Never raises anything but a CodecError subclass."""
-    if not isinstance(payload, bytes | bytearray | memoryview):
+    if not isinstance(payload, _BUFFERS):
         raise MalformedPayloadError(f"a payload must be bytes, got {type(payload).__name__}")
-    buf = memoryview(payload).cast("B")
+    buf = memoryview(payload)
+    if buf.format != "B" or buf.ndim != 1 or not buf.c_contiguous:
+        buf = buf.cast("B")  # the common case (bytes, a slice of them) is a byte view already
     n = len(buf)
     if n < _HEAD.size:
         raise MalformedPayloadError(
@@ -144,7 +150,7 @@ def parse_payload(payload: bytes | bytearray | memoryview) -> EncodedTensor:
         raise MalformedPayloadError(
             f"truncated header: a {ndim}-d shape needs {need} header bytes, got {n}"
         )
-    shape = struct.unpack_from(f"<{ndim}I", buf, off)
+    shape = _dims(ndim).unpack_from(buf, off)
     off += 4 * ndim
     (nfields,) = _NFIELDS.unpack_from(buf, off)
     off += _NFIELDS.size
@@ -158,6 +164,11 @@ def parse_payload(payload: bytes | bytearray | memoryview) -> EncodedTensor:
             f"({n - off} trailing bytes)"
         )
     return EncodedTensor(codec_id, codec_version, tuple(shape), tuple(fields))
+
+
+@functools.lru_cache(maxsize=256)
+def _dims(ndim: int) -> struct.Struct:
+    return struct.Struct(f"<{ndim}I")
 
 
 def _parse_field(buf: memoryview, off: int, i: int) -> tuple[Field, int]:

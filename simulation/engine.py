@@ -65,6 +65,7 @@ from orchard.typing import DeviceState, NDArrays, Role, schema_of
 from orchard.updates import encode_partial, pack
 from orchard.wire import sha256_hex
 
+_FIRST_CHUNK = 64  # clients in the first training job of a round (see Engine._process)
 _TOKEN = "simulated"  # every simulated node presents the same (unchecked) credential
 
 
@@ -387,12 +388,18 @@ class Engine:
         pending: deque[tuple[list[Arrival], Future[list[ClientOutput]]]] = deque()
         outputs: dict[int, ClientOutput] = {}
         cursor = 0
+        # The first jobs are small and grow to chunk_size: folding starts as soon as the
+        # first few clients are trained instead of after a whole chunk (a worker's
+        # chunk of 1,024 digits clients is ~0.3 s the engine would otherwise sit idle).
+        # Which clients train, and their results, do not depend on the job sizes.
+        limit = min(self.chunk_size, _FIRST_CHUNK)
 
         def refill() -> int:
-            nonlocal cursor
+            nonlocal cursor, limit
             while len(pending) < self.workers and cursor < len(arrivals):
                 batch: list[Arrival] = []
-                while cursor < len(arrivals) and len(batch) < self.chunk_size:
+                size, limit = limit, min(self.chunk_size, 2 * limit)
+                while cursor < len(arrivals) and len(batch) < size:
                     a = arrivals[cursor]
                     cursor += 1
                     if a.leaf.cr is not None and not a.leaf.cr.closed:

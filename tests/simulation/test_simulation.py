@@ -304,3 +304,13 @@ def test_ray_backend_matches_local() -> None:
         ray.shutdown()
     for k, v in local.final_arrays.items():
         np.testing.assert_array_equal(remote.final_arrays[k], v)
+
+
+def test_job_sizes_do_not_change_the_round() -> None:
+    # The engine starts each round with small training jobs and grows them to
+    # chunk_size; which clients train and what they send must not depend on that.
+    whole = run_simulation(_deterministic(40, aggregators=2, rounds=1, chunk_size=1024))
+    pieces = run_simulation(_deterministic(40, aggregators=2, rounds=1, chunk_size=3, workers=2))
+    assert whole.rounds[0]["participants"] == pieces.rounds[0]["participants"] == 40
+    for k, v in whole.final_arrays.items():
+        np.testing.assert_allclose(pieces.final_arrays[k], v, rtol=1e-6, atol=1e-7)
