@@ -138,12 +138,72 @@ def print_table(rows: list[Row], numel: int) -> None:
         )
 
 
+# The federated comparison's codec: top 10% of each adapter tensor, values in 8 bits,
+# with the client keeping what it did not send (error feedback) for the next round.
+FEDERATED_CODEC = {"name": "error_feedback", "params": {"codec": {"name": "pipeline", "params": {"stages": [
+    {"name": "topk", "params": {"fraction": 0.1}}, {"name": "qsgd", "params": {"bits": 8}}]}}}}
+
+
+def federated(rounds: int, per_round: int, seed: int) -> list[dict[str, object]]:
+    """Federated Shakespeare (FFA-LoRA) through the simulator, uncompressed and compressed,
+    in the same run: upload bytes per client per round against a dense float32 update of
+    the whole model, and the accuracy each run ends with."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from quality import _sim  # the quality benchmark's always-available device population
+
+    from orchard.simulation import run_simulation
+    from orchard.tasks import get_task
+
+    torch.set_num_threads(1)
+    dense = 4 * sum(p.numel() for p in get_task("shakespeare").build_model(seed=0).parameters())
+    out: list[dict[str, object]] = []
+    for name, codec in (("float32", {"name": "float32"}), ("topk10%+qsgd8+ef", FEDERATED_CODEC)):
+        run_cfg = {"task": "shakespeare", "seed": seed, "codec": codec,
+                   "train": {"epochs": 1, "batch_size": 16, "learning_rate": 1e-2, "optimizer": "adam"}}
+        rep = run_simulation(_sim(run_cfg, clients=1170, per_round=per_round, rounds=rounds, aggregators=0,
+                                  evaluate_every=0))
+        uploads = sum(r["participants"] for r in rep.rounds)
+        per_client = sum(r["bytes_up"] for r in rep.rounds) / max(1, uploads)
+        out.append({"codec": name, "bytes_per_client_round": round(per_client, 1),
+                    "dense_float32_model_bytes": dense, "reduction_vs_dense_model": round(dense / per_client, 1),
+                    "final_accuracy": rep.final_accuracy, "rounds": len(rep.rounds)})
+    plain = out[0]["final_accuracy"]
+    for r in out:
+        r["accuracy_points_lost"] = None if plain is None or r["final_accuracy"] is None else round(
+            100 * (float(plain) - float(r["final_accuracy"])), 3)  # type: ignore[arg-type]
+    return out
+
+
+def print_federated(rows: list[dict[str, object]]) -> None:
+    print("federated Shakespeare (FFA-LoRA), same run; targets: >= 100x fewer bytes, <= 1 point lost")
+    print(f"{'codec':<20}{'bytes/client/round':>20}{'x vs dense model':>18}{'accuracy':>10}{'pts lost':>10}")
+    for r in rows:
+        acc = r["final_accuracy"]
+        print(f"{r['codec']!s:<20}{r['bytes_per_client_round']!s:>20}{r['reduction_vs_dense_model']!s:>18}"
+              f"{(f'{acc:.4f}' if isinstance(acc, float) else '-'):>10}{r['accuracy_points_lost']!s:>10}")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=int, default=10_000_000)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", metavar="PATH", help="write one JSON row per codec here")
+    ap.add_argument("--federated", action="store_true",
+                    help="also run federated Shakespeare uncompressed vs compressed through the simulator")
+    ap.add_argument("--federated-rounds", type=int, default=20)
+    ap.add_argument("--federated-per-round", type=int, default=10)
     args = ap.parse_args(argv)
+    if args.federated:
+        fed = federated(args.federated_rounds, args.federated_per_round, seed=0)
+        print_federated(fed)
+        if args.json:
+            with open(args.json.replace(".json", "") + ".federated.json", "w") as fh:
+                json.dump(fed, fh, indent=2)
     rows = run(args.numel, args.repeat)
     print_table(rows, args.numel)
     if args.json:
