@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -165,8 +166,9 @@ def expect_field(
     return field.data
 
 
-class BaseCodec:
-    """Header framing and payload checks shared by every codec."""
+class BaseCodec(ABC):
+    """Header framing and payload checks shared by every codec; subclasses supply the
+    two parsed-form methods."""
 
     name: str
     algebra: Algebra
@@ -225,15 +227,17 @@ class BaseCodec:
         """The compressed-domain sum of two parsed payloads, or None when it does not exist."""
         return None
 
+    @abstractmethod
     def encode_parsed(
         self, x: np.ndarray, rng: np.random.Generator, state: State | None, shared_seed: int
     ) -> tuple[EncodedTensor, State | None]:
-        raise NotImplementedError
+        """Encode float32 ``x`` to its parsed form (header and fields)."""
 
+    @abstractmethod
     def decode_parsed(
         self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0
     ) -> np.ndarray:
-        raise NotImplementedError
+        """Decode a parsed payload (or a sum of ``num_summands`` of them) to float32."""
 
     def __repr__(self) -> str:
         return f"<codec {self.name}>"

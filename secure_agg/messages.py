@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import struct
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import ClassVar, TypeVar
@@ -216,8 +217,9 @@ _M = TypeVar("_M", bound="Message")
 _REGISTRY: dict[int, type[Message]] = {}
 
 
-class Message:
-    """Base of every protocol message: header handling and the tag registry."""
+class Message(ABC):
+    """Base of every protocol message: header handling and the tag registry; each
+    message says whose it is and writes and reads its own body."""
 
     TAG: ClassVar[int]
     STAGE: ClassVar[Stage]
@@ -230,17 +232,19 @@ class Message:
             _REGISTRY[cls.TAG] = cls
 
     @property
+    @abstractmethod
     def node(self) -> str:
         """The sender of a client message, the recipient of a broadcast."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _write(self, w: _Writer) -> None:
-        raise NotImplementedError
+        """Write the body (everything after the common header)."""
 
     @classmethod
+    @abstractmethod
     def _read(cls: type[_M], r: _Reader, session_id: bytes, round_number: int,
               node: str) -> _M:
-        raise NotImplementedError
+        """Read the body written by :meth:`_write`."""
 
     def to_bytes(self) -> bytes:
         w = _Writer()
