@@ -13,8 +13,10 @@ from orchard.aggregation.fedavg import (
     Accumulator,
     MetricSums,
     Partial,
+    capped_weight,
     finalize,
     merge,
+    prescale_factor,
     weighted_metric_means,
 )
 
@@ -34,7 +36,9 @@ __all__ = [
     "ServerOptimizer",
     "Yogi",
     "build_server_optimizer",
+    "capped_weight",
     "finalize",
     "merge",
+    "prescale_factor",
     "weighted_metric_means",
 ]

@@ -141,6 +141,22 @@ def check_update(schema: dict[str, tuple[int, ...]], update: NDArrays, allow_flo
             raise UpdateSchemaError(f"tensor {k!r} holds NaN or Inf values; refusing the update")
 
 
+def prescale_factor(weight: float, weight_scale: float) -> float:
+    """``min(w, S) / S``: what a client multiplies its update by when its tier only sums.
+
+    Secure aggregation (the field holds sums, not weighted sums) and compressed-domain
+    aggregation (codes add, they do not scale) both need clients to weight their own
+    update. Dividing by ``S`` keeps weighted values within the range the update had;
+    weights above ``S`` are capped at ``S``. The tier then reports ``S * sum`` with weight
+    ``sum_i min(w_i, S)``: the weighted mean with weights ``min(w_i, S)``."""
+    return min(float(weight), float(weight_scale)) / float(weight_scale)
+
+
+def capped_weight(weight: float, weight_scale: float) -> float:
+    """``min(w, S)``: the weight a pre-scaled update carries (see :func:`prescale_factor`)."""
+    return min(float(weight), float(weight_scale))
+
+
 def merge(a: Partial, b: Partial) -> Partial:
     """A new partial equal to a + b (inputs untouched)."""
     out = Partial(sums={k: v.copy() for k, v in a.sums.items()}, weight=a.weight, count=a.count)

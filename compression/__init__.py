@@ -22,9 +22,15 @@ API
     states_to_bytes(states) / states_from_bytes(blob)    # persist codec state on a device
     validate_codec_for_secure_aggregation(spec)          # ConfigError naming what works
 
-    PayloadSum(codec, shape, shared_seed)  # accumulate(payload) / merge(other) / result()
+    codec.bound(enc, num_summands, shared_seed) -> float   # checks enc as decode would; bounds
+                                          # |decoded|, NaN/inf for a non-finite payload
+    PayloadSum(codec, shape, shared_seed)  # check(payload) / add(checked) / accumulate(payload)
+                                          # / merge(other) / result(); O(one dense tensor)
+    UpdateSum(codec, shapes, shared_seed)  # one PayloadSum per tensor: a cohort's sum
     sum_payloads(codec, payloads, shape, shared_seed) -> float32 sum
     sum_encoded(codec, payloads, shape) -> one payload of the sum (linear codecs)
+    compressed_weight_scale(run_config) -> S | None   # does this run sum in the compressed
+                                          # domain (clients pre-scale by min(w, S) / S)?
 
     encode_model_delta(old, new, rng, from_version=v) -> ModelDelta (.smaller, .payloads, ...)
     apply_model_delta(old, payloads, from_version=v) -> model v+1
@@ -64,10 +70,21 @@ error_feedback codec=spec                             the inner's, S, biased    
   residual telescopes: decoded sends plus the final residual equal the inputs' sum.
 * randk's coordinates come from ``shared_seed``; every member of a cohort and the
   server must run the same numpy (``Generator.choice`` draws them).
+* Tiers sum in the compressed domain (:func:`compressed_weight_scale`) when the codec
+  is linear, the weighting a plain weighted sum and secure aggregation off: clients
+  encode ``(min(w, S) / S) * x``, the tier folds payloads into an :class:`UpdateSum`
+  and decodes once per cohort. Otherwise tiers decode every update.
 * Encode+decode throughput on a 10M-element tensor: ``benchmarks/compression.py``.
 """
 
-from orchard.compression.aggregate import PayloadSum, sum_encoded, sum_payloads
+from orchard.compression.aggregate import (
+    CheckedPayload,
+    PayloadSum,
+    UpdateSum,
+    compressed_weight_scale,
+    sum_encoded,
+    sum_payloads,
+)
 from orchard.compression.base import Algebra, BaseCodec, Codec, State
 from orchard.compression.downlink import (
     DOWNLINK_CODEC,
@@ -78,6 +95,7 @@ from orchard.compression.downlink import (
 from orchard.compression.errors import (
     CodecMismatchError,
     MalformedPayloadError,
+    NonFiniteError,
     StateError,
     UpdateMismatchError,
 )
@@ -101,19 +119,23 @@ __all__ = [
     "DOWNLINK_CODEC",
     "Algebra",
     "BaseCodec",
+    "CheckedPayload",
     "Codec",
     "CodecMismatchError",
     "EncodedTensor",
     "Field",
     "MalformedPayloadError",
     "ModelDelta",
+    "NonFiniteError",
     "PayloadSum",
     "State",
     "StateError",
     "UpdateMismatchError",
+    "UpdateSum",
     "apply_model_delta",
     "available_codecs",
     "build_codec",
+    "compressed_weight_scale",
     "decode_update",
     "encode_model_delta",
     "encode_update",

@@ -83,6 +83,19 @@ class Codec(Protocol):
 
     def add(self, a: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None: ...
 
+    def iadd(self, total: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None: ...
+
+    def bound(
+        self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0
+    ) -> float: ...
+
+
+def peak(x: np.ndarray) -> float:
+    """max |x| in two reductions (no |x| temporary); NaN when x holds a NaN, 0 when empty."""
+    if not x.size:
+        return 0.0
+    return float(np.maximum(x.max(), -x.min()))
+
 
 def as_float32(x: object) -> np.ndarray:
     """The float32 contiguous view (or copy) every codec encodes; refuses non-real dtypes."""
@@ -226,6 +239,24 @@ class BaseCodec(ABC):
     def add(self, a: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
         """The compressed-domain sum of two parsed payloads, or None when it does not exist."""
         return None
+
+    def iadd(self, total: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
+        """:meth:`add`, allowed to reuse ``total``'s arrays for the result.
+
+        For a caller that owns ``total`` (a running sum that :meth:`add` made) and gives
+        it up: a codec whose sum keeps the layout of its summands adds in place instead
+        of allocating a new sum per payload. The default is :meth:`add`."""
+        return self.add(total, b)
+
+    def bound(self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0) -> float:
+        """Check ``enc`` as :meth:`decode_parsed` would and bound what it decodes to.
+
+        Returns an upper bound on the absolute value of every element of
+        ``decode_parsed(enc, num_summands, shared_seed)``: NaN or inf when the payload
+        carries a non-finite value. A malformed payload raises CodecError, as decode
+        does. Codecs override this to check their fields without building the dense
+        tensor; the default decodes."""
+        return peak(self.decode_parsed(enc, num_summands, shared_seed))
 
     @abstractmethod
     def encode_parsed(

@@ -12,7 +12,15 @@ from collections.abc import Callable
 
 import numpy as np
 
-from orchard.compression.base import Algebra, BaseCodec, State, expect_field, expect_fields, numel
+from orchard.compression.base import (
+    Algebra,
+    BaseCodec,
+    State,
+    expect_field,
+    expect_fields,
+    numel,
+    peak,
+)
 from orchard.compression.wire import CODEC_IDS, EncodedTensor, Field
 from orchard.errors import CodecError
 
@@ -90,18 +98,31 @@ class CastCodec(BaseCodec):
     ) -> tuple[EncodedTensor, State | None]:
         return self.header(x.shape, [Field(self._to_wire(x.reshape(-1)))]), None
 
+    def _values(self, enc: EncodedTensor) -> np.ndarray:
+        (f,) = expect_fields(enc, 1, "values")
+        return expect_field(enc, f, "values", count=numel(enc.shape), dtype=self._wire_dtype)
+
     def decode_parsed(
         self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0
     ) -> np.ndarray:
-        (f,) = expect_fields(enc, 1, "values")
-        values = expect_field(enc, f, "values", count=numel(enc.shape), dtype=self._wire_dtype)
-        return np.array(self._from_wire(values), dtype=np.float32).reshape(enc.shape)
+        return np.array(self._from_wire(self._values(enc)), dtype=np.float32).reshape(enc.shape)
+
+    def bound(self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0) -> float:
+        return peak(self._from_wire(self._values(enc)))
 
     def add(self, a: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
         if not self.algebra.linear:
             return None
-        va, vb = (self.decode_parsed(e).reshape(-1) for e in (a, b))
-        return self.header(a.shape, [Field(va + vb)])
+        return self.header(a.shape, [Field(self._values(a) + self._values(b))])
+
+    def iadd(self, total: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
+        if not self.algebra.linear:
+            return None
+        vt, vb = self._values(total), self._values(b)
+        if not vt.flags.writeable:
+            return self.add(total, b)
+        np.add(vt, vb, out=vt)
+        return total
 
 
 def float32_codec() -> CastCodec:

@@ -13,6 +13,10 @@ class CodecMismatchError(CodecError):
     """A well-formed payload made by another codec, codec version or configuration."""
 
 
+class NonFiniteError(CodecError):
+    """A well-formed payload whose values include NaN or Inf."""
+
+
 class StateError(CodecError):
     """A codec state (PowerSGD factor, error-feedback residual) does not fit the tensor."""
 

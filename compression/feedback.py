@@ -97,5 +97,11 @@ class ErrorFeedback:
     def add(self, a: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
         return self.inner.add(a, b)
 
+    def iadd(self, total: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
+        return self.inner.iadd(total, b)
+
+    def bound(self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0) -> float:
+        return self.inner.bound(enc, num_summands, shared_seed)
+
     def __repr__(self) -> str:
         return f"<codec {self.name}>"

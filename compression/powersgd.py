@@ -35,6 +35,7 @@ from orchard.compression.base import (
     expect_field,
     expect_fields,
     numel,
+    peak,
 )
 from orchard.compression.errors import MalformedPayloadError, StateError
 from orchard.compression.wire import CODEC_IDS, EncodedTensor, Field
@@ -111,6 +112,14 @@ class PowerSGDCodec(BaseCodec):
             return dense.astype(np.float32).reshape(enc.shape)
         p, q = self._factors(enc)
         return (p @ q.T).astype(np.float32, copy=False).reshape(enc.shape)
+
+    def bound(self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0) -> float:
+        """``r * max |P| * max |Q|`` bounds every element of ``P Q^T`` (dense: its max |x|)."""
+        if not self.factorised(enc.shape):
+            (f,) = expect_fields(enc, 1, "dense values")
+            return peak(expect_field(enc, f, "dense", count=numel(enc.shape), dtype="float32"))
+        p, q = self._factors(enc)
+        return p.shape[1] * peak(p) * peak(q)
 
     def add(self, a: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
         if not self.factorised(a.shape):

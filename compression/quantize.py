@@ -40,6 +40,7 @@ from orchard.compression.base import (
     expect_field,
     expect_fields,
     numel,
+    peak,
 )
 from orchard.compression.errors import CodecMismatchError, MalformedPayloadError
 from orchard.compression.wire import CODEC_IDS, EncodedTensor, Field
@@ -220,9 +221,10 @@ class QuantCodec(BaseCodec):
             codes = expect_field(enc, f_codes, "summed codes", count=size, dtype="uint32")
         return scales, codes
 
-    def decode_parsed(
-        self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0
-    ) -> np.ndarray:
+    def _checked_parts(
+        self, enc: EncodedTensor, num_summands: int
+    ) -> tuple[np.ndarray, np.ndarray, int]:
+        """Scales, codes and the summand count, refusing summed codes beyond ``n * L``."""
         scales, codes = self._parts(enc)
         n = num_summands if self.algebra.needs_num_summands else 1
         levels = (1 << self.bits) - 1
@@ -231,9 +233,20 @@ class QuantCodec(BaseCodec):
                 f"{self.name} summed codes reach {int(codes.max())}, but {n} summands of "
                 f"{self.bits}-bit codes reach at most {n * levels}: wrong num_summands?"
             )
+        return scales, codes, n
+
+    def decode_parsed(
+        self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0
+    ) -> np.ndarray:
+        scales, codes, n = self._checked_parts(enc, num_summands)
         size = numel(enc.shape)
         out = dequantize(codes, scales, self._block_size(size), self.bits, n)
         return out.reshape(enc.shape)
+
+    def bound(self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0) -> float:
+        """``n * max |s|``: every decoded element is ``s * (2 J / L - n)`` with ``0 <= J <= n L``."""
+        scales, _, n = self._checked_parts(enc, num_summands)
+        return peak(scales) * n
 
     def add(self, a: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
         """Sum codes when both payloads share every scale (always, with a fixed scale)."""
@@ -245,6 +258,18 @@ class QuantCodec(BaseCodec):
         total = ca.astype(np.uint32)
         total += cb
         return self.header(a.shape, [Field(sa), Field(total)])
+
+    def iadd(self, total: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
+        """:meth:`add` into ``total``'s summed codes (raw uint32) when it owns them."""
+        if self.mean_scale:
+            return None
+        (st, ct), (sb, cb) = self._parts(total), self._parts(b)
+        if total.fields[1].bits or not ct.flags.writeable:
+            return self.add(total, b)
+        if not np.array_equal(st, sb):
+            return None
+        np.add(ct, cb, out=ct)
+        return total
 
 
 def qsgd_codec(bits: int = 8, block: int | None = None, scale: float | None = None) -> QuantCodec:

@@ -203,6 +203,12 @@ class SparsifiedCodec(BaseCodec):
         out[idx] = values if scale == 1.0 else values * np.float32(scale)
         return out.reshape(enc.shape)
 
+    def bound(self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0) -> float:
+        """Checks the indices (and randk's seed) and bounds the values by the inner codec."""
+        idx, values_enc = self._split(enc, shared_seed)
+        inner = self.inner.bound(values_enc, num_summands, shared_seed)
+        return inner * self.selector.decode_scale(numel(enc.shape), idx.size)
+
     def add(self, a: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
         """Randk payloads with one seed share their coordinates: sum the nested values."""
         if not self.selector.data_independent:

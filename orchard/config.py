@@ -105,6 +105,12 @@ class RunConfig(_Strict):
     # default: clients then train from a reconstruction, not the exact global model.
     downlink_delta: bool = False
     secure_aggregation: SecureAggregationConfig = SecureAggregationConfig()
+    # "auto": when the codec is linear, the weighting a plain weighted sum (examples,
+    # steps, uniform) and secure aggregation off, clients pre-scale their update by
+    # min(w, S) / S (S = secure_aggregation.weight_scale; weights above S are capped) and
+    # the lowest tier sums payloads without decoding them
+    # (orchard.compression.compressed_weight_scale). "off": tiers decode every update.
+    compressed_aggregation: Literal["auto", "off"] = "auto"
     server_optimizer: ServerOptimizerConfig = ServerOptimizerConfig()
     eligibility: EligibilityConfig = EligibilityConfig()
     evaluate_every: int = Field(1, ge=0)  # 0: never
