@@ -15,6 +15,7 @@ import secrets
 
 import numpy as np
 
+from orchard.aggregation import prescale_factor
 from orchard.compression import Codec, decode_update
 from orchard.config import RunConfig
 from orchard.errors import SecAggAbort
@@ -33,7 +34,7 @@ def masked_vector(cfg: RunConfig, codec: Codec, t: TaskAssignment, header: Uploa
     values = decode_update(codec, parts, shapes, num_summands=1, shared_seed=t.shared_seed)
     flat = np.concatenate([np.asarray(values[k], np.float64).ravel() for k in shapes])
     sa = cfg.secure_aggregation
-    return quantize(flat * (min(header.weight, sa.weight_scale) / sa.weight_scale), sa.clip, sa.bits, rng)
+    return quantize(flat * prescale_factor(header.weight, sa.weight_scale), sa.clip, sa.bits, rng)
 
 
 async def secure_session(link: FleetLink, t: TaskAssignment, cfg: RunConfig, codec: Codec,

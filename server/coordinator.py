@@ -11,9 +11,15 @@ Per round a coordinator:
   2. hands out task assignments when selected children long-poll;
   3. checks each upload's header against the round before reading a byte of payload
      (round, attempt, selection, duplicates, schema, sizes, weight), then checks the
-     payload (sha256, decode, finite values) before anything is folded;
+     payload (sha256, decode -- or, summing in the compressed domain, parse -- and
+     finite values) before anything is folded;
   4. folds accepted uploads into one float64 accumulator (O(model) memory), one fold
-     at a time;
+     at a time. When the run sums in the compressed domain (a linear codec, a plain
+     weighted sum, no secure aggregation: ``compressed_weight_scale``), direct clients'
+     payloads, pre-scaled by their weights, are added without decoding into one
+     ``PayloadSum`` per tensor instead (``CompressedCohort``), decoded once into the
+     accumulator when the round's outcome is read; partials from below and secure
+     cohorts' sums always go to the accumulator;
   5. closes when the target is reached, when every selected child has delivered or
      dropped, or at the deadline, and returns a ``RoundOutcome``.
 
@@ -37,9 +43,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchard.aggregation import Accumulator, MetricSums, Partial
+from orchard.aggregation import Accumulator, MetricSums, Partial, capped_weight
+from orchard.compression import (
+    CheckedPayload,
+    NonFiniteError,
+    UpdateSum,
+    build_codec,
+    compressed_weight_scale,
+)
 from orchard.config import RunConfig, ServerConfig
 from orchard.errors import (
+    CodecError,
     DuplicateUploadError,
     IntegrityError,
     NotSelectedError,
@@ -57,7 +71,7 @@ from orchard.server.downlink import DownlinkCache, ModelReply, full_reply
 from orchard.server.secagg import SecureCohort, new_cohort
 from orchard.server.selection import allocate, device_eligible, over_select
 from orchard.typing import DeviceState, NDArrays, Role, TensorSpec
-from orchard.updates import decode_partial
+from orchard.updates import decode_partial, split
 from orchard.wire import sha256_hex
 
 # Decodes a client's payload into a float32 delta (codec-specific; see orchard.server.decoding).
@@ -117,6 +131,60 @@ class RoundOutcome:
     rejected: dict[str, int]
 
 
+@dataclass(frozen=True)
+class CheckedUpload:
+    """A direct client's upload, parsed and checked, ready to join the compressed sum."""
+
+    parts: dict[str, CheckedPayload]
+
+
+class CompressedCohort:
+    """A round's direct-client updates summed in the compressed domain.
+
+    Used when the run's config says so (``compressed_weight_scale``): every client sent
+    ``(min(w, S) / S) * x`` with its weight ``w`` in the clear, so the payloads add
+    without decoding (one ``PayloadSum`` per tensor) and the cohort's partial is ``S``
+    times their decoded sum, with weight ``sum min(w, S)``. ``check`` only reads and runs
+    in the decode pool; ``fold`` runs in the fold pool, one at a time, like the
+    accumulator's fold."""
+
+    def __init__(self, task: RoundTask, weight_scale: float) -> None:
+        self.codec = build_codec(task.config.codec)
+        self.weight_scale = weight_scale
+        self.shapes = {s.name: tuple(s.shape) for s in task.schema}
+        self.sums = UpdateSum(self.codec, self.shapes, task.shared_seed)
+        self.weight = 0.0
+        self.metrics = MetricSums()
+        self.merged = False  # folded into the round's accumulator (at most once)
+
+    @property
+    def count(self) -> int:
+        return self.sums.count
+
+    def check(self, h: UploadHeader, payload: bytes | bytearray) -> CheckedUpload:
+        """Parse every tensor's payload and check it as decoding would: the codec's layout
+        and shape (CodecError), finite values (UpdateSchemaError). Nothing is summed."""
+        try:
+            parts = dict(zip(self.shapes, split(payload, h.payload_sizes), strict=True))
+            return CheckedUpload(self.sums.check(parts))
+        except NonFiniteError as err:
+            raise UpdateSchemaError(f"{err}; refusing the update") from None
+        except (CodecError, UpdateSchemaError):
+            raise
+        except (ValueError, IndexError, TypeError) as err:  # a codec bug must not crash the tier
+            raise CodecError(f"payload could not be parsed with codec {self.codec.name!r}: {err}") from None
+
+    def fold(self, h: UploadHeader, up: CheckedUpload) -> None:
+        self.sums.add(up.parts)  # refuses before it changes anything
+        self.weight += capped_weight(h.weight, self.weight_scale)
+        self.metrics.merge(MetricSums(dict(h.metric_sums), dict(h.metric_weights)))
+
+    def partial(self) -> Partial:
+        """``S`` times the decoded sum (float64), with the capped weights' sum."""
+        sums = {k: np.multiply(v, self.weight_scale, dtype=np.float64) for k, v in self.sums.result().items()}
+        return Partial(sums=sums, weight=self.weight, count=self.count, metrics=self.metrics)
+
+
 class CohortRound:
     """State of one open round at one tier."""
 
@@ -124,6 +192,7 @@ class CohortRound:
         self.task = task
         self.started = now
         self.acc = Accumulator(list(task.schema))
+        self.compressed: CompressedCohort | None = None  # direct clients' sum, when the run sums codes
         self.assignments: dict[str, Assignment] = {}
         self.client_quota = 0  # how many direct clients may be selected in total
         self.closed = False
@@ -140,7 +209,17 @@ class CohortRound:
 
     @property
     def received(self) -> int:
-        return self.acc.count
+        c = self.compressed
+        return self.acc.count + (c.count if c is not None and not c.merged else 0)
+
+    def settle_compressed(self) -> None:
+        """Fold the compressed sum into the accumulator, once, after the last fold."""
+        c = self.compressed
+        if c is None or c.merged:
+            return
+        if c.count:
+            self.acc.merge(c.partial())
+        c.merged = True
 
     def pending(self) -> list[Assignment]:
         return [a for a in self.assignments.values() if not (a.delivered or a.dropped)]
@@ -261,6 +340,9 @@ class Coordinator:
             # (only when deltas are on: each base is one more model in memory).
             self.downlink.remember(prev.task.model_hash, prev.task.model_blob)
         cr = CohortRound(task, self._mono())
+        weight_scale = compressed_weight_scale(task.config)
+        if weight_scale is not None:
+            cr.compressed = CompressedCohort(task, weight_scale)
         self.current = cr
         self._select(cr)
         if task.config.secure_aggregation.enabled:
@@ -492,10 +574,14 @@ class Coordinator:
     def reject(self, err: OrchardError) -> None:
         self._reject(self.current, type(err).__name__)
 
-    def _decode(self, slot: UploadSlot, payload: bytes) -> NDArrays:
+    def _decode(self, slot: UploadSlot, payload: bytes) -> NDArrays | CheckedUpload:
+        """Everything that is checked before a fold: a decoded update or partial, or a
+        client's payload checked for the compressed sum."""
         h, cr = slot.header, slot.cohort
         if h.kind is UploadKind.PARTIAL_SUM:
             return decode_partial(payload, cr.task.schema, h.payload_sizes)
+        if cr.compressed is not None:
+            return cr.compressed.check(h, payload)
         return self._decode_client(h, payload, cr.task)
 
     async def complete_upload(self, slot: UploadSlot, payload: bytes) -> None:
@@ -569,7 +655,11 @@ class Coordinator:
         self._notify()
 
     @staticmethod
-    def _fold(cr: CohortRound, h: UploadHeader, arrays: NDArrays) -> None:
+    def _fold(cr: CohortRound, h: UploadHeader, arrays: NDArrays | CheckedUpload) -> None:
+        if isinstance(arrays, CheckedUpload):
+            assert cr.compressed is not None  # only _decode makes one, for such a round
+            cr.compressed.fold(h, arrays)
+            return
         ms = MetricSums(dict(h.metric_sums), dict(h.metric_weights))
         if h.kind is UploadKind.PARTIAL_SUM:
             cr.acc.merge(Partial(sums=arrays, weight=h.weight, count=h.count, metrics=ms))
@@ -692,7 +782,9 @@ class Coordinator:
         return self.outcome(cr)
 
     def outcome(self, cr: CohortRound) -> RoundOutcome:
-        """The result of a closed round (the simulator calls this directly)."""
+        """The result of a closed round (the simulator calls this directly), once its folds
+        are done."""
+        cr.settle_compressed()
         dropped = sum(1 for a in cr.assignments.values() if a.dropped)
         return RoundOutcome(task=cr.task, partial=cr.acc.partial, selected=len(cr.assignments), dropped=dropped,
                             bytes_up=cr.bytes_up, bytes_down=cr.bytes_down,
