@@ -67,21 +67,32 @@ class Partial:
 class Accumulator:
     """Folds updates into a running weighted sum, one at a time, in place.
 
-    Memory is one float64 copy of the model, however many updates are folded.
-    The caller serialises calls (one fold at a time); this class holds no lock.
+    Memory is one float64 copy of the model, however many updates are folded, allocated
+    when the first one is (or when ``partial`` is read). The caller serialises calls
+    (one fold at a time); this class holds no lock.
     """
 
     def __init__(self, schema: list[TensorSpec]) -> None:
         self._schema = {s.name: tuple(s.shape) for s in schema}
-        self.partial = Partial(sums={s.name: np.zeros(s.shape, np.float64) for s in schema})
+        self._partial: Partial | None = None
+
+    @property
+    def partial(self) -> Partial:
+        if self._partial is None:
+            self._partial = Partial(sums={k: np.zeros(s, np.float64) for k, s in self._schema.items()})
+        return self._partial
+
+    @partial.setter
+    def partial(self, p: Partial) -> None:
+        self._partial = p
 
     @property
     def count(self) -> int:
-        return self.partial.count
+        return 0 if self._partial is None else self._partial.count
 
     @property
     def weight(self) -> float:
-        return self.partial.weight
+        return 0.0 if self._partial is None else self._partial.weight
 
     def check(self, update: NDArrays) -> None:
         """Raise UpdateSchemaError unless ``update`` matches the schema exactly and is finite."""
@@ -107,13 +118,21 @@ class Accumulator:
         if metrics:
             self.partial.metrics.add(metrics, weight if metric_weight is None else metric_weight)
 
-    def merge(self, other: Partial) -> None:
-        """Fold a partial from a lower tier (already weighted)."""
+    def merge(self, other: Partial, owned: bool = False) -> None:
+        """Fold a partial from a lower tier (already weighted).
+
+        ``owned=True``: the caller gives ``other`` up (its float64 arrays, its metrics); an
+        accumulator that holds nothing yet then takes them as they are instead of adding
+        them to a fresh float64 copy of the model."""
         if other.count == 0:
             return
         check_update(self._schema, other.sums, allow_float64=True)
         if not (np.isfinite(other.weight) and other.weight > 0):
             raise UpdateSchemaError(f"partial weight must be positive and finite, got {other.weight!r}")
+        if owned and self._partial is None and all(v.dtype == np.float64 for v in other.sums.values()):
+            self._partial = Partial(sums={k: other.sums[k] for k in self._schema}, weight=float(other.weight),
+                                    count=other.count, metrics=other.metrics)
+            return
         for k, v in other.sums.items():
             np.add(self.partial.sums[k], v, out=self.partial.sums[k])
         self.partial.weight += other.weight

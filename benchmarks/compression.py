@@ -1,16 +1,29 @@
 """Encode+decode throughput of every codec on one 10-million-element float32 tensor.
 
     python benchmarks/compression.py [--numel N] [--repeat R] [--json PATH]
+                                     [--federated] [--tier [--tier-uploads N]]
 
 MB/s counts 1e6 bytes of float32 input per second of encode plus decode (best of
 ``--repeat`` runs each). ``compression_ratio`` is the dense float32 payload's size
 over the codec's, both measured in this run. The tensor is a 2-D matrix (so PowerSGD
 factorises it) of Gaussian values, seeded.
+
+``--tier``: one tier folds N client uploads (default 1000) of a ~1M-parameter model
+through ``Coordinator.submit_local`` -- the header checks, sha256, decode or parse,
+finite-value checks and fold that every upload costs -- and then reads the round's
+outcome, once decoding every update into the float64 accumulator
+(``compressed_aggregation = "off"``) and once summing payloads in the compressed
+domain ("auto"), for float32, randk 1% and 8-bit qsgd with a fixed scale. Uploads are
+built by the client's own ``build_upload`` (so they are pre-scaled where the run says
+so), 16 distinct ones per case reused under N node ids; building them is not timed.
+Peak memory is tracemalloc's peak over the fold, above what was allocated before it
+(the uploads). Written to ``PATH.tier.json`` with ``--json PATH``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -188,6 +201,137 @@ def print_federated(rows: list[dict[str, object]]) -> None:
               f"{(f'{acc:.4f}' if isinstance(acc, float) else '-'):>10}{r['accuracy_points_lost']!s:>10}")
 
 
+# A ~1M-parameter model (1,049,600 float32 values) in three tensors.
+TIER_SHAPES: dict[str, tuple[int, ...]] = {
+    "layer1.weight": (1024, 768), "layer1.bias": (1024,), "layer2.weight": (256, 1024)}
+TIER_QSGD_SCALE = 0.05  # client deltas below are N(0, 0.01^2)
+TIER_CASES: list[tuple[str, dict[str, object]]] = [
+    ("float32", {"name": "float32"}),
+    ("randk-1%", {"name": "randk", "params": {"fraction": 0.01}}),
+    ("qsgd-8bit-fixed", {"name": "qsgd", "params": {"bits": 8, "scale": TIER_QSGD_SCALE}}),
+]
+TIER_POOL = 16
+
+
+def _tier_fold(codec: dict[str, object], mode: str, uploads: int) -> dict[str, object]:
+    """One tier folds ``uploads`` client uploads, twice: timed, then under tracemalloc."""
+    import gc
+    import tracemalloc
+
+    from orchard.aggregation import finalize
+    from orchard.client.update import build_upload
+    from orchard.config import CohortConfig, RunConfig, ServerConfig
+    from orchard.messages import TaskAssignment
+    from orchard.server.coordinator import Coordinator, RoundOutcome, RoundTask
+    from orchard.server.decoding import ClientUpdateDecoder
+    from orchard.trainer import TrainResult
+    from orchard.typing import DeviceState, Role, TensorSpec
+    from orchard.wire import sha256_hex
+
+    cfg = RunConfig(codec=CodecSpec.model_validate(codec), compressed_aggregation=mode,  # type: ignore[arg-type]
+                    cohort=CohortConfig(target=uploads, over_selection=1.0))
+    schema = tuple(TensorSpec(k, s, "float32") for k, s in TIER_SHAPES.items())
+    task = RoundTask(run_id="bench", round=1, attempt=0, config=cfg, config_json=cfg.model_dump_json(),
+                     model_blob=b"", model_hash="h", schema=schema, deadline_unix=time.time() + 3600,
+                     target=uploads, shared_seed=12345)
+    build = build_codec(cfg.codec)
+    rng = np.random.default_rng(0)
+    pool = []
+    for i in range(TIER_POOL):  # the clients' work: not measured
+        delta = {k: (0.01 * rng.standard_normal(s)).astype(np.float32) for k, s in TIER_SHAPES.items()}
+        weight = float(rng.integers(20, 500))
+        t = TaskAssignment(run_id="bench", round=1, attempt=0, task_id="pool", model_hash="h", model_bytes=0,
+                           config_json=task.config_json, schema=schema, deadline_unix=task.deadline_unix,
+                           cohort_target=1, shared_seed=task.shared_seed)
+        res = TrainResult(arrays={}, weight=weight, num_examples=int(weight), num_steps=10)
+        pool.append(build_upload(t, cfg, build, "pool", delta, res, seed=i, states=None)[:2])
+
+    def fold() -> tuple[RoundOutcome, bool, float]:
+        coord = Coordinator("tier", ServerConfig(node_timeout_s=3600, max_upload_bytes=1 << 30),
+                            np.random.default_rng(0), ClientUpdateDecoder())
+        nodes = [f"client-{i}" for i in range(uploads)]
+        for n in nodes:
+            coord.join(n, Role.CLIENT, "token", DeviceState())
+        cr = coord.open_round(task)
+        assigned = {n: coord._try_assign(n) for n in nodes}
+        headers = [dataclasses.replace(pool[i % TIER_POOL][0], node_id=n, task_id=assigned[n].task_id)  # type: ignore[union-attr]
+                   for i, n in enumerate(nodes)]
+        gc.collect()
+        t0 = time.perf_counter()
+        for i, (n, h) in enumerate(zip(nodes, headers, strict=True)):
+            coord.submit_local(n, h, pool[i % TIER_POOL][1])
+        out = coord.outcome(cr)
+        seconds = time.perf_counter() - t0
+        coord.shutdown()
+        return out, cr.compressed is not None, seconds
+
+    out, compressed, seconds = fold()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        fold()
+        peak = tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+    t0 = time.perf_counter()
+    for i in range(uploads):  # what the integrity check alone costs, the same on both paths
+        sha256_hex(pool[i % TIER_POOL][1])
+    sha_seconds = time.perf_counter() - t0
+    assert out.partial.count == uploads, out.reason
+    mean, _ = finalize(out.partial)
+    return {"seconds": seconds, "sha256_seconds": sha_seconds, "peak_bytes": peak,
+            "upload_bytes": len(pool[0][1]), "mean": mean, "compressed": compressed}
+
+
+def tier(uploads: int) -> list[dict[str, object]]:
+    """Decode-then-accumulate vs compressed-domain sums at one tier, same uploads' inputs."""
+    rows: list[dict[str, object]] = []
+    params = sum(math.prod(s) for s in TIER_SHAPES.values())
+    for label, codec in TIER_CASES:
+        off = _tier_fold(codec, "off", uploads)
+        on = _tier_fold(codec, "auto", uploads)
+        assert on["compressed"] and not off["compressed"]
+        m_on, m_off = on["mean"], off["mean"]
+        assert isinstance(m_on, dict) and isinstance(m_off, dict)
+        diff = max(float(np.abs(m_on[k] - m_off[k]).max()) for k in m_off)
+        peak = max(float(np.abs(v).max()) for v in m_off.values())
+        sha = min(float(off["sha256_seconds"]), float(on["sha256_seconds"]))  # type: ignore[arg-type]
+        rows.append({
+            "codec": label, "uploads": uploads, "params": params, "upload_bytes": on["upload_bytes"],
+            "decode_s": round(float(off["seconds"]), 3),  # type: ignore[arg-type]
+            "compressed_s": round(float(on["seconds"]), 3),  # type: ignore[arg-type]
+            "speedup": round(float(off["seconds"]) / float(on["seconds"]), 2),  # type: ignore[arg-type]
+            "sha256_s": round(sha, 3),
+            "speedup_excluding_sha256": round((float(off["seconds"]) - sha)  # type: ignore[arg-type]
+                                              / (float(on["seconds"]) - sha), 2),  # type: ignore[arg-type]
+            "decode_ms_per_upload": round(1e3 * float(off["seconds"]) / uploads, 3),  # type: ignore[arg-type]
+            "compressed_ms_per_upload": round(1e3 * float(on["seconds"]) / uploads, 3),  # type: ignore[arg-type]
+            "decode_peak_mib": round(int(off["peak_bytes"]) / 2**20, 1),  # type: ignore[call-overload]
+            "compressed_peak_mib": round(int(on["peak_bytes"]) / 2**20, 1),  # type: ignore[call-overload]
+            "memory_ratio": round(int(off["peak_bytes"]) / max(1, int(on["peak_bytes"])), 2),  # type: ignore[call-overload]
+            "max_abs_mean_difference": diff, "max_abs_mean": peak, "relative_difference": diff / peak,
+        })
+    return rows
+
+
+def print_tier(rows: list[dict[str, object]]) -> None:
+    r0 = rows[0]
+    print(f"one tier folds {r0['uploads']} uploads of a {r0['params']:,}-parameter model "
+          "(checks, sha256, decode or parse, fold; then the round's outcome)")
+    head = (f"{'codec':<18}{'upload B':>11}{'decode s':>10}{'compr. s':>10}{'speedup':>9}{'sha256 s':>10}"
+            f"{'w/o sha':>9}{'decode MiB':>12}{'compr. MiB':>12}{'mem ratio':>11}{'rel. diff':>11}")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['codec']!s:<18}{r['upload_bytes']:>11,}{r['decode_s']:>10.2f}{r['compressed_s']:>10.2f}"
+              f"{r['speedup']:>9.2f}{r['sha256_s']:>10.2f}{r['speedup_excluding_sha256']:>9.2f}"
+              f"{r['decode_peak_mib']:>12.1f}{r['compressed_peak_mib']:>12.1f}"
+              f"{r['memory_ratio']:>11.2f}{r['relative_difference']:>11.1e}")
+    print("speedup: decode s / compressed s; w/o sha: the same without the sha256 check both paths run; "
+          "MiB: tracemalloc peak over the fold; rel. diff: the two means' largest difference over the "
+          "largest mean element (qsgd: clients quantise pre-scaled updates on the compressed path)")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--numel", type=int, default=10_000_000)
@@ -197,7 +341,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="also run federated Shakespeare uncompressed vs compressed through the simulator")
     ap.add_argument("--federated-rounds", type=int, default=20)
     ap.add_argument("--federated-per-round", type=int, default=10)
+    ap.add_argument("--tier", action="store_true",
+                    help="also time one tier folding N uploads: decode-then-accumulate vs compressed-domain sums")
+    ap.add_argument("--tier-uploads", type=int, default=1000)
     args = ap.parse_args(argv)
+    if args.tier:
+        tier_rows = tier(args.tier_uploads)
+        print_tier(tier_rows)
+        if args.json:
+            with open(args.json.replace(".json", "") + ".tier.json", "w") as fh:
+                json.dump(tier_rows, fh, indent=2)
     if args.federated:
         fed = federated(args.federated_rounds, args.federated_per_round, seed=0)
         print_federated(fed)

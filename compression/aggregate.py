@@ -22,7 +22,7 @@ run aggregates in the compressed domain (:func:`compressed_weight_scale`).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -195,6 +195,15 @@ class UpdateSum:
     def result(self) -> dict[str, np.ndarray]:
         """The float32 sum of every update, per tensor, in the order of ``shapes``."""
         return {name: acc.result() for name, acc in self.sums.items()}
+
+    def drain(self) -> Iterator[tuple[str, np.ndarray]]:
+        """Like :meth:`result`, one tensor at a time, releasing each tensor's running sum
+        once its result is out: the dense results and the sums are never all held at once.
+        The sum is empty afterwards."""
+        for name in list(self.sums):
+            total = self.sums[name].result()
+            self.sums[name] = PayloadSum(self.codec, self.sums[name].shape, self.sums[name].shared_seed)
+            yield name, total
 
 
 # Weightings whose tiers fold exactly sum_i w_i x_i with w_i the header's weight. FedNova

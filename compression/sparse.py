@@ -53,6 +53,11 @@ class Selector(Protocol):
         self, enc: EncodedTensor, fields: tuple[Field, ...], shared_seed: int
     ) -> np.ndarray: ...
 
+    def kept(self, enc: EncodedTensor, fields: tuple[Field, ...], shared_seed: int) -> int:
+        """How many coordinates the payload keeps, checking its index fields as decode
+        does, without drawing them where they come from the seed."""
+        ...
+
     def decode_scale(self, size: int, kept: int) -> float: ...
 
 
@@ -103,6 +108,9 @@ class TopK:
             )
         return idx
 
+    def kept(self, enc: EncodedTensor, fields: tuple[Field, ...], shared_seed: int) -> int:
+        return int(self.indices(enc, fields, shared_seed).size)
+
     def decode_scale(self, size: int, kept: int) -> float:
         return 1.0
 
@@ -133,6 +141,10 @@ class RandK:
     def indices(
         self, enc: EncodedTensor, fields: tuple[Field, ...], shared_seed: int
     ) -> np.ndarray:
+        self.kept(enc, fields, shared_seed)
+        return self._draw(numel(enc.shape), shared_seed)
+
+    def kept(self, enc: EncodedTensor, fields: tuple[Field, ...], shared_seed: int) -> int:
         (f,) = fields
         check = expect_field(enc, f, "seed check", count=1, dtype="uint32")
         if check[0] != _seed_check(shared_seed)[0]:
@@ -140,7 +152,7 @@ class RandK:
                 f"randk payload was drawn with another shared seed (check {int(check[0]):#x}, "
                 f"shared_seed {shared_seed} gives {int(_seed_check(shared_seed)[0]):#x})"
             )
-        return self._draw(numel(enc.shape), shared_seed)
+        return keep_count(numel(enc.shape), self.k, self.fraction)
 
     def decode_scale(self, size: int, kept: int) -> float:
         return size / kept if self.unbiased and kept else 1.0
@@ -204,10 +216,17 @@ class SparsifiedCodec(BaseCodec):
         return out.reshape(enc.shape)
 
     def bound(self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0) -> float:
-        """Checks the indices (and randk's seed) and bounds the values by the inner codec."""
-        idx, values_enc = self._split(enc, shared_seed)
-        inner = self.inner.bound(values_enc, num_summands, shared_seed)
-        return inner * self.selector.decode_scale(numel(enc.shape), idx.size)
+        """Checks the indices (randk: its seed, without drawing them) and bounds the values
+        by the inner codec."""
+        want = self.selector.n_index_fields + 1
+        if len(enc.fields) != want:
+            raise MalformedPayloadError(
+                f"{self.name} payload: expected {want} fields (indices, values), "
+                f"got {len(enc.fields)}"
+            )
+        kept = self.selector.kept(enc, enc.fields[:-1], shared_seed)
+        inner = self.inner.bound(self._values(enc, kept), num_summands, shared_seed)
+        return inner * self.selector.decode_scale(numel(enc.shape), kept)
 
     def add(self, a: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
         """Randk payloads with one seed share their coordinates: sum the nested values."""

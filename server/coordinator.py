@@ -180,9 +180,11 @@ class CompressedCohort:
         self.metrics.merge(MetricSums(dict(h.metric_sums), dict(h.metric_weights)))
 
     def partial(self) -> Partial:
-        """``S`` times the decoded sum (float64), with the capped weights' sum."""
-        sums = {k: np.multiply(v, self.weight_scale, dtype=np.float64) for k, v in self.sums.result().items()}
-        return Partial(sums=sums, weight=self.weight, count=self.count, metrics=self.metrics)
+        """``S`` times the decoded sum (float64), with the capped weights' sum. Drains the
+        compressed sums tensor by tensor, so this runs once."""
+        count = self.count
+        sums = {k: np.multiply(v, self.weight_scale, dtype=np.float64) for k, v in self.sums.drain()}
+        return Partial(sums=sums, weight=self.weight, count=count, metrics=self.metrics)
 
 
 class CohortRound:
@@ -218,7 +220,7 @@ class CohortRound:
         if c is None or c.merged:
             return
         if c.count:
-            self.acc.merge(c.partial())
+            self.acc.merge(c.partial(), owned=True)
         c.merged = True
 
     def pending(self) -> list[Assignment]:
