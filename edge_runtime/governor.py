@@ -124,13 +124,57 @@ class StepEstimate:
     energy_j_per_s: float = 0.0
 
 
-def _max_ratio(samples: Sequence[StepSample], attr: str, per: str) -> float | None:
-    vals = [
-        getattr(s, attr) / getattr(s, per)
-        for s in samples
-        if getattr(s, attr) is not None and getattr(s, per) > 0
-    ]
-    return max(vals) if vals else None
+def _per_unit_maxima(
+    samples: Sequence[StepSample],
+) -> tuple[float | None, float | None, float | None, float | None]:
+    """The largest rise, drop, energy and seconds per unit over ``samples``, in one pass
+    (the governor asks before every step, so this is on a device's hot path)."""
+    rise = drop = energy = seconds = None
+    for s in samples:
+        u = s.units
+        if u <= 0:
+            continue
+        r = s.seconds / u
+        if seconds is None or r > seconds:
+            seconds = r
+        if s.rise_c is not None:
+            r = s.rise_c / u
+            if rise is None or r > rise:
+                rise = r
+        if s.drop_percent is not None:
+            r = s.drop_percent / u
+            if drop is None or r > drop:
+                drop = r
+        if s.energy_j is not None:
+            r = s.energy_j / u
+            if energy is None or r > energy:
+                energy = r
+    return rise, drop, energy, seconds
+
+
+def _per_second_maxima(*groups: Sequence[StepSample]) -> tuple[float | None, float | None]:
+    """The largest battery drop and energy per second over every sample of ``groups``."""
+    drain = power = None
+    for samples in groups:
+        for s in samples:
+            t = s.seconds
+            if t <= 0:
+                continue
+            if s.drop_percent is not None:
+                r = s.drop_percent / t
+                if drain is None or r > drain:
+                    drain = r
+            if s.energy_j is not None:
+                r = s.energy_j / t
+                if power is None or r > power:
+                    power = r
+    return drain, power
+
+
+def _last(samples: Sequence[StepSample], n: int) -> Sequence[StepSample]:
+    if len(samples) <= n:
+        return samples
+    return list(samples)[-n:]
 
 
 def estimate_next_step(
@@ -149,28 +193,23 @@ def estimate_next_step(
     any device whose idle power is below its training power).
     """
     k = pacing.safety_factor
-    recent = list(history)[-pacing.history :]
-    recent_rests = list(rests)[-pacing.history :]
-    rise = _max_ratio(recent, "rise_c", "units")
-    drop = _max_ratio(recent, "drop_percent", "units")
-    energy = _max_ratio(recent, "energy_j", "units")
-    seconds = _max_ratio(recent, "seconds", "units")
+    recent = _last(history, pacing.history)
+    recent_rests = _last(rests, pacing.history)
+    rise, drop, energy, seconds = _per_unit_maxima(recent)
     if energy is None and pacing.joules_per_unit is not None:
         energy = pacing.joules_per_unit
     prior_drop = 0.0 if charging else pacing.prior_drop_percent
-    both = recent + recent_rests
-    drain = _max_ratio(both, "drop_percent", "seconds")
+    drain, power = _per_second_maxima(recent, recent_rests)
     if drain is None:
         # Nothing measured yet: the first-step prior spread over one cooling pause.
         drain = prior_drop / pacing.cooldown_quantum_s
-    power = _max_ratio(both, "energy_j", "seconds") or 0.0
     return StepEstimate(
         rise_c=pacing.prior_rise_c if rise is None else k * max(rise, 0.0) * next_units,
         drop_percent=prior_drop if drop is None else k * max(drop, 0.0) * next_units,
         energy_j=0.0 if energy is None else k * max(energy, 0.0) * next_units,
         seconds=0.0 if seconds is None else k * seconds * next_units,
         drain_percent_per_s=k * max(drain, 0.0),
-        energy_j_per_s=k * max(power, 0.0),
+        energy_j_per_s=k * max(power or 0.0, 0.0),
     )
 
 
@@ -374,6 +413,7 @@ class Governor:
         self._before: tuple[float, DeviceState] | None = None  # (monotonic, state) at step start
         self._last_units = 1.0
         self._last_state: DeviceState | None = None
+        self._last_read_at: float | None = None  # clock.monotonic() of _last_state
         self._max_t: float | None = carry_over.max_temperature_c if carry_over else None
         self._min_b: float | None = carry_over.min_battery_percent if carry_over else None
 
@@ -397,7 +437,16 @@ class Governor:
                 s.battery_percent if self._min_b is None else min(self._min_b, s.battery_percent)
             )
         self._last_state = s
+        self._last_read_at = self.clock.monotonic()
         return s
+
+    def _current(self) -> DeviceState:
+        """The device now: the last reading if the clock has not moved since it was
+        taken (a virtual clock between two steps), else a fresh one. A real clock always
+        moves, so a real device is always read."""
+        if self._last_state is not None and self._last_read_at == self.clock.monotonic():
+            return self._last_state
+        return self._read()
 
     def _estimate(self, state: DeviceState) -> StepEstimate:
         return estimate_next_step(
@@ -452,6 +501,10 @@ class Governor:
             return False
         if self._before is not None:
             raise GovernorUsageError("before_step called twice without after_step in between")
+        budget = self.policy.budget
+        if budget.max_steps is not None and self._steps >= budget.max_steps:
+            # Done: no reading, no estimate, and no duty-cycle pause after the last step.
+            return self._halt(Decision(Action.STOP, StopReason.COMPLETED, f"max_steps={budget.max_steps} done"))
         pacing = self.policy.pacing
         if self._t0 is None:
             self._t0 = self.clock.monotonic()
@@ -466,7 +519,7 @@ class Governor:
                     "set pacing.joules_per_unit to estimate energy from work, or drop budget.energy_j"
                 )
         else:
-            state = self._read()
+            state = self._current()
 
         if self._history:
             duty = duty_cycle(

@@ -22,8 +22,11 @@ from orchard.edge_runtime.governor import (
     Governor,
     GovernorStopped,
     GovernorUsageError,
+    StepEstimate,
+    StepSample,
     StopReason,
     duty_cycle,
+    estimate_next_step,
     pause_for_duty,
     run_governed,
     wait_until_eligible,
@@ -96,6 +99,24 @@ def test_governor_throttles_and_finishes_under_the_ceiling() -> None:
     m = report.to_metrics()
     assert m["governor_steps"] == 2000.0 and m["governor_stopped_early"] == 0.0
 
+
+
+def test_no_pause_after_the_last_step() -> None:
+    """In the throttling band the governor pauses before a step, never after the last one."""
+    clock = VirtualClock()
+    dev = _hot_device(clock, temperature_c=43.0)  # inside the 40-45 °C band: duty < 1
+    gov = Governor(dev, _policy(budget=RoundBudget(max_steps=3)), clock)
+    step_ends: list[float] = []
+
+    def step() -> float:
+        dev.work(1.0)
+        step_ends.append(clock.monotonic())
+        return 1.0
+
+    report = run_governed(gov, step)
+    assert report.stop_reason is StopReason.COMPLETED and report.steps_done == 3
+    assert report.paused_s > 0  # it did throttle between steps
+    assert clock.monotonic() == step_ends[-1]  # and the round ended with its last step
 
 HEAVY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -296,7 +317,7 @@ def test_wait_until_eligible_polls_while_charging() -> None:
 
 
 def test_decide_is_a_pure_function_of_its_inputs() -> None:
-    from orchard.edge_runtime.governor import Action, StepEstimate, decide
+    from orchard.edge_runtime.governor import Action, decide
 
     policy = _policy(floor=20.0, ceiling=45.0, budget=RoundBudget(max_steps=10))
     est = StepEstimate(rise_c=0.5, drop_percent=0.2, energy_j=1.0, seconds=0.1)
@@ -318,3 +339,47 @@ def test_decide_is_a_pure_function_of_its_inputs() -> None:
         Action.STOP,
         StopReason.BATTERY_FLOOR,
     )
+
+
+def _reference_estimate(history, next_units, pacing, charging, rests):
+    """The estimate written plainly: each maximum on its own over a filtered list."""
+
+    def worst(samples, attr, per):
+        vals = [getattr(s, attr) / getattr(s, per) for s in samples
+                if getattr(s, attr) is not None and getattr(s, per) > 0]
+        return max(vals) if vals else None
+
+    k = pacing.safety_factor
+    recent, recent_rests = list(history)[-pacing.history:], list(rests)[-pacing.history:]
+    rise, drop = worst(recent, "rise_c", "units"), worst(recent, "drop_percent", "units")
+    energy, seconds = worst(recent, "energy_j", "units"), worst(recent, "seconds", "units")
+    if energy is None and pacing.joules_per_unit is not None:
+        energy = pacing.joules_per_unit
+    prior_drop = 0.0 if charging else pacing.prior_drop_percent
+    drain = worst(recent + recent_rests, "drop_percent", "seconds")
+    if drain is None:
+        drain = prior_drop / pacing.cooldown_quantum_s
+    power = worst(recent + recent_rests, "energy_j", "seconds") or 0.0
+    return StepEstimate(
+        rise_c=pacing.prior_rise_c if rise is None else k * max(rise, 0.0) * next_units,
+        drop_percent=prior_drop if drop is None else k * max(drop, 0.0) * next_units,
+        energy_j=0.0 if energy is None else k * max(energy, 0.0) * next_units,
+        seconds=0.0 if seconds is None else k * seconds * next_units,
+        drain_percent_per_s=k * max(drain, 0.0),
+        energy_j_per_s=k * max(power, 0.0),
+    )
+
+
+_maybe = st.one_of(st.none(), st.floats(-5.0, 5.0, allow_nan=False))
+_sample = st.builds(StepSample, units=st.sampled_from([0.0, 0.5, 1.0, 10.0]), seconds=st.floats(0.0, 3.0),
+                    rise_c=_maybe, drop_percent=_maybe, energy_j=_maybe)
+
+
+@settings(max_examples=300, deadline=None)
+@given(history=st.lists(_sample, max_size=12), rests=st.lists(_sample, max_size=12),
+       next_units=st.floats(0.0, 20.0), charging=st.sampled_from([None, False, True]),
+       window=st.integers(1, 8), joules=st.sampled_from([None, 2.5]))
+def test_property_estimate_matches_plain_reference(history, rests, next_units, charging, window, joules) -> None:
+    pacing = PacingConfig(history=window, joules_per_unit=joules)
+    got = estimate_next_step(history, next_units, pacing, charging, rests)
+    assert got == _reference_estimate(history, next_units, pacing, charging, rests)
