@@ -113,13 +113,29 @@ class DownlinkCache:
                     return full
                 got = await asyncio.get_running_loop().run_in_executor(
                     executor, encode_delta_reply, base, have_hash, target_blob, target_hash)
-                if got is None:
-                    self._replies[have_hash] = None
-                else:
-                    reply, result = got
-                    self._replies[have_hash] = reply
-                    self.remember(reply.result_sha256, result)
-                if have_hash in self._bases:
-                    self._bases.move_to_end(have_hash)
+                self._store(have_hash, got)
             cached = self._replies[have_hash]
         return cached if cached is not None else full
+
+    def reply_now(self, target_blob: bytes, target_hash: str, have_hash: str) -> ModelReply:
+        """:meth:`reply` on the caller's thread, for tiers that run without an event loop
+        (the simulator's). Not for use beside :meth:`reply`."""
+        full = full_reply(target_blob, target_hash)
+        if have_hash == target_hash or have_hash not in self._bases:
+            return full
+        if self._target != target_hash:
+            self._target, self._replies = target_hash, {}
+        if have_hash not in self._replies:
+            self._store(have_hash, encode_delta_reply(self._bases[have_hash], have_hash, target_blob, target_hash))
+        cached = self._replies[have_hash]
+        return cached if cached is not None else full
+
+    def _store(self, have_hash: str, got: tuple[ModelReply, bytes] | None) -> None:
+        if got is None:
+            self._replies[have_hash] = None
+        else:
+            reply, result = got
+            self._replies[have_hash] = reply
+            self.remember(reply.result_sha256, result)
+        if have_hash in self._bases:
+            self._bases.move_to_end(have_hash)

@@ -12,7 +12,7 @@ its job and the engine folds uploads in simulated-time order, not completion ord
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -29,7 +29,8 @@ class BackendError(OrchardError):
 
 
 class Backend(Protocol):
-    def submit(self, jobs: list[ClientJob], global_arrays: NDArrays) -> Future[list[ClientOutput]]: ...
+    def submit(self, jobs: list[ClientJob], global_arrays: NDArrays,
+               starts: Mapping[str, NDArrays] | None = None) -> Future[list[ClientOutput]]: ...
 
     def close(self) -> None: ...
 
@@ -38,17 +39,19 @@ class LocalBackend:
     """Jobs on the caller's thread (``workers=1``) or on ``workers`` threads of this process."""
 
     def __init__(self, task: Task, population: int, cfg: RunConfig, workers: int, vectorize: bool) -> None:
-        self._run: Callable[[list[ClientJob], NDArrays], list[ClientOutput]] = (
-            lambda jobs, arrays: run_jobs(task, population, cfg, self._codec, arrays, jobs, vectorize))
+        self._run: Callable[[list[ClientJob], NDArrays, Mapping[str, NDArrays] | None], list[ClientOutput]] = (
+            lambda jobs, arrays, starts: run_jobs(task, population, cfg, self._codec, arrays, jobs, vectorize,
+                                                  starts))
         self._codec = build_codec(cfg.codec)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="orchard-sim") if workers > 1 else None
 
-    def submit(self, jobs: list[ClientJob], global_arrays: NDArrays) -> Future[list[ClientOutput]]:
+    def submit(self, jobs: list[ClientJob], global_arrays: NDArrays,
+               starts: Mapping[str, NDArrays] | None = None) -> Future[list[ClientOutput]]:
         if self._pool is not None:
-            return self._pool.submit(self._run, jobs, global_arrays)
+            return self._pool.submit(self._run, jobs, global_arrays, starts)
         fut: Future[list[ClientOutput]] = Future()
         try:
-            fut.set_result(self._run(jobs, global_arrays))
+            fut.set_result(self._run(jobs, global_arrays, starts))
         except BaseException as err:  # surfaced by fut.result(), as from a pool
             fut.set_exception(err)
         return fut
@@ -71,9 +74,10 @@ def _process_init(task_name: str, task_params: dict[str, Any], cfg_json: str, po
                    population=population, vectorize=vectorize)
 
 
-def _process_run(jobs: list[ClientJob], arrays: NDArrays) -> list[ClientOutput]:
+def _process_run(jobs: list[ClientJob], arrays: NDArrays,
+                 starts: Mapping[str, NDArrays] | None) -> list[ClientOutput]:
     w = _WORKER
-    return run_jobs(w["task"], w["population"], w["cfg"], w["codec"], arrays, jobs, w["vectorize"])
+    return run_jobs(w["task"], w["population"], w["cfg"], w["codec"], arrays, jobs, w["vectorize"], starts)
 
 
 class ProcessBackend:
@@ -90,8 +94,12 @@ class ProcessBackend:
             max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_process_init,
             initargs=(task_name, dict(task_params), cfg.model_dump_json(), population, vectorize))
 
-    def submit(self, jobs: list[ClientJob], global_arrays: NDArrays) -> Future[list[ClientOutput]]:
-        return self._pool.submit(_process_run, jobs, global_arrays)
+    def submit(self, jobs: list[ClientJob], global_arrays: NDArrays,
+               starts: Mapping[str, NDArrays] | None = None) -> Future[list[ClientOutput]]:
+        # Only the reconstructions these jobs start from travel with them.
+        need = {j.start for j in jobs if j.start}
+        sent = {k: v for k, v in starts.items() if k in need} if starts and need else None
+        return self._pool.submit(_process_run, jobs, global_arrays, sent)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -124,8 +132,9 @@ class RayBackend:
                 self.task = get_task(task_name, **task_params)
                 self.codec = build_codec(self.cfg.codec)
 
-            def run(self, jobs: list[ClientJob], arrays: NDArrays) -> list[ClientOutput]:
-                return run_jobs(self.task, population, self.cfg, self.codec, arrays, jobs, vectorize)
+            def run(self, jobs: list[ClientJob], arrays: NDArrays,
+                    starts: Mapping[str, NDArrays] | None) -> list[ClientOutput]:
+                return run_jobs(self.task, population, self.cfg, self.codec, arrays, jobs, vectorize, starts)
 
         cfg_json = cfg.model_dump_json()
         self._actors = [_Worker.remote(cfg_json) for _ in range(workers)]
@@ -133,13 +142,16 @@ class RayBackend:
         self._arrays_ref: Any = None
         self._arrays_id: int | None = None
 
-    def submit(self, jobs: list[ClientJob], global_arrays: NDArrays) -> Future[list[ClientOutput]]:
+    def submit(self, jobs: list[ClientJob], global_arrays: NDArrays,
+               starts: Mapping[str, NDArrays] | None = None) -> Future[list[ClientOutput]]:
         if self._arrays_id != id(global_arrays):
             self._arrays_ref = self._ray.put(global_arrays)
             self._arrays_id = id(global_arrays)
+        need = {j.start for j in jobs if j.start}
+        sent = {k: v for k, v in starts.items() if k in need} if starts and need else None
         actor = self._actors[self._next % len(self._actors)]
         self._next += 1
-        ref = actor.run.remote(jobs, self._arrays_ref)
+        ref = actor.run.remote(jobs, self._arrays_ref, sent)
         return ref.future()  # type: ignore[no-any-return]
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ trainer allows it; the uploads are built one by one either way.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,9 @@ class ClientJob:
     assignment: TaskAssignment
     steps: int | None = None  # set when the device's governor stopped training early
     codec_state: dict[str, Any] | None = None
+    # The model the client starts from: "" for the round's global model, else the sha256
+    # of its reconstruction from a downlink delta (a key of run_jobs' ``starts``).
+    start: str = ""
 
 
 @dataclass
@@ -48,6 +52,16 @@ class ClientOutput:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+class MissingStartModel(OrchardError):
+    """A job names a start model that was not sent with it (an engine bug, never input)."""
+
+
+def _start(starts: Mapping[str, NDArrays] | None, key: str) -> NDArrays:
+    if starts is None or key not in starts:
+        raise MissingStartModel(f"job starts from model {key[:16]}... which the round did not provide")
+    return starts[key]
+
+
 def _train_config(cfg: RunConfig, job: ClientJob) -> tuple[int, TrainConfig]:
     seed = train_seed(cfg.seed, job.assignment.round, job.partition)
     tc = dataclasses.replace(cfg.train, seed=seed)
@@ -57,23 +71,34 @@ def _train_config(cfg: RunConfig, job: ClientJob) -> tuple[int, TrainConfig]:
 
 
 def run_jobs(task: Task, population: int, cfg: RunConfig, codec: Codec, global_arrays: NDArrays,
-             jobs: list[ClientJob], vectorize: bool) -> list[ClientOutput]:
-    """Train and encode every job; a client whose training fails sends nothing (as on a device)."""
+             jobs: list[ClientJob], vectorize: bool,
+             starts: Mapping[str, NDArrays] | None = None) -> list[ClientOutput]:
+    """Train and encode every job; a client whose training fails sends nothing (as on a device).
+
+    A job whose ``start`` is set trains from ``starts[start]`` (the model it rebuilt from
+    a downlink delta) and its update is taken against that, as on a device."""
     trainers = [task.client_trainer(j.partition, population, cfg.seed) for j in jobs]
     seeds_cfgs = [_train_config(cfg, j) for j in jobs]
-    results: list[TrainResult | None | str]
-    if vectorize and jobs and vectorized.supports(trainers[0], seeds_cfgs[0][1]):
-        results = list(vectorized.train_many(trainers, global_arrays, [c for _, c in seeds_cfgs]))
-    else:
-        results = []
-        for tr, (_, tc) in zip(trainers, seeds_cfgs, strict=True):
+    models = [global_arrays if not j.start else _start(starts, j.start) for j in jobs]
+    results: list[TrainResult | None | str] = [None] * len(jobs)
+    groups: dict[int, list[int]] = {}  # jobs by the model they start from
+    for i, m in enumerate(models):
+        groups.setdefault(id(m), []).append(i)
+    for idx in groups.values():
+        start = models[idx[0]]
+        if vectorize and vectorized.supports(trainers[idx[0]], seeds_cfgs[idx[0]][1]):
+            got = vectorized.train_many([trainers[i] for i in idx], start, [seeds_cfgs[i][1] for i in idx])
+            for i, r in zip(idx, got, strict=True):
+                results[i] = r
+            continue
+        for i in idx:
             try:
-                results.append(tr.train(global_arrays, tc))
+                results[i] = trainers[i].train(start, seeds_cfgs[i][1])
             except (OrchardError, ValueError, RuntimeError) as err:
-                results.append(f"{type(err).__name__}: {err}")
+                results[i] = f"{type(err).__name__}: {err}"
     del trainers
     out = []
-    for job, (seed, _), res in zip(jobs, seeds_cfgs, results, strict=True):
+    for job, (seed, _), start, res in zip(jobs, seeds_cfgs, models, results, strict=True):
         if not isinstance(res, TrainResult):
             out.append(ClientOutput(job.partition, job.node_id, None, error=str(res)))
             continue
@@ -81,7 +106,7 @@ def run_jobs(task: Task, population: int, cfg: RunConfig, codec: Codec, global_a
             out.append(ClientOutput(job.partition, job.node_id, None, error="no training data"))
             continue
         try:
-            delta = delta_of(job.assignment, global_arrays, res)
+            delta = delta_of(job.assignment, start, res)
             header, payload, states = build_upload(job.assignment, cfg, codec, job.node_id, delta, res, seed,
                                                    job.codec_state)
         except OrchardError as err:

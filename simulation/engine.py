@@ -123,6 +123,7 @@ class Arrival:
     leaf: Tier
     assignment: TaskAssignment
     steps: int | None
+    start: str = ""  # the model it trains from: "" the global one, else its downlink reconstruction
 
 
 @dataclass
@@ -174,6 +175,10 @@ class Engine:
         self.sizes = np.asarray(task.partition(num_partitions, seed).sizes, dtype=np.int64)
         self.w_scale = float(max(1, int(self.sizes.max())))
         self.codec_states: dict[int, dict[str, Any]] = {}
+        # Downlink deltas (run.downlink_delta): the model each device holds (sha256) and
+        # those models' blobs, pruned every round to what its tier can still delta from.
+        self.held: dict[int, str] = {}
+        self.held_blobs: dict[str, bytes] = {}
         self.run_id = f"sim-{seed}"
         self.config_json = run.model_dump_json()
 
@@ -213,8 +218,9 @@ class Engine:
             t.reset()
         self.root.cr = self.root.coord.open_round(task)
         self._open_below(self.root, blob)
-        arrivals = self._dispatch(live, blob, schema, shared_seed, stats)
-        self._process(arrivals, arrays, stats)
+        starts: dict[str, tuple[bytes, NDArrays]] = {}  # downlink reconstructions, by sha256
+        arrivals = self._dispatch(live, blob, schema, shared_seed, stats, starts)
+        self._process(arrivals, arrays, stats, {k: v[1] for k, v in starts.items()})
         if self.secure and self.root.is_leaf:
             out = None
             partial, bytes_up, bytes_down = self._secure_partial(self.root)
@@ -311,9 +317,11 @@ class Engine:
         return len(pack(list(payloads.values()))[0])
 
     def _dispatch(self, live: dict[str, LiveDevice], blob: bytes, schema: tuple, shared_seed: int,
-                  stats: RoundStats) -> list[Arrival]:
+                  stats: RoundStats, starts: dict[str, tuple[bytes, NDArrays]]) -> list[Arrival]:
         """Hand out assignments; simulate each selected device's download, training time and upload."""
         up_bytes = self._payload_estimate(schema, shared_seed)
+        if self.run.downlink_delta:
+            self._prune_held()
         t_open = self.time.t
         arrivals: list[Arrival] = []
         for li, leaf in enumerate(self.leaves):
@@ -329,12 +337,13 @@ class Engine:
                 a = leaf.coord._try_assign(node)
                 if a is None:
                     continue
-                leaf.coord.count_bytes_down(len(blob))
-                leaf.selected.append(node)
-                stats.selected += 1
                 dev = live[node]
                 part = dev.index
-                down_s = dev.profile.latency_s + len(blob) * 8 / (dev.profile.down_mbps * 1e6)
+                down_bytes, start = self._pull(leaf, part, blob, starts)
+                leaf.coord.count_bytes_down(down_bytes)
+                leaf.selected.append(node)
+                stats.selected += 1
+                down_s = dev.profile.latency_s + down_bytes * 8 / (dev.profile.down_mbps * 1e6)
                 dev.clock.advance(max(0.0, t_open + down_s - dev.clock.monotonic()))
                 planned = self._planned_steps(part)
                 train_s, steps = self._train_time(dev, planned, a.deadline_unix - self.time.wall() - down_s)
@@ -352,9 +361,50 @@ class Engine:
                     stats.stopped_early += 1
                 leaf.waiting += 1
                 leaf.working.add(node)
-                arrivals.append(Arrival(finish, part, node, leaf, a, steps if steps < planned else None))
+                arrivals.append(Arrival(finish, part, node, leaf, a, steps if steps < planned else None, start))
         arrivals.sort(key=lambda x: (x.finish, x.partition))
         return arrivals
+
+    def _pull(self, leaf: Tier, device: int, blob: bytes,
+              starts: dict[str, tuple[bytes, NDArrays]]) -> tuple[int, str]:
+        """What a device downloads for the round's model, as ``FleetLink.pull_model`` with
+        the hash it holds and the tier's ``model_reply``: (bytes sent, the start key).
+        Each distinct reconstruction is rebuilt once per round, with the client's
+        ``apply_downlink_delta``, and checked against the hash the reply states."""
+        assert leaf.cr is not None
+        target = leaf.cr.task.model_hash
+        if not self.run.downlink_delta:
+            return len(blob), ""
+        have = self.held.get(device, "")
+        reply = leaf.coord.downlink.reply_now(blob, target, have) if have else None
+        if reply is None or not reply.is_delta:
+            self._hold(device, target, blob)
+            return len(blob), ""
+        key = reply.result_sha256
+        if key not in starts:
+            from orchard.client.runtime import apply_downlink_delta  # the client's own code
+
+            rebuilt = apply_downlink_delta(self.held_blobs[have], reply.blob, have, reply.encoding)
+            if sha256_hex(rebuilt) != key:
+                # As the link does: a delta that does not rebuild the stated model is
+                # dropped and the full model pulled.
+                self._hold(device, target, blob)
+                return len(reply.blob) + len(blob), ""
+            starts[key] = (rebuilt, wire.blob_to_arrays(rebuilt))
+        self._hold(device, key, starts[key][0])
+        return len(reply.blob), key
+
+    def _hold(self, device: int, model_hash: str, blob: bytes) -> None:
+        self.held[device] = model_hash
+        self.held_blobs.setdefault(model_hash, blob)
+
+    def _prune_held(self) -> None:
+        """Forget what no tier can delta from any more: memory follows the devices of the
+        last rounds, not the population."""
+        n = len(self.leaves)
+        self.held = {d: h for d, h in self.held.items() if self.leaves[d % n].coord.downlink.knows(h)}
+        used = set(self.held.values())
+        self.held_blobs = {h: b for h, b in self.held_blobs.items() if h in used}
 
     def _train_time(self, dev: LiveDevice, planned: int, time_left_s: float) -> tuple[float, int]:
         """(seconds, steps done) of local training on the simulated device."""
@@ -376,7 +426,8 @@ class Engine:
 
     # ------------------------------------------------------------------ arrivals, in time order
 
-    def _process(self, arrivals: list[Arrival], arrays: NDArrays, stats: RoundStats) -> None:
+    def _process(self, arrivals: list[Arrival], arrays: NDArrays, stats: RoundStats,
+                 starts: dict[str, NDArrays]) -> None:
         events: list[tuple[float, int, str, Any]] = []  # (time, seq, kind, payload)
         seq = itertools.count()
         for t in self.tiers():
@@ -410,8 +461,8 @@ class Engine:
                         a.leaf.working.discard(a.node_id)
                 if batch:
                     jobs = [ClientJob(a.partition, a.node_id, a.assignment, a.steps,
-                                      self.codec_states.get(a.partition)) for a in batch]
-                    pending.append((batch, self.backend.submit(jobs, arrays)))
+                                      self.codec_states.get(a.partition), a.start) for a in batch]
+                    pending.append((batch, self.backend.submit(jobs, arrays, starts or None)))
             return cursor
 
         def root_done() -> bool:

@@ -314,3 +314,26 @@ def test_job_sizes_do_not_change_the_round() -> None:
     assert whole.rounds[0]["participants"] == pieces.rounds[0]["participants"] == 40
     for k, v in whole.final_arrays.items():
         np.testing.assert_allclose(pieces.final_arrays[k], v, rtol=1e-6, atol=1e-7)
+
+
+# ---------------------------------------------------------------------- downlink deltas
+
+
+def test_downlink_deltas_cut_bytes_down_and_clients_train_from_their_reconstruction() -> None:
+    """As over the wire (tests/integration/test_downlink.py): a device that trained last
+    round holds that model, pulls a quantised delta instead of the full model, trains from
+    its reconstruction, and the global model stays within a rounding step of the plain run."""
+    n = 12
+    plain = run_simulation(_deterministic(n, rounds=3, aggregators=2, vectorize=True))
+    cfg = _deterministic(n, rounds=3, aggregators=2, vectorize=True)
+    delta_cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"downlink_delta": True})})
+    delta = run_simulation(delta_cfg)
+    p = [r["bytes_down"] for r in plain.rounds]
+    d = [r["bytes_down"] for r in delta.rounds]
+    assert p[0] == d[0] and p[1] == p[0]  # round 1: everyone pulls the full model
+    assert d[1] < 0.5 * p[1] and d[2] < 0.5 * p[2], (p, d)  # later rounds: deltas (plus the tiers' full pulls)
+    gap = max(float(np.abs(delta.final_arrays[k] - v).max()) for k, v in plain.final_arrays.items())
+    assert 0 < gap < 1e-3, gap  # trained from a reconstruction: close to, not equal to, the plain run
+    again = run_simulation(delta_cfg)
+    for k, v in delta.final_arrays.items():
+        np.testing.assert_array_equal(again.final_arrays[k], v)
