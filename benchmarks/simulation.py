@@ -16,20 +16,38 @@ and then ``--rounds`` measured rounds, and reports:
 
 The per-client path (one TorchTrainer per client, the way a device trains) runs in the
 same invocation as the baseline, on fewer clients per round, and the table prints the
-throughput ratio. Flower's simulation engine is the reference peer; it needs Ray, and
-the row says so when Ray is missing instead of making a number up.
+throughput ratio.
+
+Flower's simulation engine is the reference peer (benchmarks/flower_peer.py): a
+ServerApp with FedAvg and a ClientApp doing the same local training, through
+``flwr.simulation.run_simulation`` on Ray with ``--workers`` Ray CPUs, in its own process
+tree, ``--flower-per-round`` SuperNodes all training in every round, one warm-up round
+and the same measured rounds. Its clients per second and seconds per round are timed
+inside the strategy (start-up excluded); its RSS is a sampled sum over the driver and
+every Ray process (see that module), and its CPU column is blank because the Orchard
+column is the engine process's alone (the row's JSON has the whole tree's CPU). When
+--per-round has no case at Flower's size, an Orchard case at that size runs too, and the
+table prints Orchard/Flower clients per second at equal clients per round. Without flwr
+or Ray the row says so instead of making a number up.
 
     python benchmarks/simulation.py [--quick] [--json PATH] [--rounds 2] [--population 100000]
+        [--flower-per-round 1000] [--no-flower] [--baseline-per-round 500 (0: none)]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
+import os
 import resource
+import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 
@@ -77,20 +95,46 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
     }
 
 
-def _flower() -> dict[str, Any]:
+# Flower's default size: 1,000 SuperNodes finish three rounds in a few minutes on the
+# two-core benchmark host (Ray start-up and the warm-up round take most of it).
+FLOWER_PER_ROUND = 1000
+
+
+def _flower(per_round: int, rounds: int, ray_cpus: int, timeout_s: float) -> dict[str, Any]:
+    """Flower's simulation engine on the same workload (benchmarks/flower_peer.py), in its
+    own process tree; an honest "not run" row when flwr or Ray is missing."""
     try:
         import flwr
-        import flwr.simulation as fs
     except ImportError as err:
         return {"path": "flower", "status": f"not run: flwr is not importable ({err})"}
-    missing = getattr(fs, "RAY_IMPORT_ERROR", None)
-    try:
-        import ray  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("ray") is None:
         return {"path": "flower", "status": f"not run: flwr {flwr.__version__}'s simulation engine needs Ray, "
                                             "which is not installed here (pip install 'flwr[simulation]')"}
-    return {"path": "flower", "status": f"not run: Ray is present but this benchmark has no Flower case yet "
-                                        f"({missing or 'see the module docstring'})"}
+    peer = Path(__file__).with_name("flower_peer.py")
+    env = dict(os.environ, FLWR_TELEMETRY_ENABLED="0", RAY_USAGE_STATS_ENABLED="0")
+    with tempfile.TemporaryDirectory(prefix="flower-peer-") as tmp:
+        out_path = Path(tmp) / "row.json"
+        log_path = Path(tmp) / "log.txt"
+        cmd = [sys.executable, str(peer), "--clients", str(per_round), "--rounds", str(rounds),
+               "--ray-cpus", str(ray_cpus), "--out", str(out_path)]
+        with open(log_path, "wb") as log:
+            # Its own session, so that on a timeout the whole tree (Ray's GCS, raylet and
+            # workers included) can be stopped with one signal to the group.
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                rc = proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return {"path": "flower", "clients_per_round": per_round,
+                        "status": f"failed: Flower did not finish {rounds + 1} rounds of {per_round} clients "
+                                  f"within {timeout_s:.0f} s"}
+        tail = log_path.read_text(errors="replace")[-2000:]
+        if rc != 0 or not out_path.is_file():
+            return {"path": "flower", "clients_per_round": per_round, "status": f"failed (exit code {rc})",
+                    "error": tail}
+        return json.loads(out_path.read_text())
 
 
 def _spawn(args: dict[str, Any]) -> dict[str, Any]:
@@ -102,13 +146,18 @@ def _spawn(args: dict[str, Any]) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _fmt(v: Any, width: int, digits: int) -> str:
+    return f"{v:>{width}.{digits}f}" if isinstance(v, int | float) else f"{'-':>{width}}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--rounds", type=int, default=2, help="measured rounds per case (after one warm-up)")
     ap.add_argument("--population", type=int, default=100_000)
     ap.add_argument("--per-round", type=int, nargs="*", default=[1000, 10_000])
-    ap.add_argument("--baseline-per-round", type=int, default=500)
+    ap.add_argument("--baseline-per-round", type=int, default=500,
+                    help="clients per round of the per-client baseline (0: no baseline)")
     ap.add_argument("--no-governor", action="store_true", help="device time from work alone, no pacing")
     # Two worker processes on a 2-core host: clients train and encode there while the
     # engine process checks in, paces and folds (the round's critical path).
@@ -116,6 +165,11 @@ def main() -> None:
     ap.add_argument("--backend", choices=["local", "process"], default="process",
                     help="where clients train: worker processes, or this process (threads if workers > 1)")
     ap.add_argument("--quick", action="store_true", help="1,000 clients per round only, one measured round")
+    ap.add_argument("--flower-per-round", type=int, default=FLOWER_PER_ROUND,
+                    help="SuperNodes in the Flower case (all train every round); Orchard runs a case at "
+                         "the same size if --per-round has none")
+    ap.add_argument("--no-flower", action="store_true", help="skip the Flower case")
+    ap.add_argument("--flower-timeout", type=float, default=900.0, help="seconds before the Flower case is stopped")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.case:
@@ -124,20 +178,54 @@ def main() -> None:
     per_round = [1000] if a.quick else a.per_round
     rounds = 1 if a.quick else a.rounds
     governor = not a.no_governor
-    rows = []
-    for n in per_round:
+    load_before = os.getloadavg()
+
+    def vectorized_case(n: int) -> dict[str, Any]:
         # About 250 clients per lowest-tier aggregator, as a deployment would shard them
         # (the coordinator scans its cohort's assignments on every upload, so a tier's
         # cost grows with the square of its cohort).
-        aggs = max(1, n // 250)
-        rows.append(_spawn(dict(clients_per_round=n, population=a.population, aggregators=aggs, rounds=rounds,
-                                vectorize=True, governor=governor, workers=a.workers, backend=a.backend)))
-    base = _spawn(dict(clients_per_round=a.baseline_per_round, population=a.population,
-                       aggregators=max(1, a.baseline_per_round // 250),
-                       rounds=rounds, vectorize=False, governor=governor, workers=a.workers,
-                       backend=a.backend))
-    rows.append(base)
-    rows.append(_flower())
+        return _spawn(dict(clients_per_round=n, population=a.population, aggregators=max(1, n // 250),
+                           rounds=rounds, vectorize=True, governor=governor, workers=a.workers,
+                           backend=a.backend))
+
+    rows = [vectorized_case(n) for n in per_round]
+    base: dict[str, Any] = {}
+    if a.baseline_per_round > 0:
+        base = _spawn(dict(clients_per_round=a.baseline_per_round, population=a.population,
+                           aggregators=max(1, a.baseline_per_round // 250),
+                           rounds=rounds, vectorize=False, governor=governor, workers=a.workers,
+                           backend=a.backend))
+        rows.append(base)
+    comparisons = []
+    if not a.no_flower:
+        flower = _flower(a.flower_per_round, rounds, ray_cpus=a.workers, timeout_s=a.flower_timeout)
+        if "clients_per_second" in flower and a.flower_per_round not in per_round:
+            # Like for like: Orchard at the clients per round Flower ran.
+            rows.append(vectorized_case(a.flower_per_round))
+        rows.append(flower)
+        for r in rows:
+            if (r.get("path") == "vectorized" and r.get("clients_per_round") == a.flower_per_round
+                    and r.get("clients_per_second") and flower.get("clients_per_second")):
+                # Orchard over-selects and trains some clients whose uploads arrive after
+                # their tier closed; Flower aggregates every reply. So both bases.
+                agg = round(r["participants_per_round"] / r["seconds_per_round"], 1)
+                flower_agg = round(flower["trained_per_round"] / flower["seconds_per_round"], 1)
+                tree = r["peak_rss_mib"] + (r["workers"] * (r.get("worker_peak_rss_mib") or 0)
+                                            if r["backend"] == "process" else 0)
+                comparisons.append({
+                    "clients_per_round": a.flower_per_round,
+                    "orchard_clients_per_second": r["clients_per_second"],
+                    "flower_clients_per_second": flower["clients_per_second"],
+                    "orchard_over_flower": round(r["clients_per_second"] / flower["clients_per_second"], 2),
+                    "orchard_aggregated_per_second": agg,
+                    "flower_aggregated_per_second": flower_agg,
+                    "orchard_over_flower_aggregated": round(agg / flower_agg, 2),
+                    "orchard_peak_rss_mib": r["peak_rss_mib"],
+                    # Engine peak + each worker at the largest worker's peak: an upper bound
+                    # on the tree's summed RSS (the peaks need not coincide).
+                    "orchard_tree_rss_upper_mib": round(tree, 1),
+                    "flower_peak_rss_mib": flower["peak_rss_mib"],
+                })
     base_cps = base.get("clients_per_second")
     base_cpu = base.get("cpu_clients_per_second")
     print(f"{'path':<11} {'per round':>9} {'clients/s':>9} {'cpu cl/s':>9} {'s/round':>8} {'cpu s/rd':>8} "
@@ -149,22 +237,39 @@ def main() -> None:
                 print(r["error"])
             continue
         ratio = f"{r['clients_per_second'] / base_cps:.1f}" if base_cps else "-"
-        print(f"{r['path']:<11} {r['clients_per_round']:>9} {r['clients_per_second']:>9.0f} "
-              f"{r['cpu_clients_per_second'] or 0:>9.0f} {r['seconds_per_round']:>8.2f} "
-              f"{r['cpu_seconds_per_round']:>8.2f} {r['simulated_seconds_per_round']:>8.1f} "
-              f"{r['peak_rss_mib']:>8.0f} {r.get('worker_peak_rss_mib') or 0:>8.0f} {ratio:>7}")
+        print(f"{r['path']:<11} {r['clients_per_round']:>9} {_fmt(r['clients_per_second'], 9, 0)} "
+              f"{_fmt(r['cpu_clients_per_second'], 9, 0)} {_fmt(r['seconds_per_round'], 8, 2)} "
+              f"{_fmt(r['cpu_seconds_per_round'], 8, 2)} {_fmt(r['simulated_seconds_per_round'], 8, 1)} "
+              f"{_fmt(r['peak_rss_mib'], 8, 0)} {_fmt(r.get('worker_peak_rss_mib'), 8, 0)} {ratio:>7}")
     if base_cpu:
         for r in rows:
             if r.get("path") == "vectorized" and r.get("cpu_clients_per_second"):
                 print(f"vectorized/per-client at {r['clients_per_round']} per round: "
                       f"{r['clients_per_second'] / base_cps:.1f}x wall, "
                       f"{r['cpu_clients_per_second'] / base_cpu:.1f}x CPU")
+    for r in rows:
+        if r.get("path") == "flower" and "clients_per_second" in r:
+            pss = f", PSS {r['peak_pss_mib']:.0f} MiB" if r.get("peak_pss_mib") else ""
+            print(f"flower: {r['engine']}, {r['ray_cpus']} Ray CPUs, population = clients per round; "
+                  f"RSS is a {r['peak_rss_is']}{pss}; whole-tree CPU {r['tree_cpu_seconds_per_round']:.2f} "
+                  f"s/round ({r['tree_cpu_clients_per_second']:.0f} clients per CPU second); "
+                  f"warm-up round {r['warmup_round_seconds']:.1f} s")
+    for c in comparisons:
+        print(f"orchard/flower at {c['clients_per_round']} per round: {c['orchard_over_flower']:.1f}x clients "
+              f"trained/s (Orchard {c['orchard_clients_per_second']:.0f}, Flower "
+              f"{c['flower_clients_per_second']:.0f}); {c['orchard_over_flower_aggregated']:.1f}x clients "
+              f"aggregated/s (Orchard {c['orchard_aggregated_per_second']:.0f}, Flower "
+              f"{c['flower_aggregated_per_second']:.0f}); process-tree RSS: Orchard <= "
+              f"{c['orchard_tree_rss_upper_mib']:.0f} MiB (sum of per-process peaks), Flower "
+              f"{c['flower_peak_rss_mib']:.0f} MiB (peak sampled sum)")
+    load_after = os.getloadavg()
     print(f"population {a.population}, governor {'on' if governor else 'off'}, workers {a.workers} "
-          f"({a.backend} backend)")
+          f"({a.backend} backend); load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     if a.json_path:
         with open(a.json_path, "w") as f:
             json.dump({"cases": rows, "population": a.population, "governor": governor, "workers": a.workers,
-                       "backend": a.backend}, f, indent=2)
+                       "backend": a.backend, "flower_comparisons": comparisons,
+                       "load_average": {"before": list(load_before), "after": list(load_after)}}, f, indent=2)
 
 
 if __name__ == "__main__":
