@@ -24,8 +24,11 @@ API
 
     codec.bound(enc, num_summands, shared_seed) -> float   # checks enc as decode would; bounds
                                           # |decoded|, NaN/inf for a non-finite payload
+    codec.coordinates(enc, shared_seed)   # field-linear codecs: the vector payloads add by
+    codec.from_coordinates(like, coords)  # ... and the payload of a sum of them
     PayloadSum(codec, shape, shared_seed)  # check(payload) / add(checked) / accumulate(payload)
-                                          # / merge(other) / result(); O(one dense tensor)
+                                          # / merge(other) / result() / encoded();
+                                          # O(one dense tensor)
     UpdateSum(codec, shapes, shared_seed)  # one PayloadSum per tensor: a cohort's sum
     sum_payloads(codec, payloads, shape, shared_seed) -> float32 sum
     sum_encoded(codec, payloads, shape) -> one payload of the sum (linear codecs)
@@ -63,13 +66,18 @@ error_feedback codec=spec                             the inner's, S, biased    
   data-independent vector, so it survives secure aggregation's field; only these pass
   :func:`validate_codec_for_secure_aggregation`.
 * qsgd (Alistarh et al. 2017) with a per-tensor or per-block scale is unbiased but not
-  linear (clients' scales differ); :class:`PayloadSum` still adds payloads whose scales
-  coincide without decoding. A fixed ``scale`` makes it field-linear.
+  linear (clients' scales differ); ``Codec.add`` (``sum_encoded``) still adds payloads
+  whose scales coincide. A fixed ``scale`` makes it field-linear.
 * sign (Karimireddy et al. 2019), topk and powersgd (Vogels et al. 2019) are biased:
   wrap them in ``error_feedback`` (Seide et al. 2014; Stich et al. 2018), whose
   residual telescopes: decoded sends plus the final residual equal the inputs' sum.
 * randk's coordinates come from ``shared_seed``; every member of a cohort and the
   server must run the same numpy (``Generator.choice`` draws them).
+* :class:`PayloadSum` adds field-linear codecs' payloads coordinate-wise without
+  decoding them (integer codes exactly in uint32, float values in float64, so the sum
+  does not depend on arrival order) and decodes the sum once; it decodes every other
+  payload (PowerSGD included: its factors add only by concatenation, which grows) into
+  a dense float64 sum.
 * Tiers sum in the compressed domain (:func:`compressed_weight_scale`) when the codec
   is linear, the weighting a plain weighted sum and secure aggregation off: clients
   encode ``(min(w, S) / S) * x``, the tier folds payloads into an :class:`UpdateSum`

@@ -1,18 +1,20 @@
 """Summing payloads: in the compressed domain where the algebra allows, else decoded.
 
 :class:`PayloadSum` follows the accumulate / merge / finalize shape of the aggregation
-package. Each payload is folded with :meth:`Codec.add` into one compressed running sum
-when the codec can (float32, randk, qsgd payloads that share their scales, PowerSGD
-factors); any payload that cannot join it is decoded into a dense float32 sum.
-
-Memory is O(one dense tensor) whatever the cohort size: a compressed sum that grows
-with its summands (PowerSGD's factors concatenate along the rank axis) is decoded into
-the dense sum once it is :data:`GROWTH_LIMIT` times the dense tensor's size, and the
-next payload starts a fresh compressed sum.
+package. A field-linear codec's payloads add coordinate-wise (:meth:`Codec.coordinates`):
+float32 values, randk's kept values, fixed-scale qsgd's integer codes (alone or inside
+randk). Those are summed without decoding -- integer codes exactly, in uint32; float
+values in float64, so that the sum does not depend on the order the payloads came in
+(beyond float64 rounding, as with a float64 accumulator) -- and decoded once, from the
+payload of the sum (:meth:`PayloadSum.encoded`). Every other payload is decoded and
+added to a dense float64 sum: that includes PowerSGD, whose factors add only by
+concatenation (a sum that grows by ``(n + m) r`` floats per summand), so each is
+decoded on arrival and memory stays one dense tensor.
 
 A payload is checked whole before it joins a sum (:meth:`PayloadSum.check`: parsed as
 decode would, and every value it stands for finite), and a sum refuses a payload that
-could take it past float32's range, so a bad payload never changes a sum.
+could take it past float32's range (or integer codes past uint32), so a bad payload
+never changes a sum.
 
 :class:`UpdateSum` is the same for a whole update (one :class:`PayloadSum` per tensor,
 each with its tensor's shared seed): what a tier keeps for its direct clients when the
@@ -27,34 +29,30 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orchard.compression.base import Codec, check_seed, check_shape, numel
+from orchard.compression.base import Codec, check_seed, check_shape
 from orchard.compression.errors import NonFiniteError
 from orchard.compression.update import check_names, tensor_seed
-from orchard.compression.wire import EncodedTensor, Field
+from orchard.compression.wire import EncodedTensor
 from orchard.config import RunConfig
 from orchard.errors import CodecError
 
-# A compressed sum larger than this many dense float32 tensors is decoded into the dense sum.
-GROWTH_LIMIT = 2
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+UINT32_MAX = int(np.iinfo(np.uint32).max)
 
 
 @dataclass(frozen=True)
 class CheckedPayload:
-    """A parsed payload that passed :meth:`PayloadSum.check`, and a bound on its values."""
+    """A parsed payload that passed :meth:`PayloadSum.check`: a bound on its values, and
+    its coordinates (None when it has none and will be decoded)."""
 
     enc: EncodedTensor
     bound: float
+    coords: np.ndarray | None = None
 
-
-def _owned(enc: EncodedTensor) -> EncodedTensor:
-    """A copy whose arrays belong to the sum (never a view of a caller's buffer)."""
-    fields = tuple(Field(np.array(f.data), f.bits) for f in enc.fields)
-    return EncodedTensor(enc.codec_id, enc.codec_version, enc.shape, fields)
-
-
-def _nbytes(enc: EncodedTensor) -> int:
-    return sum(f.data.nbytes for f in enc.fields)
+    @property
+    def codes(self) -> int:
+        """The most its integer coordinates can add to a sum (0 for float coordinates)."""
+        return _code_bound(self.coords, 1)
 
 
 class PayloadSum:
@@ -64,12 +62,15 @@ class PayloadSum:
         self.codec = codec
         self.shape = check_shape(shape)
         self.shared_seed = check_seed(shared_seed)
-        self.compressed: EncodedTensor | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.coords: np.ndarray | None = None  # the compressed sum: its coordinates
         self.compressed_count = 0
-        self.dense: np.ndarray | None = None
+        self.code_bound = 0  # integer coordinates: an upper bound on the summed codes
+        self.dense: np.ndarray | None = None  # float64: payloads without coordinates
         self.count = 0
         self.bound = 0.0  # an upper bound on |element| of the sum so far
-        self._limit = GROWTH_LIMIT * 4 * max(numel(self.shape), 1)
 
     def check(self, payload: bytes | bytearray | memoryview) -> CheckedPayload:
         """Parse and check one payload as decode would, without decoding it where the codec
@@ -80,24 +81,34 @@ class PayloadSum:
             raise NonFiniteError(
                 f"{self.codec.name} payload for shape {self.shape} holds NaN or Inf values"
             )
-        return CheckedPayload(enc, bound)
+        return CheckedPayload(enc, bound, self.codec.coordinates(enc, self.shared_seed))
 
     def accumulate(self, payload: bytes | bytearray | memoryview) -> None:
         """Check one payload and fold it in; a bad one raises CodecError and changes nothing."""
         self.add(self.check(payload))
 
-    def guard(self, bound: float) -> None:
-        """Refuse (CodecError) a summand that could take the sum past float32's range."""
+    def guard(self, bound: float, codes: int = 0) -> None:
+        """Refuse (CodecError) a summand that could take the sum past float32's range, or
+        its integer codes past uint32."""
         if self.bound + bound > FLOAT32_MAX:
             raise CodecError(
                 f"a summand of magnitude up to {bound:.3g} could take the sum of shape "
                 f"{self.shape} (up to {self.bound:.3g} so far) past float32's range"
             )
+        if self.code_bound + codes > UINT32_MAX:
+            raise CodecError(
+                f"{self.codec.name}: {self.compressed_count} summands' codes of shape "
+                f"{self.shape} would pass 2**32; split the cohort"
+            )
 
     def add(self, checked: CheckedPayload) -> None:
         """Fold in a payload that passed :meth:`check` (this sum's or another's of this shape)."""
-        self.guard(checked.bound)
-        self._fold(checked.enc, 1)
+        self.guard(checked.bound, checked.codes)
+        if checked.coords is None:
+            self._add_dense(self.codec.decode_parsed(checked.enc, 1, self.shared_seed))
+        else:
+            self._add_coords(checked.coords, 1, checked.codes)
+        self.count += 1
         self.bound += checked.bound
 
     def merge(self, other: PayloadSum) -> None:
@@ -106,52 +117,65 @@ class PayloadSum:
                 f"cannot merge sums of shape {other.shape} (seed {other.shared_seed}) into "
                 f"shape {self.shape} (seed {self.shared_seed})"
             )
-        self.guard(other.bound)
-        if other.compressed is not None:
-            self._fold(other.compressed, other.compressed_count)
+        self.guard(other.bound, other.code_bound)
+        if other.coords is not None:
+            self._add_coords(other.coords, other.compressed_count, other.code_bound)
         if other.dense is not None:
             self._add_dense(other.dense)
-        self.count += other.count - other.compressed_count
+        self.count += other.count
         self.bound += other.bound
 
-    def result(self) -> np.ndarray:
-        """The float32 sum of every payload folded in (zeros when none was)."""
-        total = np.zeros(self.shape, dtype=np.float32)
-        if self.compressed is not None:
-            total += self._decode(self.compressed, self.compressed_count)
+    def result(self, dtype: type[np.floating] = np.float32) -> np.ndarray:
+        """The sum of every payload folded in (zeros when none was)."""
+        total = np.zeros(self.shape, dtype=dtype)
+        enc = self.encoded()
+        if enc is not None:
+            total += self.codec.decode_parsed(enc, self.compressed_count, self.shared_seed)
         if self.dense is not None:
             total += self.dense
         return total
 
+    def take(self) -> np.ndarray:
+        """:meth:`result` in float64, emptying this sum as it goes (the compressed sum is
+        released before it is decoded, the dense sum becomes the result): for a caller
+        that reads the sum once and wants to hold as little as possible meanwhile."""
+        enc, n, total = self.encoded(), self.compressed_count, self.dense
+        self._reset()
+        if total is None:
+            total = np.zeros(self.shape, dtype=np.float64)
+        if enc is not None:
+            total += self.codec.decode_parsed(enc, n, self.shared_seed)
+        return total
+
     def encoded(self) -> EncodedTensor | None:
-        """The compressed sum, when every payload joined it (e.g. to forward upstream)."""
-        return self.compressed if self.dense is None else None
+        """The payload of the compressed sum (decode it with ``compressed_count`` summands),
+        or None when no payload had coordinates. Float values are rounded to float32 here,
+        once."""
+        if self.coords is None:
+            return None
+        return self.codec.from_coordinates(self.shape, self.coords, self.shared_seed)
 
-    def _fold(self, enc: EncodedTensor, n: int) -> None:
-        if self.compressed is None:
-            self.compressed, self.compressed_count = _owned(enc), n
+    def _add_coords(self, coords: np.ndarray, n: int, codes: int) -> None:
+        if self.coords is None:  # a copy in the sum's dtype: never a view of a caller's buffer
+            wide = np.float64 if coords.dtype.kind == "f" else np.uint32
+            self.coords = np.array(coords, dtype=wide)
         else:
-            # The running sum is this object's own (copied or made by add): add in place.
-            total = self.codec.iadd(self.compressed, enc)
-            if total is None:
-                decoded = self._decode(enc, n)  # decode first: a bad payload changes nothing
-                self._add_dense(decoded)
-            else:
-                self.compressed = total
-                self.compressed_count += n
-                if _nbytes(total) > self._limit:  # PowerSGD: factors grow per summand
-                    self._add_dense(self._decode(total, self.compressed_count))
-                    self.compressed, self.compressed_count = None, 0
-        self.count += n
-
-    def _decode(self, enc: EncodedTensor, n: int) -> np.ndarray:
-        return self.codec.decode_parsed(enc, n, self.shared_seed)
+            np.add(self.coords, coords, out=self.coords, casting="unsafe")
+        self.compressed_count += n
+        self.code_bound += codes
 
     def _add_dense(self, x: np.ndarray) -> None:
         if self.dense is None:
-            self.dense = np.array(x, dtype=np.float32)
+            self.dense = np.array(x, dtype=np.float64)
         else:
-            self.dense += x
+            np.add(self.dense, x, out=self.dense)
+
+
+def _code_bound(coords: np.ndarray | None, n: int) -> int:
+    """The most ``n`` payloads' integer coordinates can sum to (0 for float coordinates)."""
+    if coords is None or coords.dtype.kind not in "iu":
+        return 0
+    return n * int(np.iinfo(coords.dtype).max)
 
 
 class UpdateSum:
@@ -187,7 +211,7 @@ class UpdateSum:
     def add(self, checked: Mapping[str, CheckedPayload]) -> None:
         check_names(checked, self.sums, "checked payloads")
         for name, acc in self.sums.items():  # every refusal before any tensor changes
-            acc.guard(checked[name].bound)
+            acc.guard(checked[name].bound, checked[name].codes)
         for name, acc in self.sums.items():
             acc.add(checked[name])
         self.count += 1
@@ -197,13 +221,11 @@ class UpdateSum:
         return {name: acc.result() for name, acc in self.sums.items()}
 
     def drain(self) -> Iterator[tuple[str, np.ndarray]]:
-        """Like :meth:`result`, one tensor at a time, releasing each tensor's running sum
-        once its result is out: the dense results and the sums are never all held at once.
-        The sum is empty afterwards."""
-        for name in list(self.sums):
-            total = self.sums[name].result()
-            self.sums[name] = PayloadSum(self.codec, self.sums[name].shape, self.sums[name].shared_seed)
-            yield name, total
+        """Like :meth:`result` (in float64, arrays the caller may keep and change), one
+        tensor at a time, each tensor's running sum released as its result comes out
+        (:meth:`PayloadSum.take`). The sum is empty afterwards; ``count`` stays."""
+        for name, acc in self.sums.items():
+            yield name, acc.take()
 
 
 # Weightings whose tiers fold exactly sum_i w_i x_i with w_i the header's weight. FedNova

@@ -83,7 +83,11 @@ class Codec(Protocol):
 
     def add(self, a: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None: ...
 
-    def iadd(self, total: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None: ...
+    def coordinates(self, enc: EncodedTensor, shared_seed: int = 0) -> np.ndarray | None: ...
+
+    def from_coordinates(
+        self, shape: tuple[int, ...], coords: np.ndarray, shared_seed: int = 0
+    ) -> EncodedTensor: ...
 
     def bound(
         self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0
@@ -240,13 +244,23 @@ class BaseCodec(ABC):
         """The compressed-domain sum of two parsed payloads, or None when it does not exist."""
         return None
 
-    def iadd(self, total: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
-        """:meth:`add`, allowed to reuse ``total``'s arrays for the result.
+    def coordinates(self, enc: EncodedTensor, shared_seed: int = 0) -> np.ndarray | None:
+        """The vector by which a field-linear codec's payloads add, or None.
 
-        For a caller that owns ``total`` (a running sum that :meth:`add` made) and gives
-        it up: a codec whose sum keeps the layout of its summands adds in place instead
-        of allocating a new sum per payload. The default is :meth:`add`."""
-        return self.add(total, b)
+        Payloads of one tensor (same shape, same ``shared_seed``) that passed
+        :meth:`bound` share everything but these coordinates (float32 values, or integer
+        codes): the rest of the layout follows from the shape, the seed and the codec's
+        configuration. The payload of their sum has the coordinates' element-wise sum: a
+        caller may keep that sum in a wider dtype (float64; integer codes in uint32)
+        and rebuild the payload with :meth:`from_coordinates`. Checks the payload as
+        :meth:`bound` does; None for codecs without such a vector."""
+        return None
+
+    def from_coordinates(
+        self, shape: tuple[int, ...], coords: np.ndarray, shared_seed: int = 0
+    ) -> EncodedTensor:
+        """The payload for ``shape`` (and ``shared_seed``) whose coordinates are ``coords``."""
+        raise CodecError(f"{self.name} payloads do not add coordinate-wise")
 
     def bound(self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0) -> float:
         """Check ``enc`` as :meth:`decode_parsed` would and bound what it decodes to.

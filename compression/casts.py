@@ -115,14 +115,16 @@ class CastCodec(BaseCodec):
             return None
         return self.header(a.shape, [Field(self._values(a) + self._values(b))])
 
-    def iadd(self, total: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
+    def coordinates(self, enc: EncodedTensor, shared_seed: int = 0) -> np.ndarray | None:
+        """float32's values themselves (a view of the payload)."""
+        return self._values(enc) if self.algebra.linear else None
+
+    def from_coordinates(
+        self, shape: tuple[int, ...], coords: np.ndarray, shared_seed: int = 0
+    ) -> EncodedTensor:
         if not self.algebra.linear:
-            return None
-        vt, vb = self._values(total), self._values(b)
-        if not vt.flags.writeable:
-            return self.add(total, b)
-        np.add(vt, vb, out=vt)
-        return total
+            return super().from_coordinates(shape, coords, shared_seed)
+        return self.header(shape, [Field(np.asarray(coords, dtype=np.float32).reshape(-1))])
 
 
 def float32_codec() -> CastCodec:

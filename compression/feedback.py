@@ -97,8 +97,13 @@ class ErrorFeedback:
     def add(self, a: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
         return self.inner.add(a, b)
 
-    def iadd(self, total: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
-        return self.inner.iadd(total, b)
+    def coordinates(self, enc: EncodedTensor, shared_seed: int = 0) -> np.ndarray | None:
+        return self.inner.coordinates(enc, shared_seed)
+
+    def from_coordinates(
+        self, shape: tuple[int, ...], coords: np.ndarray, shared_seed: int = 0
+    ) -> EncodedTensor:
+        return self.inner.from_coordinates(shape, coords, shared_seed)
 
     def bound(self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0) -> float:
         return self.inner.bound(enc, num_summands, shared_seed)

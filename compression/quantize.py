@@ -259,17 +259,26 @@ class QuantCodec(BaseCodec):
         total += cb
         return self.header(a.shape, [Field(sa), Field(total)])
 
-    def iadd(self, total: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
-        """:meth:`add` into ``total``'s summed codes (raw uint32) when it owns them."""
-        if self.mean_scale:
-            return None
-        (st, ct), (sb, cb) = self._parts(total), self._parts(b)
-        if total.fields[1].bits or not ct.flags.writeable:
-            return self.add(total, b)
-        if not np.array_equal(st, sb):
-            return None
-        np.add(ct, cb, out=ct)
-        return total
+    def coordinates(self, enc: EncodedTensor, shared_seed: int = 0) -> np.ndarray | None:
+        """With a fixed scale, the level indices (summed exactly as integers)."""
+        if self.fixed_scale is None:
+            return None  # per-tensor or per-block scales differ between clients
+        return self._parts(enc)[1]
+
+    def from_coordinates(
+        self, shape: tuple[int, ...], coords: np.ndarray, shared_seed: int = 0
+    ) -> EncodedTensor:
+        if self.fixed_scale is None:
+            return super().from_coordinates(shape, coords, shared_seed)
+        if coords.dtype.kind not in "iu" or (
+            coords.size and int(coords.max()) > np.iinfo(np.uint32).max
+        ):
+            raise CodecError(
+                f"{self.name} summed codes must be integers below 2**32, got {coords.dtype}"
+            )
+        scales = np.full(1, self.fixed_scale, dtype=np.float32)
+        codes = Field(np.asarray(coords, np.uint32).reshape(-1))
+        return self.header(shape, [Field(scales), codes])
 
 
 def qsgd_codec(bits: int = 8, block: int | None = None, scale: float | None = None) -> QuantCodec:

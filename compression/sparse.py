@@ -215,9 +215,9 @@ class SparsifiedCodec(BaseCodec):
         out[idx] = values if scale == 1.0 else values * np.float32(scale)
         return out.reshape(enc.shape)
 
-    def bound(self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0) -> float:
-        """Checks the indices (randk: its seed, without drawing them) and bounds the values
-        by the inner codec."""
+    def _checked_values(self, enc: EncodedTensor, shared_seed: int) -> tuple[int, EncodedTensor]:
+        """How many values are kept and their nested payload, checking the index fields
+        (randk: its seed, without drawing the coordinates)."""
         want = self.selector.n_index_fields + 1
         if len(enc.fields) != want:
             raise MalformedPayloadError(
@@ -225,8 +225,31 @@ class SparsifiedCodec(BaseCodec):
                 f"got {len(enc.fields)}"
             )
         kept = self.selector.kept(enc, enc.fields[:-1], shared_seed)
-        inner = self.inner.bound(self._values(enc, kept), num_summands, shared_seed)
+        return kept, self._values(enc, kept)
+
+    def bound(self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0) -> float:
+        """Checks the indices and bounds the values by the inner codec."""
+        kept, values = self._checked_values(enc, shared_seed)
+        inner = self.inner.bound(values, num_summands, shared_seed)
         return inner * self.selector.decode_scale(numel(enc.shape), kept)
+
+    def coordinates(self, enc: EncodedTensor, shared_seed: int = 0) -> np.ndarray | None:
+        """randk: the inner codec's coordinates of the kept values (one cohort, one seed,
+        the same coordinates kept by every payload)."""
+        if not self.selector.data_independent:
+            return None
+        _, values = self._checked_values(enc, shared_seed)
+        return self.inner.coordinates(values, shared_seed)
+
+    def from_coordinates(
+        self, shape: tuple[int, ...], coords: np.ndarray, shared_seed: int = 0
+    ) -> EncodedTensor:
+        if not isinstance(self.selector, RandK):
+            return super().from_coordinates(shape, coords, shared_seed)
+        kept = keep_count(numel(shape), self.selector.k, self.selector.fraction)
+        values = self.inner.from_coordinates((kept,), coords, shared_seed)
+        nested = Field(np.frombuffer(values.to_bytes(), dtype=np.uint8))
+        return self.header(shape, [Field(_seed_check(shared_seed)), nested])
 
     def add(self, a: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
         """Randk payloads with one seed share their coordinates: sum the nested values."""

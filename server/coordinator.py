@@ -182,9 +182,11 @@ class CompressedCohort:
     def partial(self) -> Partial:
         """``S`` times the decoded sum (float64), with the capped weights' sum. Drains the
         compressed sums tensor by tensor, so this runs once."""
-        count = self.count
-        sums = {k: np.multiply(v, self.weight_scale, dtype=np.float64) for k, v in self.sums.drain()}
-        return Partial(sums=sums, weight=self.weight, count=count, metrics=self.metrics)
+        sums = {}
+        for k, v in self.sums.drain():
+            v *= self.weight_scale
+            sums[k] = v
+        return Partial(sums=sums, weight=self.weight, count=self.count, metrics=self.metrics)
 
 
 class CohortRound:
