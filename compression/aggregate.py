@@ -43,11 +43,12 @@ UINT32_MAX = int(np.iinfo(np.uint32).max)
 @dataclass(frozen=True)
 class CheckedPayload:
     """A parsed payload that passed :meth:`PayloadSum.check`: a bound on its values, and
-    its coordinates (None when it has none and will be decoded)."""
+    its coordinates -- or, for a codec without them, what it decodes to."""
 
     enc: EncodedTensor
     bound: float
     coords: np.ndarray | None = None
+    decoded: np.ndarray | None = None
 
     @property
     def codes(self) -> int:
@@ -81,7 +82,11 @@ class PayloadSum:
             raise NonFiniteError(
                 f"{self.codec.name} payload for shape {self.shape} holds NaN or Inf values"
             )
-        return CheckedPayload(enc, bound, self.codec.coordinates(enc, self.shared_seed))
+        coords = self.codec.coordinates(enc, self.shared_seed)
+        if coords is not None:
+            return CheckedPayload(enc, bound, coords)
+        # No coordinates: decode here, where checks run (beside each other), not in add.
+        return CheckedPayload(enc, bound, decoded=self.codec.decode_parsed(enc, 1, self.shared_seed))
 
     def accumulate(self, payload: bytes | bytearray | memoryview) -> None:
         """Check one payload and fold it in; a bad one raises CodecError and changes nothing."""
@@ -104,10 +109,13 @@ class PayloadSum:
     def add(self, checked: CheckedPayload) -> None:
         """Fold in a payload that passed :meth:`check` (this sum's or another's of this shape)."""
         self.guard(checked.bound, checked.codes)
-        if checked.coords is None:
-            self._add_dense(self.codec.decode_parsed(checked.enc, 1, self.shared_seed))
-        else:
+        if checked.coords is not None:
             self._add_coords(checked.coords, 1, checked.codes)
+        else:
+            decoded = checked.decoded
+            if decoded is None:
+                decoded = self.codec.decode_parsed(checked.enc, 1, self.shared_seed)
+            self._add_dense(decoded)
         self.count += 1
         self.bound += checked.bound
 
