@@ -175,6 +175,8 @@ class CompressedCohort:
             raise CodecError(f"payload could not be parsed with codec {self.codec.name!r}: {err}") from None
 
     def fold(self, h: UploadHeader, up: CheckedUpload) -> None:
+        if self.merged:  # the outcome was read: nothing may join the sum after that
+            raise RoundClosedError("the round's outcome was already read; late uploads are refused")
         self.sums.add(up.parts)  # refuses before it changes anything
         self.weight += capped_weight(h.weight, self.weight_scale)
         self.metrics.merge(MetricSums(dict(h.metric_sums), dict(h.metric_weights)))

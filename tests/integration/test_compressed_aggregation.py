@@ -23,7 +23,7 @@ from orchard.aggregation import finalize
 from orchard.client.update import build_upload
 from orchard.compression import build_codec, decode_update, encode_update
 from orchard.config import CodecSpec, CohortConfig, RunConfig, SecureAggregationConfig, ServerConfig
-from orchard.errors import CodecError, UpdateSchemaError
+from orchard.errors import CodecError, RoundClosedError, UpdateSchemaError
 from orchard.messages import TaskAssignment, UploadHeader
 from orchard.server.coordinator import Coordinator, RoundOutcome, RoundTask
 from orchard.server.decoding import ClientUpdateDecoder
@@ -328,6 +328,21 @@ def test_a_retried_round_starts_a_fresh_compressed_sum() -> None:
         assert np.abs(_mean(out)[k] - want[k]).max() <= step
     # Reading the outcome twice does not fold the compressed sum twice.
     assert tier.coord.outcome(tier.cr).partial.count == 4
+
+
+def test_nothing_joins_the_sum_after_the_outcome_was_read() -> None:
+    """The simulator reads a root's outcome before it closes the round: an upload after
+    that is refused rather than lost."""
+    deltas = _updates(3, seed=17)
+    tier = Tier(_cfg(CODECS["float32"], "auto", n=3), 3)
+    for i in range(2):
+        tier.submit(*tier.upload(i, deltas[i], 10.0))
+    first = tier.coord.outcome(tier.cr)
+    assert not tier.cr.closed and first.partial.count == 2
+    with pytest.raises(RoundClosedError, match="outcome was already read"):
+        tier.submit(*tier.upload(2, deltas[2], 10.0))
+    assert tier.coord.outcome(tier.cr).partial.count == 2 and tier.cr.received == 2
+    _assert_close(_mean(first), _weighted_mean(deltas[:2], [10.0, 10.0]), 2e-6)
 
 
 # ---------------------------------------------------------------------- trees
