@@ -199,6 +199,9 @@ class CohortRound:
         self.started = now
         self.acc = Accumulator(list(task.schema))
         self.compressed: CompressedCohort | None = None  # direct clients' sum, when the run sums codes
+        # The secure cohort's unmasked sum, waiting to be folded with the round's outcome:
+        # the loop thread must not add into the accumulator while the fold pool does.
+        self.secure_sum: Partial | None = None
         self.assignments: dict[str, Assignment] = {}
         self.client_quota = 0  # how many direct clients may be selected in total
         self.closed = False
@@ -215,17 +218,21 @@ class CohortRound:
 
     @property
     def received(self) -> int:
-        c = self.compressed
-        return self.acc.count + (c.count if c is not None and not c.merged else 0)
+        c, s = self.compressed, self.secure_sum
+        pending = (c.count if c is not None and not c.merged else 0) + (s.count if s is not None else 0)
+        return self.acc.count + pending
 
-    def settle_compressed(self) -> None:
-        """Fold the compressed sum into the accumulator, once, after the last fold."""
+    def fold_aside(self) -> None:
+        """Fold the sums kept aside (the compressed sum, the secure cohort's) into the
+        accumulator, once, after the last fold."""
         c = self.compressed
-        if c is None or c.merged:
-            return
-        if c.count:
-            self.acc.merge(c.partial(), owned=True)
-        c.merged = True
+        if c is not None and not c.merged:
+            if c.count:
+                self.acc.merge(c.partial(), owned=True)
+            c.merged = True
+        if self.secure_sum is not None:
+            self.acc.merge(self.secure_sum)
+            self.secure_sum = None
 
     def pending(self) -> list[Assignment]:
         return [a for a in self.assignments.values() if not (a.delivered or a.dropped)]
@@ -727,7 +734,7 @@ class Coordinator:
             p = sc.partial()
             contributed = set(sc.contributors())
             if p.count > 0:
-                cr.acc.merge(p)
+                cr.secure_sum = p  # folded with the outcome (fold_aside), after the fold pool drained
                 cr.reserved += p.count
             for a in clients:
                 cr.settle(a, a.node_id in contributed)
@@ -790,7 +797,7 @@ class Coordinator:
     def outcome(self, cr: CohortRound) -> RoundOutcome:
         """The result of a closed round (the simulator calls this directly), once its folds
         are done."""
-        cr.settle_compressed()
+        cr.fold_aside()
         dropped = sum(1 for a in cr.assignments.values() if a.dropped)
         return RoundOutcome(task=cr.task, partial=cr.acc.partial, selected=len(cr.assignments), dropped=dropped,
                             bytes_up=cr.bytes_up, bytes_down=cr.bytes_down,
