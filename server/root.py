@@ -98,9 +98,29 @@ class RootRunner:
             if ck.optimizer_path and Path(ck.optimizer_path).is_file():
                 opt.load_state_bytes(Path(ck.optimizer_path).read_bytes())
             self.run = ActiveRun(row.run_id, cfg, row.config_json, arrays, blob, ck.sha256, opt, ck.round)
+            if cfg.downlink_delta and ck.round > 0:
+                self._remember_base(row.run_id, ck.round - 1)
             log.info("resuming run %s after round %d", row.run_id, ck.round)
             self._task = asyncio.create_task(self._loop(self.run))
             return
+
+    def _remember_base(self, run_id: str, rnd: int) -> None:
+        """Clients that trained in the last completed round hold the model it started from:
+        after a restart, keep that model as a downlink-delta base, as ``open_round`` does
+        while the root runs, so their first pulls are deltas rather than full models.
+        (Reconstructions served before the restart are not kept: those clients pull in full.)"""
+        prev = self.store.checkpoint(run_id, rnd)
+        if prev is None:
+            return
+        try:
+            blob = Path(prev.path).read_bytes()
+        except OSError as err:
+            log.warning("no downlink base after restart: checkpoint %s unreadable (%s)", prev.path, err)
+            return
+        if wire.sha256_hex(blob) != prev.sha256:
+            log.warning("no downlink base after restart: checkpoint %s does not match its sha256", prev.path)
+            return
+        self.coord.downlink.remember(prev.sha256, blob)
 
     async def start_run(self, config: RunConfig, initial_blob: bytes) -> str:
         if self.run is not None and self._task is not None and not self._task.done():
