@@ -9,12 +9,20 @@ logits (B, T, vocab_size). Blocks are pre-LN::
 The LM head shares its weight with the token embedding (Press & Wolf, 2017). Every
 projection is a plain ``nn.Linear`` with a stable name (``attn.qkv``, ``attn.proj``,
 ``mlp.fc``, ``mlp.proj``) so peft can wrap them by suffix: see :func:`lora_target_modules`.
+
+A *base-model directory* (written by ``orchard pretrain``, read by :func:`read_base_model`)
+holds ``model.safetensors`` (weights, the tied head stored once), ``config.json``
+(``{"format": 1, "model": GPTConfig fields, "tokenizer": {...}}``), ``tokenizer.json`` and
+``lora_targets.json`` (``{"target_modules": [...]}``). Reading it lives here, in the
+core, so that tasks load a pretrained base without depending on the pretraining recipe.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,12 +30,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from orchard.errors import ConfigError
+from orchard.errors import ConfigError, OrchardError
+from orchard.text import CharTokenizer, TokenizerError
 
 # Suffixes of the Linear modules LoRA adapts. peft matches a target name against a
 # module name by equality or by ``name.endswith("." + target)``, so these select every
 # block's projections and never the tied LM head.
 LORA_TARGET_MODULES: tuple[str, ...] = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")
+
+# The files of a base-model directory.
+BASE_FORMAT_VERSION = 1
+BASE_WEIGHTS = "model.safetensors"
+BASE_CONFIG = "config.json"
+BASE_TOKENIZER = "tokenizer.json"
+BASE_LORA_TARGETS = "lora_targets.json"
 
 
 @dataclass(frozen=True)
@@ -205,3 +221,75 @@ class GPT(nn.Module):
 def lora_target_modules() -> list[str]:
     """Module-name suffixes LoRA should adapt in a :class:`GPT`."""
     return GPT.lora_target_modules()
+
+
+class BaseModelError(OrchardError):
+    """A base-model directory is missing files or holds weights that do not fit its config."""
+
+
+@dataclass(frozen=True)
+class BaseModel:
+    """A base-model directory, loaded: the GPT (eval mode, CPU), its tokenizer and the
+    module-name suffixes LoRA adapts."""
+
+    model: GPT
+    tokenizer: CharTokenizer
+    lora_targets: tuple[str, ...]
+    directory: Path
+
+
+def read_base_model(directory: str | Path) -> BaseModel:
+    """Load the base-model directory that ``orchard pretrain`` wrote to ``directory``."""
+    from safetensors.torch import load_model
+
+    d = Path(directory)
+    needed = (BASE_CONFIG, BASE_WEIGHTS, BASE_LORA_TARGETS)
+    missing = [f for f in needed if not (d / f).is_file()]
+    if missing:
+        raise BaseModelError(
+            f"{d} is not a base-model directory: missing {missing} "
+            "(it is written by `orchard pretrain`)"
+        )
+    try:
+        config = json.loads((d / BASE_CONFIG).read_text(encoding="utf-8"))
+        targets = json.loads((d / BASE_LORA_TARGETS).read_text(encoding="utf-8"))["target_modules"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise BaseModelError(
+            f"{d}: cannot read {BASE_CONFIG} or {BASE_LORA_TARGETS}: {err}"
+        ) from err
+    if config.get("format") != BASE_FORMAT_VERSION:
+        raise BaseModelError(
+            f"{d}/{BASE_CONFIG} has format {config.get('format')!r}; "
+            f"this version reads {BASE_FORMAT_VERSION}"
+        )
+    try:
+        tokenizer = CharTokenizer.from_dict(config["tokenizer"])
+        model = GPT(GPTConfig.from_dict(config["model"]))
+    except (KeyError, TypeError, ConfigError, TokenizerError) as err:
+        raise BaseModelError(
+            f"{d}/{BASE_CONFIG} does not describe a GPT and tokenizer: {err}"
+        ) from err
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise BaseModelError(
+            f"{d}: the tokenizer has {tokenizer.vocab_size} tokens, the model only "
+            f"{model.config.vocab_size}"
+        )
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    if (
+        not isinstance(targets, list)
+        or not targets
+        or not all(
+            isinstance(t, str) and any(n == t or n.endswith("." + t) for n in names)
+            for t in targets
+        )
+    ):
+        raise BaseModelError(
+            f"{d}/{BASE_LORA_TARGETS} lists {targets!r}: expected a non-empty list of suffixes "
+            "of the model's Linear modules, e.g. " + json.dumps(list(LORA_TARGET_MODULES))
+        )
+    try:
+        # load_model restores the tie of lm_head.weight to wte.weight (stored once).
+        load_model(model, str(d / BASE_WEIGHTS), strict=True, device="cpu")
+    except RuntimeError as err:
+        raise BaseModelError(f"{d}/{BASE_WEIGHTS} does not fit its {BASE_CONFIG}: {err}") from err
+    return BaseModel(model.eval(), tokenizer, tuple(targets), d)

@@ -38,12 +38,17 @@ class DataSection(_Strict):
     """Text corpus and token shards.
 
     ``corpus`` lists UTF-8 text files; empty means the tinyshakespeare text shipped with
-    ``orchard.tasks``. ``shard_dir`` defaults to ``<output_dir>/data``. The last
-    ``val_fraction`` of each file is held out. Training tokens are cut into ``shards``
-    equal shards that ranks split between them.
+    ``orchard.tasks``. ``select`` (``"module:function"``, a function from a file's text to
+    the text to use) keeps part of each file, e.g. the Shakespeare task's public roles
+    (``"orchard.tasks.shakespeare:public_text"``); the vocabulary still covers every
+    character of the whole files, so ids agree with a tokenizer built from them.
+    ``shard_dir`` defaults to ``<output_dir>/data``. The last ``val_fraction`` of each
+    (selected) text is held out. Training tokens are cut into ``shards`` equal shards
+    that ranks split between them.
     """
 
     corpus: list[Path] = Field(default_factory=list)
+    select: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
     shard_dir: Path | None = None
     shards: int = Field(8, ge=1)
     val_fraction: float = Field(0.1, gt=0.0, lt=0.5)
@@ -69,10 +74,13 @@ class PretrainConfig(_Strict):
     ``batch_size * grad_accum * world_size`` sequences of ``model.seq_len`` tokens.
     ``precision`` "auto" is bf16 autocast on CUDA and fp32 on CPU. ``stop_after`` ends
     this invocation after that many steps with a checkpoint (as SIGTERM would);
-    a later run with ``resume`` continues from it.
+    a later run with ``resume`` continues from it. The base model is exported to
+    ``export_dir`` (default ``output_dir``, which also holds checkpoints, metrics and, by
+    default, token shards).
     """
 
     output_dir: Path = Path("pretrain-out")
+    export_dir: Path | None = None
     seed: int = 0
     steps: int = Field(200, ge=1)
     batch_size: int = Field(16, ge=1)

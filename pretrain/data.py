@@ -11,10 +11,11 @@ a bounded queue (in pinned memory on CUDA) so the accelerator does not wait on i
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import queue
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -82,33 +83,56 @@ class ShardIndex:
         )
 
 
-def _digest(files: Sequence[Path], n_shards: int, val_fraction: float) -> str:
+def _digest(chars: Sequence[str], texts: Sequence[str], n_shards: int, val_fraction: float) -> str:
     h = hashlib.sha256(f"{n_shards}:{val_fraction}".encode())
-    for f in files:
-        h.update(f.read_bytes())
+    h.update("".join(chars).encode("utf-8"))
+    for text in texts:
+        h.update(f"\0{len(text)}\0".encode())
+        h.update(text.encode("utf-8"))
     return h.hexdigest()
 
 
+def resolve_select(spec: str) -> Callable[[str], str]:
+    """``"package.module:function"`` -> the function (a text -> text selection)."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        raise DataError(f"data.select = {spec!r}: cannot import it ({err})") from None
+    if not callable(fn):
+        raise DataError(f"data.select = {spec!r} is not a function")
+    return fn  # type: ignore[no-any-return]
+
+
 def build_shards(
-    corpus: Sequence[Path], out_dir: Path, n_shards: int, val_fraction: float
+    corpus: Sequence[Path],
+    out_dir: Path,
+    n_shards: int,
+    val_fraction: float,
+    select: Callable[[str], str] | None = None,
 ) -> ShardIndex:
     """Tokenize ``corpus`` into ``n_shards`` train shards and one val shard.
 
-    The vocabulary is every character in the corpus (train and val alike: a held-out
-    character must still have an id). Reuses existing shards built from the same bytes
-    with the same settings.
+    ``select`` maps each file's text to the part to train and validate on. The
+    vocabulary is every character of the whole files (selected or not, train and val
+    alike: a held-out character must still have an id). Reuses existing shards built
+    from the same text with the same settings.
     """
     files = [Path(f) for f in corpus]
     missing = [str(f) for f in files if not f.is_file()]
     if not files or missing:
         raise DataError(f"corpus files not found: {missing or '(none given)'}")
-    digest = _digest(files, n_shards, val_fraction)
+    whole = [f.read_text(encoding="utf-8") for f in files]
+    tok = CharTokenizer.from_text("".join(whole))
+    texts = [select(t) for t in whole] if select is not None else whole
+    for f, text in zip(files, texts, strict=True):
+        if not isinstance(text, str):
+            raise DataError(f"data.select returned {type(text).__name__} for {f}, not text")
+    digest = _digest(tok.chars, texts, n_shards, val_fraction)
     if (out_dir / INDEX_FILE).is_file():
         existing = ShardIndex.load(out_dir)
         if existing.source_digest == digest:
             return existing
-    texts = [f.read_text(encoding="utf-8") for f in files]
-    tok = CharTokenizer.from_text("".join(texts))
     train_parts, val_parts = [], []
     for text in texts:
         ids = tok.encode_array(text)

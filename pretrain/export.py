@@ -8,7 +8,11 @@ Files written by :func:`export_base_model`:
 ``lora_targets.json``  ``{"target_modules": [...]}``, ready for peft's ``LoraConfig``
 ``model.onnx``         the base model for ONNX Runtime, input ``input_ids`` (batch, seq)
                        int64, output ``logits`` (batch, seq, vocab) float32; checked
-                       against torch to 1e-4 before it is kept
+                       against torch to 1e-4 before it is kept (unless ``export_onnx``
+                       is off)
+
+Reading a directory back is :func:`orchard.gpt.read_base_model` (core, so that tasks can
+load a base without importing the recipe); :func:`load_base_model` wraps it.
 """
 
 from __future__ import annotations
@@ -21,22 +25,29 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_model, save_model
+from safetensors.torch import save_file
 
 from orchard.errors import OrchardError
-from orchard.gpt import GPT, GPTConfig
+from orchard.gpt import (
+    BASE_CONFIG,
+    BASE_FORMAT_VERSION,
+    BASE_LORA_TARGETS,
+    BASE_TOKENIZER,
+    BASE_WEIGHTS,
+    GPT,
+    BaseModelError,
+    read_base_model,
+)
 from orchard.text import CharTokenizer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = BASE_FORMAT_VERSION
 ONNX_TOLERANCE = 1e-4
+
+__all__ = ["BaseModelError", "ExportError", "export_base_model", "export_onnx", "load_base_model"]
 
 
 class ExportError(OrchardError):
     """A base model could not be written, or its ONNX export disagrees with torch."""
-
-
-class BaseModelError(OrchardError):
-    """A base-model directory is missing files or holds weights that do not fit its config."""
 
 
 def export_base_model(
@@ -45,16 +56,20 @@ def export_base_model(
     """Write the base-model files; returns measurements (``onnx_max_abs_diff``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     model = model.eval()
-    # save_model drops the tied duplicate (lm_head.weight) and load_model restores the tie.
-    save_model(model, str(out_dir / "model.safetensors"), metadata={"format": str(FORMAT_VERSION)})
+    # The tied head is stored once, as wte.weight (safetensors' load_model restores the
+    # tie). One metadata key, so the same weights always give the same bytes.
+    if model.lm_head.weight is not model.wte.weight:
+        raise ExportError("the GPT's LM head is not tied to its token embedding")
+    state = {k: v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(out_dir / BASE_WEIGHTS), metadata={"format": str(FORMAT_VERSION)})
     config = {
         "format": FORMAT_VERSION,
         "model": model.config.to_dict(),
         "tokenizer": tokenizer.to_dict(),
     }
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
-    tokenizer.save(out_dir / "tokenizer.json")
-    (out_dir / "lora_targets.json").write_text(
+    (out_dir / BASE_CONFIG).write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    tokenizer.save(out_dir / BASE_TOKENIZER)
+    (out_dir / BASE_LORA_TARGETS).write_text(
         json.dumps({"target_modules": GPT.lora_target_modules()}, indent=2)
     )
     measurements: dict[str, float] = {}
@@ -113,22 +128,5 @@ def export_onnx(model: GPT, path: Path, tolerance: float = ONNX_TOLERANCE) -> fl
 
 def load_base_model(directory: str | Path) -> tuple[GPT, CharTokenizer]:
     """Load ``(GPT in eval mode on CPU, CharTokenizer)`` from an exported directory."""
-    d = Path(directory)
-    missing = [f for f in ("config.json", "model.safetensors") if not (d / f).is_file()]
-    if missing:
-        raise BaseModelError(
-            f"{d} is not a base-model directory: missing {missing} "
-            "(it is written by `orchard pretrain`)"
-        )
-    config = json.loads((d / "config.json").read_text())
-    if config.get("format") != FORMAT_VERSION:
-        raise BaseModelError(
-            f"{d}/config.json has format {config.get('format')!r}; this version reads {FORMAT_VERSION}"
-        )
-    tokenizer = CharTokenizer.from_dict(config["tokenizer"])
-    model = GPT(GPTConfig.from_dict(config["model"]))
-    try:
-        load_model(model, str(d / "model.safetensors"), strict=True, device="cpu")
-    except RuntimeError as err:
-        raise BaseModelError(f"{d}/model.safetensors does not fit its config.json: {err}") from err
-    return model.eval(), tokenizer
+    base = read_base_model(directory)
+    return base.model, base.tokenizer

@@ -10,6 +10,7 @@ rendezvous. The order of things:
 4. train: grad accumulation, autocast, clipping; log loss, tokens/s, MFU; checkpoint
    every ``checkpoint_every`` steps and when SIGTERM (or ``stop_after``) asks to stop
 5. at the last step: validation loss, then rank 0 exports the base-model directory
+   (to ``export_dir``, default ``output_dir``)
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from orchard.pretrain.data import (
     ShardIndex,
     WindowSampler,
     build_shards,
+    resolve_select,
     shipped_corpus,
 )
 from orchard.pretrain.distributed import DistEnv
@@ -113,7 +115,8 @@ def build(cfg: PretrainConfig, env: DistEnv) -> Components:
     shard_dir = cfg.data.shard_dir or cfg.output_dir / "data"
     if env.is_main:
         corpus = list(cfg.data.corpus) or [shipped_corpus()]
-        build_shards(corpus, shard_dir, cfg.data.shards, cfg.data.val_fraction)
+        select = resolve_select(cfg.data.select) if cfg.data.select else None
+        build_shards(corpus, shard_dir, cfg.data.shards, cfg.data.val_fraction, select)
     distributed.barrier(env)
     index = ShardIndex.load(shard_dir)
 
@@ -400,6 +403,7 @@ def _run(cfg: PretrainConfig, env: DistEnv) -> PretrainResult:
     if not result.finished:
         return result
     result.val_loss = evaluate(c)
+    export_dir = cfg.export_dir or cfg.output_dir
     if cfg.export:
         # Collective: gathers FSDP2 shards; only rank 0 receives the full tensors.
         full = get_model_state_dict(
@@ -409,13 +413,13 @@ def _run(cfg: PretrainConfig, env: DistEnv) -> PretrainResult:
             plain = GPT(c.gpt.config)
             plain.load_state_dict(full)  # holds wte.weight and lm_head.weight: one tensor
             result.export = export_base_model(
-                plain, c.index.tokenizer, cfg.output_dir, onnx=cfg.export_onnx
+                plain, c.index.tokenizer, export_dir, onnx=cfg.export_onnx
             )
         distributed.barrier(env)
     if env.is_main:
         val = f"{result.val_loss:.4f}" if result.val_loss is not None else "-"
         console.print(
             f"done: step {step}, train loss {losses[-1] if losses else float('nan'):.4f}, "
-            f"val loss {val}, {rate:,.0f} tok/s -> {cfg.output_dir}"
+            f"val loss {val}, {rate:,.0f} tok/s -> {export_dir if cfg.export else cfg.output_dir}"
         )
     return result

@@ -106,3 +106,31 @@ def test_shipped_demo_config_is_valid() -> None:
     path = Path(__file__).resolve().parents[2] / "configs" / "pretrain.toml"
     cfg = load_pretrain_config(path)
     assert cfg.steps > 0 and cfg.data.corpus == []
+
+
+def _first_half(text: str) -> str:
+    return text[: len(text) // 2]
+
+
+def test_select_keeps_part_of_each_file_but_the_vocabulary_of_all(tmp_path) -> None:
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("abcdefgh" * 50 + "XYZ" * 100)  # X, Y, Z only in the second half
+    sel = build_shards([corpus], tmp_path / "sel", 1, 0.1, _first_half)
+    assert sel.tokenizer.chars == sorted(set("abcdefghXYZ"))
+    tokens = np.concatenate([sel.open(s) for s in sel.shards])
+    assert len(tokens) == 350 and sel.tokenizer.decode(tokens) == _first_half(corpus.read_text())
+    whole = build_shards([corpus], tmp_path / "sel", 1, 0.1)  # another selection: rebuilt
+    assert whole.source_digest != sel.source_digest
+    assert sum(s.tokens for s in whole.shards) == 700
+
+
+def test_select_names_a_function_that_is_imported_at_build_time(tmp_path) -> None:
+    from orchard.pretrain.data import resolve_select
+    from orchard.tasks.shakespeare import public_text
+
+    assert resolve_select("orchard.tasks.shakespeare:public_text") is public_text
+    with pytest.raises(DataError, match="cannot import"):
+        resolve_select("orchard.tasks.shakespeare:no_such_function")
+    with pytest.raises(ConfigError, match="data.select"):
+        parse_pretrain_config({"data": {"select": "not a dotted name"}})
+

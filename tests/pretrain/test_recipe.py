@@ -83,27 +83,29 @@ def test_exported_base_model_loads_back_and_matches_onnx(tmp_path, tiny_config) 
     tiny = tiny_config
     import onnxruntime as ort
 
-    result = run(tiny(tmp_path, steps=6, export=True))
+    work, base = tmp_path / "work", tmp_path / "base"
+    result = run(tiny(work, steps=6, export=True, export_dir=str(base)))
     assert result.finished and result.export["onnx_max_abs_diff"] <= 1e-4
-    names = {p.name for p in tmp_path.iterdir()}
-    assert {
+    # The base-model files go to export_dir; the working files stay in output_dir.
+    assert {p.name for p in base.iterdir()} == {
         "model.safetensors",
         "config.json",
         "tokenizer.json",
         "model.onnx",
         "lora_targets.json",
-    } <= names
+    }
+    assert not (work / "model.safetensors").exists() and (work / "checkpoints").is_dir()
 
-    model, tok = load_base_model(tmp_path)
+    model, tok = load_base_model(base)
     assert model.lm_head.weight is model.wte.weight
     assert tok.vocab_size == model.config.vocab_size == 65
-    assert json.loads((tmp_path / "lora_targets.json").read_text())["target_modules"] == (
+    assert json.loads((base / "lora_targets.json").read_text())["target_modules"] == (
         model.lora_target_modules()
     )
     idx = torch.tensor([tok.encode("ROMEO:\nWhat light through yonder")])
     with torch.no_grad():
         ref = model(idx).numpy()
-    session = ort.InferenceSession(str(tmp_path / "model.onnx"))
+    session = ort.InferenceSession(str(base / "model.onnx"))
     got = session.run(["logits"], {"input_ids": idx.numpy()})[0]
     assert np.abs(got - ref).max() <= 1e-4
     # The weights are the trained ones, not a fresh init: they predict text better.
