@@ -161,18 +161,19 @@ def check_update(schema: dict[str, tuple[int, ...]], update: NDArrays, allow_flo
 
 
 def prescale_factor(weight: float, weight_scale: float) -> float:
-    """``min(w, S) / S``: what a client multiplies its update by when its tier only sums.
+    """``min(w, S) / S``: what a client multiplies its update by under secure aggregation.
 
-    Secure aggregation (the field holds sums, not weighted sums) and compressed-domain
-    aggregation (codes add, they do not scale) both need clients to weight their own
-    update. Dividing by ``S`` keeps weighted values within the range the update had;
-    weights above ``S`` are capped at ``S``. The tier then reports ``S * sum`` with weight
-    ``sum_i min(w_i, S)``: the weighted mean with weights ``min(w_i, S)``."""
+    The field holds sums, not weighted sums, so under secure aggregation each client
+    weights its own update before masking it. Dividing by ``S`` keeps weighted values
+    within the range the update had; weights above ``S`` are capped at ``S``. The tier
+    then reports ``S * sum`` with weight ``sum_i min(w_i, S)``: the weighted mean with
+    weights ``min(w_i, S)``. Nothing else pre-scales or caps: a tier that sums in the
+    compressed domain weights each payload itself, exactly."""
     return min(float(weight), float(weight_scale)) / float(weight_scale)
 
 
 def capped_weight(weight: float, weight_scale: float) -> float:
-    """``min(w, S)``: the weight a pre-scaled update carries (see :func:`prescale_factor`)."""
+    """``min(w, S)``: the weight a pre-scaled (secure) update carries (see :func:`prescale_factor`)."""
     return min(float(weight), float(weight_scale))
 
 

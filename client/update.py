@@ -1,21 +1,20 @@
 """From a trainer's result to an upload: delta, weight, codec, header.
 
 Shared by the client runtime and the simulator so that both send exactly the same
-bytes for the same inputs; nothing here touches the network. When the run aggregates
-in the compressed domain the update is pre-scaled by its weight before it is encoded
-(:func:`prescaled`).
+bytes for the same inputs; nothing here touches the network. The delta is encoded as
+it is: its weight travels in the header and is applied by the tier, whether it decodes
+the update or sums payloads in the compressed domain (secure aggregation pre-scales
+the values it masks itself: ``orchard.client.secure``).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from orchard import wire
-from orchard.aggregation import prescale_factor
-from orchard.compression import Codec, compressed_weight_scale, encode_update
+from orchard.compression import Codec, encode_update
 from orchard.config import RunConfig
 from orchard.errors import UpdateSchemaError
 from orchard.messages import TaskAssignment, UploadHeader, UploadKind
@@ -54,30 +53,14 @@ def delta_of(t: TaskAssignment, global_arrays: NDArrays, result: TrainResult) ->
     return out
 
 
-def prescaled(delta: NDArrays, cfg: RunConfig, codec: Codec, weight: float) -> NDArrays:
-    """``delta`` as this run's codec should encode it.
-
-    When the run aggregates in the compressed domain (``compressed_weight_scale``), the
-    tier sums payloads without decoding them and so cannot weight them: the client
-    sends ``(min(w, S) / S) * delta`` and the tier counts weight ``min(w, S)``. A weight
-    the tier will refuse (not positive and finite) leaves ``delta`` as it is. With a
-    stateful codec (error feedback) the residual then carries the pre-scaled units."""
-    scale = compressed_weight_scale(cfg, codec)
-    if scale is None or not (math.isfinite(weight) and weight > 0):
-        return delta
-    c = prescale_factor(weight, scale)
-    if c == 1.0:
-        return delta
-    return {k: np.multiply(v, c, dtype=np.float32) for k, v in delta.items()}
-
-
 def build_upload(t: TaskAssignment, cfg: RunConfig, codec: Codec, node_id: str, delta: NDArrays,
                  result: TrainResult, seed: int,
                  states: dict[str, Any] | None) -> tuple[UploadHeader, bytes, dict[str, Any]]:
-    """Encode ``delta`` with the run's codec; returns header, payload and new codec state."""
-    rng = np.random.default_rng([seed, 0xC0DEC])
+    """Encode ``delta`` with the run's codec (unscaled: the header carries the weight);
+    returns header, payload and new codec state."""
     w = weight_of(result, cfg.cohort.weighting)
-    payloads, new_states = encode_update(codec, prescaled(delta, cfg, codec, w), rng, states, t.shared_seed)
+    rng = np.random.default_rng([seed, 0xC0DEC])
+    payloads, new_states = encode_update(codec, delta, rng, states, t.shared_seed)
     payload, sizes = pack([payloads[s.name] for s in t.schema])
     metric_w = float(max(result.num_examples, 1))
     metrics = {k: float(v) for k, v in result.metrics.items() if np.isfinite(v)}

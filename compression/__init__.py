@@ -26,14 +26,15 @@ API
                                           # |decoded|, NaN/inf for a non-finite payload
     codec.coordinates(enc, shared_seed)   # field-linear codecs: the vector payloads add by
     codec.from_coordinates(like, coords)  # ... and the payload of a sum of them
-    PayloadSum(codec, shape, shared_seed)  # check(payload) / add(checked) / accumulate(payload)
-                                          # / merge(other) / result() / encoded();
+    PayloadSum(codec, shape, shared_seed)  # check(payload) / add(checked, w) /
+                                          # accumulate(payload, w) / merge(other) /
+                                          # result() / encoded(); a weighted sum,
                                           # O(one dense tensor)
     UpdateSum(codec, shapes, shared_seed)  # one PayloadSum per tensor: a cohort's sum
     sum_payloads(codec, payloads, shape, shared_seed) -> float32 sum
     sum_encoded(codec, payloads, shape) -> one payload of the sum (linear codecs)
-    compressed_weight_scale(run_config) -> S | None   # does this run sum in the compressed
-                                          # domain (clients pre-scale by min(w, S) / S)?
+    sums_compressed(run_config) -> bool   # does a tier sum this run's uploads in the
+                                          # compressed domain (weighting each itself)?
 
     encode_model_delta(old, new, rng, from_version=v) -> ModelDelta (.smaller, .payloads, ...)
     apply_model_delta(old, payloads, from_version=v) -> model v+1
@@ -74,14 +75,17 @@ error_feedback codec=spec                             the inner's, S, biased    
 * randk's coordinates come from ``shared_seed``; every member of a cohort and the
   server must run the same numpy (``Generator.choice`` draws them).
 * :class:`PayloadSum` adds field-linear codecs' payloads coordinate-wise without
-  decoding them (integer codes exactly in uint32, float values in float64, so the sum
-  does not depend on arrival order) and decodes the sum once; it decodes every other
-  payload (PowerSGD included: its factors add only by concatenation, which grows) into
-  a dense float64 sum.
-* Tiers sum in the compressed domain (:func:`compressed_weight_scale`) when the codec
-  is linear, the weighting a plain weighted sum and secure aggregation off: clients
-  encode ``(min(w, S) / S) * x``, the tier folds payloads into an :class:`UpdateSum`
-  and decodes once per cohort. Otherwise tiers decode every update.
+  decoding them -- float values as ``w * values`` in float64 (an exact weighted sum up
+  to float64 rounding, independent of arrival order), integer codes exactly in uint32
+  and only with weight 1 (``Algebra.weighted_sums``) -- and decodes the sum once; it
+  decodes every other payload (PowerSGD included: its factors add only by
+  concatenation, which grows) into a dense float64 sum, times its weight.
+* Tiers sum in the compressed domain (:func:`sums_compressed`) when the codec is linear
+  and secure aggregation is off: clients encode their plain update, the tier folds each
+  payload times its header's weight into an :class:`UpdateSum` and decodes once per
+  cohort. Integer codes (qsgd with a fixed scale, alone or inside randk) take that path
+  only under uniform weighting; otherwise, and for every other codec, tiers decode each
+  update and accumulate it.
 * Encode+decode throughput on a 10M-element tensor: ``benchmarks/compression.py``.
 """
 
@@ -89,9 +93,9 @@ from orchard.compression.aggregate import (
     CheckedPayload,
     PayloadSum,
     UpdateSum,
-    compressed_weight_scale,
     sum_encoded,
     sum_payloads,
+    sums_compressed,
 )
 from orchard.compression.base import Algebra, BaseCodec, Codec, State
 from orchard.compression.downlink import (
@@ -143,7 +147,6 @@ __all__ = [
     "apply_model_delta",
     "available_codecs",
     "build_codec",
-    "compressed_weight_scale",
     "decode_update",
     "encode_model_delta",
     "encode_update",
@@ -152,6 +155,7 @@ __all__ = [
     "states_to_bytes",
     "sum_encoded",
     "sum_payloads",
+    "sums_compressed",
     "tensor_seed",
     "validate_codec_for_secure_aggregation",
 ]

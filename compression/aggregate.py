@@ -1,29 +1,35 @@
 """Summing payloads: in the compressed domain where the algebra allows, else decoded.
 
 :class:`PayloadSum` follows the accumulate / merge / finalize shape of the aggregation
-package. A field-linear codec's payloads add coordinate-wise (:meth:`Codec.coordinates`):
-float32 values, randk's kept values, fixed-scale qsgd's integer codes (alone or inside
-randk). Those are summed without decoding -- integer codes exactly, in uint32; float
-values in float64, so that the sum does not depend on the order the payloads came in
-(beyond float64 rounding, as with a float64 accumulator) -- and decoded once, from the
-payload of the sum (:meth:`PayloadSum.encoded`). Every other payload is decoded and
-added to a dense float64 sum: that includes PowerSGD, whose factors add only by
-concatenation (a sum that grows by ``(n + m) r`` floats per summand), so each is
-decoded on arrival and memory stays one dense tensor.
+package, and like the float64 accumulator it keeps a weighted sum: each payload is
+added with its weight ``w`` (1 unless the caller says otherwise). A field-linear
+codec's payloads add coordinate-wise (:meth:`Codec.coordinates`): float32 values,
+randk's kept values, fixed-scale qsgd's integer codes (alone or inside randk). Float
+coordinates are added as ``w * coords`` into a float64 sum (each product in float64,
+as the accumulator forms it), so the sum is the exact weighted sum up to float64
+rounding and does not depend on the order the payloads came in; integer codes are
+added exactly, in uint32, and only unweighted (``w = 1``): they carry an offset per
+summand that decoding removes by counting summands (:attr:`Algebra.weighted_sums`).
+Either sum is decoded once, from the payload of the sum (:meth:`PayloadSum.encoded`).
+Every other payload is decoded and added, times ``w``, to a dense float64 sum: that
+includes PowerSGD, whose factors add only by concatenation (a sum that grows by
+``(n + m) r`` floats per summand), so each is decoded on arrival and memory stays one
+dense tensor.
 
 A payload is checked whole before it joins a sum (:meth:`PayloadSum.check`: parsed as
 decode would, and every value it stands for finite), and a sum refuses a payload that
-could take it past float32's range (or integer codes past uint32), so a bad payload
-never changes a sum.
+could take it past float32's range once weighted (``w * bound``), or integer codes past
+uint32, so a bad payload never changes a sum.
 
 :class:`UpdateSum` is the same for a whole update (one :class:`PayloadSum` per tensor,
 each with its tensor's shared seed): what a tier keeps for its direct clients when the
-run aggregates in the compressed domain (:func:`compressed_weight_scale`).
+run aggregates in the compressed domain (:func:`sums_compressed`).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
@@ -38,6 +44,36 @@ from orchard.errors import CodecError
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 UINT32_MAX = int(np.iinfo(np.uint32).max)
+
+_BLOCK = 1 << 15  # elements per step of a weighted add: a 256 KiB float64 scratch per thread
+_scratch = threading.local()
+
+
+def add_weighted(acc: np.ndarray, x: np.ndarray, weight: float) -> None:
+    """``acc += weight * x`` into a contiguous float64 ``acc`` (``x`` of any real float
+    dtype, as many elements): each product formed in float64, as the accumulator of the
+    decode path forms it, without a float64 temporary the size of ``x`` -- the products
+    go through one small scratch buffer per thread, a block at a time."""
+    a, v = acc.reshape(-1), x.reshape(-1)
+    if weight == 1.0:
+        np.add(a, v, out=a)
+        return
+    buf = getattr(_scratch, "buf", None)
+    if buf is None:
+        buf = _scratch.buf = np.empty(_BLOCK, np.float64)
+    for i in range(0, a.size, _BLOCK):
+        j = min(i + _BLOCK, a.size)
+        t = buf[: j - i]
+        np.multiply(v[i:j], weight, out=t, dtype=np.float64)
+        np.add(a[i:j], t, out=a[i:j])
+
+
+def check_weight(weight: float) -> float:
+    """A summand's weight as a float; CodecError unless it is positive and finite."""
+    w = float(weight)
+    if not (math.isfinite(w) and w > 0):
+        raise CodecError(f"a summand's weight must be positive and finite, got {weight!r}")
+    return w
 
 
 @dataclass(frozen=True)
@@ -57,7 +93,7 @@ class CheckedPayload:
 
 
 class PayloadSum:
-    """Running sum of one tensor's payloads (all made with the same ``shared_seed``)."""
+    """Running weighted sum of one tensor's payloads (all made with the same ``shared_seed``)."""
 
     def __init__(self, codec: Codec, shape: tuple[int, ...], shared_seed: int = 0) -> None:
         self.codec = codec
@@ -71,6 +107,7 @@ class PayloadSum:
         self.code_bound = 0  # integer coordinates: an upper bound on the summed codes
         self.dense: np.ndarray | None = None  # float64: payloads without coordinates
         self.count = 0
+        self.weight = 0.0  # the sum of the summands' weights
         self.bound = 0.0  # an upper bound on |element| of the sum so far
 
     def check(self, payload: bytes | bytearray | memoryview) -> CheckedPayload:
@@ -88,13 +125,14 @@ class PayloadSum:
         # No coordinates: decode here, where checks run (beside each other), not in add.
         return CheckedPayload(enc, bound, decoded=self.codec.decode_parsed(enc, 1, self.shared_seed))
 
-    def accumulate(self, payload: bytes | bytearray | memoryview) -> None:
-        """Check one payload and fold it in; a bad one raises CodecError and changes nothing."""
-        self.add(self.check(payload))
+    def accumulate(self, payload: bytes | bytearray | memoryview, weight: float = 1.0) -> None:
+        """Check one payload and fold it in with ``weight``; a bad one raises CodecError and
+        changes nothing."""
+        self.add(self.check(payload), weight)
 
     def guard(self, bound: float, codes: int = 0) -> None:
         """Refuse (CodecError) a summand that could take the sum past float32's range, or
-        its integer codes past uint32."""
+        its integer codes past uint32. ``bound`` is the summand's, weighted."""
         if self.bound + bound > FLOAT32_MAX:
             raise CodecError(
                 f"a summand of magnitude up to {bound:.3g} could take the sum of shape "
@@ -106,20 +144,36 @@ class PayloadSum:
                 f"{self.shape} would pass 2**32; split the cohort"
             )
 
-    def add(self, checked: CheckedPayload) -> None:
-        """Fold in a payload that passed :meth:`check` (this sum's or another's of this shape)."""
-        self.guard(checked.bound, checked.codes)
+    def admit(self, checked: CheckedPayload, weight: float = 1.0) -> float:
+        """Every refusal :meth:`add` could make, without changing anything: the weight
+        (positive, finite; exactly 1 for integer codes) and the overflow guards. Returns
+        the weight as a float."""
+        w = check_weight(weight)
+        if w != 1.0 and checked.codes:
+            raise CodecError(
+                f"{self.codec.name}: integer codes add exactly only unweighted, got weight "
+                f"{w:g}; decode such payloads to weight them"
+            )
+        self.guard(w * checked.bound, checked.codes)
+        return w
+
+    def add(self, checked: CheckedPayload, weight: float = 1.0) -> None:
+        """Fold in ``weight`` times a payload that passed :meth:`check` (this sum's or
+        another's of this shape)."""
+        w = self.admit(checked, weight)
         if checked.coords is not None:
-            self._add_coords(checked.coords, 1, checked.codes)
+            self._add_coords(checked.coords, w, 1, checked.codes)
         else:
             decoded = checked.decoded
             if decoded is None:
                 decoded = self.codec.decode_parsed(checked.enc, 1, self.shared_seed)
-            self._add_dense(decoded)
+            self._add_dense(decoded, w)
         self.count += 1
-        self.bound += checked.bound
+        self.weight += w
+        self.bound += w * checked.bound
 
     def merge(self, other: PayloadSum) -> None:
+        """Fold in another sum of this tensor (its summands keep the weights they had)."""
         if other.shape != self.shape or other.shared_seed != self.shared_seed:
             raise CodecError(
                 f"cannot merge sums of shape {other.shape} (seed {other.shared_seed}) into "
@@ -127,14 +181,15 @@ class PayloadSum:
             )
         self.guard(other.bound, other.code_bound)
         if other.coords is not None:
-            self._add_coords(other.coords, other.compressed_count, other.code_bound)
+            self._add_coords(other.coords, 1.0, other.compressed_count, other.code_bound)
         if other.dense is not None:
-            self._add_dense(other.dense)
+            self._add_dense(other.dense, 1.0)
         self.count += other.count
+        self.weight += other.weight
         self.bound += other.bound
 
     def result(self, dtype: type[np.floating] = np.float32) -> np.ndarray:
-        """The sum of every payload folded in (zeros when none was)."""
+        """The weighted sum of every payload folded in (zeros when none was)."""
         total = np.zeros(self.shape, dtype=dtype)
         enc = self.encoded()
         if enc is not None:
@@ -163,20 +218,31 @@ class PayloadSum:
             return None
         return self.codec.from_coordinates(self.shape, self.coords, self.shared_seed)
 
-    def _add_coords(self, coords: np.ndarray, n: int, codes: int) -> None:
-        if self.coords is None:  # a copy in the sum's dtype: never a view of a caller's buffer
-            wide = np.float64 if coords.dtype.kind == "f" else np.uint32
-            self.coords = np.array(coords, dtype=wide)
+    def _add_coords(self, coords: np.ndarray, weight: float, n: int, codes: int) -> None:
+        if coords.dtype.kind == "f":
+            if self.coords is None:  # a new float64 array: never a view of a caller's buffer
+                self.coords = _weighted_copy(coords, weight)
+            else:
+                add_weighted(self.coords, coords, weight)
+        elif self.coords is None:  # integer codes (weight 1: see admit)
+            self.coords = np.array(coords, dtype=np.uint32)
         else:
             np.add(self.coords, coords, out=self.coords, casting="unsafe")
         self.compressed_count += n
         self.code_bound += codes
 
-    def _add_dense(self, x: np.ndarray) -> None:
+    def _add_dense(self, x: np.ndarray, weight: float) -> None:
         if self.dense is None:
-            self.dense = np.array(x, dtype=np.float64)
+            self.dense = _weighted_copy(x, weight)
         else:
-            np.add(self.dense, x, out=self.dense)
+            add_weighted(self.dense, x, weight)
+
+
+def _weighted_copy(x: np.ndarray, weight: float) -> np.ndarray:
+    """``weight * x`` as a new float64 array of x's shape (a 0-d one included)."""
+    out = np.empty(x.shape, np.float64)
+    np.multiply(x, weight, out=out, dtype=np.float64)
+    return out
 
 
 def _code_bound(coords: np.ndarray | None, n: int) -> int:
@@ -202,6 +268,7 @@ class UpdateSum:
             for name, shape in shapes.items()
         }
         self.count = 0
+        self.weight = 0.0  # the sum of the updates' weights
 
     def check(
         self, payloads: Mapping[str, bytes | bytearray | memoryview]
@@ -216,55 +283,59 @@ class UpdateSum:
                 raise type(err)(f"tensor {name!r}: {err}") from None
         return out
 
-    def add(self, checked: Mapping[str, CheckedPayload]) -> None:
+    def add(self, checked: Mapping[str, CheckedPayload], weight: float = 1.0) -> None:
+        """Fold in ``weight`` times a whole checked update."""
         check_names(checked, self.sums, "checked payloads")
+        w = check_weight(weight)
         for name, acc in self.sums.items():  # every refusal before any tensor changes
-            acc.guard(checked[name].bound, checked[name].codes)
+            try:
+                acc.admit(checked[name], w)
+            except CodecError as err:
+                raise type(err)(f"tensor {name!r}: {err}") from None
         for name, acc in self.sums.items():
-            acc.add(checked[name])
+            acc.add(checked[name], w)
         self.count += 1
+        self.weight += w
 
     def result(self) -> dict[str, np.ndarray]:
-        """The float32 sum of every update, per tensor, in the order of ``shapes``."""
+        """The float32 weighted sum of every update, per tensor, in the order of ``shapes``."""
         return {name: acc.result() for name, acc in self.sums.items()}
 
     def drain(self) -> Iterator[tuple[str, np.ndarray]]:
         """Like :meth:`result` (in float64, arrays the caller may keep and change), one
         tensor at a time, each tensor's running sum released as its result comes out
-        (:meth:`PayloadSum.take`). The sum is empty afterwards; ``count`` stays."""
+        (:meth:`PayloadSum.take`). The sum is empty afterwards; ``count`` and ``weight``
+        stay."""
         for name, acc in self.sums.items():
             yield name, acc.take()
 
 
-# Weightings whose tiers fold exactly sum_i w_i x_i with w_i the header's weight. FedNova
-# is left out: its root step pairs the mean update with the mean of a metric weighted
-# by the same (uncapped) weights, which capping the update's weights would skew.
-COMPRESSED_WEIGHTINGS = ("examples", "steps", "uniform")
+def sums_compressed(cfg: RunConfig, codec: Codec | None = None) -> bool:
+    """Whether a tier sums its direct clients' uploads in the compressed domain.
 
+    Decided by the tier from the run's config alone; clients encode their plain update
+    either way. A tier sums in the compressed domain when ``compressed_aggregation`` is
+    "auto", secure aggregation is off (it has its own, pre-scaled sums) and the codec is
+    linear. The tier then adds each payload times its header's weight ``w_i``
+    (:class:`UpdateSum`), which is what the decode path's accumulator folds, for every
+    weighting. That includes FedNova: its tiers fold ``sum_i p_i d_i`` with ``p_i`` the
+    header's weight and the metric ``fednova_tau`` from the header, as on the decode
+    path; only the root rescales.
 
-def compressed_weight_scale(cfg: RunConfig, codec: Codec | None = None) -> float | None:
-    """The weight scale ``S`` of a run that aggregates in the compressed domain, or None.
-
-    The one decision that a client (which pre-scales) and its tier (which sums codes)
-    must agree on, made from the run's config alone. A run aggregates in the compressed
-    domain when ``compressed_aggregation`` is "auto", secure aggregation is off, the
-    weighting is a plain weighted sum (:data:`COMPRESSED_WEIGHTINGS`) and the codec is
-    linear. Then a client with weight ``w`` encodes ``(min(w, S) / S) * x`` -- secure
-    aggregation's pre-scaling and cap, ``S = secure_aggregation.weight_scale`` -- and the
-    tier's partial is ``S * sum`` with weight ``sum min(w, S)``. With uniform weighting
-    every weight is 1 and ``S = 1``: clients send ``x`` unscaled.
+    Codecs whose payloads add exactly only unweighted -- integer codes, qsgd with a fixed
+    ``scale`` alone or inside randk (:attr:`Algebra.weighted_sums` is False) -- take this
+    path only under ``weighting = "uniform"``, where every weight is 1; under any other
+    weighting their uploads are decoded and then accumulated.
     """
     if cfg.compressed_aggregation == "off" or cfg.secure_aggregation.enabled:
-        return None
-    if cfg.cohort.weighting not in COMPRESSED_WEIGHTINGS:
-        return None
+        return False
     if codec is None:
         from orchard.compression.registry import build_codec
 
         codec = build_codec(cfg.codec)
     if not codec.algebra.linear:
-        return None
-    return 1.0 if cfg.cohort.weighting == "uniform" else cfg.secure_aggregation.weight_scale
+        return False
+    return codec.algebra.weighted_sums or cfg.cohort.weighting == "uniform"
 
 
 def sum_payloads(

@@ -50,6 +50,15 @@ class Algebra:
     unbiased: bool
     needs_num_summands: bool
 
+    @property
+    def weighted_sums(self) -> bool:
+        """Payloads of one tensor add with real weights ``w_i`` in the compressed domain:
+        the codec is linear and decoding a sum does not depend on how many payloads it
+        sums. A codec whose decode needs ``num_summands`` (qsgd with a fixed scale, alone
+        or inside randk) carries an offset per summand in integer codes: its payloads add
+        exactly only unweighted, and a weighted sum has no summand count to decode with."""
+        return self.linear and not self.needs_num_summands
+
 
 @runtime_checkable
 class Codec(Protocol):

@@ -105,11 +105,13 @@ class RunConfig(_Strict):
     # default: clients then train from a reconstruction, not the exact global model.
     downlink_delta: bool = False
     secure_aggregation: SecureAggregationConfig = SecureAggregationConfig()
-    # "auto": when the codec is linear, the weighting a plain weighted sum (examples,
-    # steps, uniform) and secure aggregation off, clients pre-scale their update by
-    # min(w, S) / S (S = secure_aggregation.weight_scale; weights above S are capped) and
-    # the lowest tier sums payloads without decoding them
-    # (orchard.compression.compressed_weight_scale). "off": tiers decode every update.
+    # "auto": when the codec is linear and secure aggregation is off, the lowest tier
+    # sums its direct clients' payloads without decoding them, weighting each by its
+    # header's weight itself (clients send their plain update; no weight is capped):
+    # the same weighted sum as decoding. Integer codes (qsgd with a fixed scale, alone
+    # or inside randk) add exactly only unweighted, so they take that path only under
+    # weighting "uniform" and are decoded otherwise
+    # (orchard.compression.sums_compressed). "off": tiers decode every update.
     compressed_aggregation: Literal["auto", "off"] = "auto"
     server_optimizer: ServerOptimizerConfig = ServerOptimizerConfig()
     eligibility: EligibilityConfig = EligibilityConfig()

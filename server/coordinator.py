@@ -14,12 +14,12 @@ Per round a coordinator:
      payload (sha256, decode -- or, summing in the compressed domain, parse -- and
      finite values) before anything is folded;
   4. folds accepted uploads into one float64 accumulator (O(model) memory), one fold
-     at a time. When the run sums in the compressed domain (a linear codec, a plain
-     weighted sum, no secure aggregation: ``compressed_weight_scale``), direct clients'
-     payloads, pre-scaled by their weights, are added without decoding into one
-     ``PayloadSum`` per tensor instead (``CompressedCohort``), decoded once into the
-     accumulator when the round's outcome is read; partials from below and secure
-     cohorts' sums always go to the accumulator;
+     at a time. When the run sums in the compressed domain (a linear codec, no secure
+     aggregation; integer codes only under uniform weighting: ``sums_compressed``),
+     direct clients' payloads are added without decoding, each times its header's
+     weight, into one ``PayloadSum`` per tensor instead (``CompressedCohort``), decoded
+     once into the accumulator when the round's outcome is read; partials from below
+     and secure cohorts' sums always go to the accumulator;
   5. closes when the target is reached, when every selected child has delivered or
      dropped, or at the deadline, and returns a ``RoundOutcome``.
 
@@ -43,13 +43,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchard.aggregation import Accumulator, MetricSums, Partial, capped_weight
+from orchard.aggregation import Accumulator, MetricSums, Partial
 from orchard.compression import (
     CheckedPayload,
     NonFiniteError,
     UpdateSum,
     build_codec,
-    compressed_weight_scale,
+    sums_compressed,
 )
 from orchard.config import RunConfig, ServerConfig
 from orchard.errors import (
@@ -141,19 +141,21 @@ class CheckedUpload:
 class CompressedCohort:
     """A round's direct-client updates summed in the compressed domain.
 
-    Used when the run's config says so (``compressed_weight_scale``): every client sent
-    ``(min(w, S) / S) * x`` with its weight ``w`` in the clear, so the payloads add
-    without decoding (one ``PayloadSum`` per tensor) and the cohort's partial is ``S``
-    times their decoded sum, with weight ``sum min(w, S)``. ``check`` only reads and runs
-    in the decode pool; ``fold`` runs in the fold pool, one at a time, like the
+    Used when the run's config says so (``sums_compressed``). Every client sent its
+    plain update ``x_i`` with its weight ``w_i`` in the clear; the payloads add without
+    decoding (one ``PayloadSum`` per tensor), each times ``w_i``, so the cohort's
+    partial is their decoded weighted sum ``sum_i w_i x_i`` with weight ``sum_i w_i``:
+    what the accumulator of the decode path holds. Integer codes (qsgd with a fixed
+    scale) add only unweighted; such a run comes here only under uniform weighting, and
+    an upload whose header weight is not 1 is refused. ``check`` only reads and runs in
+    the decode pool; ``fold`` runs in the fold pool, one at a time, like the
     accumulator's fold."""
 
-    def __init__(self, task: RoundTask, weight_scale: float) -> None:
+    def __init__(self, task: RoundTask) -> None:
         self.codec = build_codec(task.config.codec)
-        self.weight_scale = weight_scale
+        self.unit_weights = not self.codec.algebra.weighted_sums  # integer codes: every weight is 1
         self.shapes = {s.name: tuple(s.shape) for s in task.schema}
         self.sums = UpdateSum(self.codec, self.shapes, task.shared_seed)
-        self.weight = 0.0
         self.metrics = MetricSums()
         self.merged = False  # folded into the round's accumulator (at most once)
 
@@ -161,9 +163,16 @@ class CompressedCohort:
     def count(self) -> int:
         return self.sums.count
 
+    @property
+    def weight(self) -> float:
+        return self.sums.weight
+
     def check(self, h: UploadHeader, payload: bytes | bytearray) -> CheckedUpload:
         """Parse every tensor's payload and check it as decoding would: the codec's layout
         and shape (CodecError), finite values (UpdateSchemaError). Nothing is summed."""
+        if self.unit_weights and h.weight != 1.0:
+            raise UpdateSchemaError(f"this round weighs every update 1 (uniform weighting), "
+                                    f"the header says {h.weight}")
         try:
             parts = dict(zip(self.shapes, split(payload, h.payload_sizes), strict=True))
             return CheckedUpload(self.sums.check(parts))
@@ -177,17 +186,13 @@ class CompressedCohort:
     def fold(self, h: UploadHeader, up: CheckedUpload) -> None:
         if self.merged:  # the outcome was read: nothing may join the sum after that
             raise RoundClosedError("the round's outcome was already read; late uploads are refused")
-        self.sums.add(up.parts)  # refuses before it changes anything
-        self.weight += capped_weight(h.weight, self.weight_scale)
+        self.sums.add(up.parts, h.weight)  # refuses before it changes anything
         self.metrics.merge(MetricSums(dict(h.metric_sums), dict(h.metric_weights)))
 
     def partial(self) -> Partial:
-        """``S`` times the decoded sum (float64), with the capped weights' sum. Drains the
-        compressed sums tensor by tensor, so this runs once."""
-        sums = {}
-        for k, v in self.sums.drain():
-            v *= self.weight_scale
-            sums[k] = v
+        """The decoded weighted sum (float64) with the weights' sum. Drains the compressed
+        sums tensor by tensor, so this runs once."""
+        sums = dict(self.sums.drain())
         return Partial(sums=sums, weight=self.weight, count=self.count, metrics=self.metrics)
 
 
@@ -198,7 +203,9 @@ class CohortRound:
         self.task = task
         self.started = now
         self.acc = Accumulator(list(task.schema))
-        self.compressed: CompressedCohort | None = None  # direct clients' sum, when the run sums codes
+        # Direct clients' weighted sum in the compressed domain, when the run takes that
+        # path (None: every client update is decoded, then accumulated).
+        self.compressed: CompressedCohort | None = None
         # The secure cohort's unmasked sum, waiting to be folded with the round's outcome:
         # the loop thread must not add into the accumulator while the fold pool does.
         self.secure_sum: Partial | None = None
@@ -353,9 +360,8 @@ class Coordinator:
             # (only when deltas are on: each base is one more model in memory).
             self.downlink.remember(prev.task.model_hash, prev.task.model_blob)
         cr = CohortRound(task, self._mono())
-        weight_scale = compressed_weight_scale(task.config)
-        if weight_scale is not None:
-            cr.compressed = CompressedCohort(task, weight_scale)
+        if sums_compressed(task.config):
+            cr.compressed = CompressedCohort(task)
         self.current = cr
         self._select(cr)
         if task.config.secure_aggregation.enabled:

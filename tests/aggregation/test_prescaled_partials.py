@@ -1,5 +1,5 @@
-"""Pre-scaled updates (secure and compressed-domain aggregation) and the accumulator that
-takes a cohort's partial whole."""
+"""Pre-scaled updates (secure aggregation only: its field holds plain sums) and the
+accumulator that takes a cohort's partial whole."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from orchard.typing import TensorSpec
 SCHEMA = [TensorSpec("a", (3,), "float32"), TensorSpec("b", (2, 2), "float32")]
 
 
-def test_prescaled_sums_give_the_capped_weighted_mean() -> None:
+def test_secure_prescaled_sums_give_the_capped_weighted_mean() -> None:
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal(5) for _ in range(4)]
     weights, scale = [2.0, 50.0, 1000.0, 2500.0], 1000.0

@@ -1,6 +1,7 @@
 """What a tier needs to sum payloads without decoding them: a bound on what a payload
-decodes to (checked as decode would), sums that refuse a bad payload and change nothing,
-memory that stays one dense tensor, and the run-level decision to sum codes at all."""
+decodes to (checked as decode would), weighted sums that equal the weighted sum of the
+decodes, sums that refuse a bad payload and change nothing, memory that stays one dense
+tensor, and the run-level decision to sum codes at all."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from orchard.compression import (
     UpdateMismatchError,
     UpdateSum,
     build_codec,
-    compressed_weight_scale,
     encode_update,
+    sums_compressed,
 )
-from orchard.compression.aggregate import FLOAT32_MAX, UINT32_MAX
+from orchard.compression.aggregate import FLOAT32_MAX, UINT32_MAX, add_weighted
 from orchard.compression.update import tensor_seed
 from orchard.compression.wire import EncodedTensor, Field, parse_payload
 from orchard.config import CodecSpec, CohortConfig, RunConfig, SecureAggregationConfig
@@ -220,27 +221,169 @@ def test_update_sum_folds_a_whole_update_or_nothing() -> None:
         np.testing.assert_allclose(total.result()[k], want, rtol=1e-5, atol=1e-6)
 
 
+# ---------------------------------------------------------------------- weighted sums
+
+WEIGHTED = [n for n, s in SPECS.items() if build_codec(s).algebra.weighted_sums]
+INTEGER_CODES = [n for n in LINEAR if n not in WEIGHTED]
+
+
+def test_which_codecs_add_with_weights() -> None:
+    """Float coordinates and decoded payloads take real weights; integer codes do not."""
+    assert set(WEIGHTED) == {"float32", "randk", "randk-biased", "powersgd", "ef-powersgd"}
+    assert set(INTEGER_CODES) == {"qsgd8-fixed", "randk+qsgd-fixed"}
+
+
+@pytest.mark.parametrize("name", WEIGHTED)
+@given(xs=cohorts(), raw=st.lists(st.floats(0.01, 5000.0), min_size=4, max_size=4))
+def test_a_weighted_sum_is_the_weighted_sum_of_the_decodes(
+    name: str, xs: list[np.ndarray], raw: list[float]
+) -> None:
+    codec = build_codec(SPECS[name])
+    shape = xs[0].shape
+    weights = raw[: len(xs)]
+    payloads = _encode(name, xs)
+    acc = PayloadSum(codec, shape, 11)
+    for p, w in zip(payloads, weights, strict=True):
+        acc.accumulate(p, w)
+    want = sum(w * codec.decode(p, shape, 1, 11).astype(np.float64)
+               for p, w in zip(payloads, weights, strict=True))
+    scale = float(np.abs(want).max(initial=0.0))
+    # One float32 rounding of the sum (the compressed sum's payload holds float32 values).
+    np.testing.assert_allclose(acc.result(np.float64), want, rtol=0, atol=2e-7 * scale + 1e-30)
+    assert acc.weight == pytest.approx(sum(weights)) and acc.count == len(xs)
+    assert acc.bound >= scale * (1 - 1e-6)
+
+
+def test_weighted_float_coordinates_match_the_decode_paths_accumulator() -> None:
+    """The float64 coordinate sum is the accumulator's sum: each product w * x in float64,
+    added in the same order -- bit for bit before the one rounding to float32."""
+    codec = build_codec(SPECS["float32"])
+    rng = np.random.default_rng(6)
+    xs = [rng.standard_normal(500).astype(np.float32) for _ in range(7)]
+    weights = [3.0, 5000.0, 0.37, 1234.5, 1.0, 77.0, 1e-3]
+    acc = PayloadSum(codec, (500,))
+    ref = np.zeros(500, np.float64)
+    for x, w in zip(xs, weights, strict=True):
+        acc.accumulate(codec.encode(x, rng)[0], w)
+        np.add(ref, np.multiply(x, w, dtype=np.float64), out=ref)
+    assert acc.coords is not None
+    np.testing.assert_array_equal(acc.coords, ref)
+    np.testing.assert_array_equal(acc.result(), ref.astype(np.float32))
+
+
+@pytest.mark.parametrize("name", ["float32", "randk", "powersgd"])
+def test_a_weighted_sum_does_not_depend_on_the_order_of_its_payloads(name: str) -> None:
+    rng = np.random.default_rng(8)
+    xs = [(rng.standard_normal((30, 20)) * 10.0 ** rng.integers(-3, 3)).astype(np.float32) for _ in range(30)]
+    weights = [float(w) for w in rng.integers(1, 5000, 30)]
+    payloads = _encode(name, xs)
+    codec = build_codec(SPECS[name])
+    results = []
+    for order in (range(30), reversed(range(30)), rng.permutation(30)):
+        acc = PayloadSum(codec, (30, 20), 11)
+        for i in order:
+            acc.accumulate(payloads[i], weights[i])
+        results.append(acc.result())
+    for r in results[1:]:
+        np.testing.assert_allclose(r, results[0], rtol=2e-7, atol=0)
+
+
+@pytest.mark.parametrize("name", INTEGER_CODES)
+def test_integer_codes_refuse_a_weight_and_the_sum_is_unchanged(name: str) -> None:
+    codec = build_codec(SPECS[name])
+    shape = (12, 9)
+    rng = np.random.default_rng(2)
+    p1, p2 = _encode(name, [rng.standard_normal(shape).astype(np.float32) for _ in range(2)])
+    acc = PayloadSum(codec, shape, 11)
+    acc.accumulate(p1)
+    before = acc.result()
+    with pytest.raises(CodecError, match="only unweighted"):
+        acc.accumulate(p2, 2.0)
+    assert (acc.count, acc.weight, acc.compressed_count) == (1, 1.0, 1)
+    np.testing.assert_array_equal(acc.result(), before)
+    acc.accumulate(p2, 1.0)  # weight 1 adds exactly, as before
+    assert acc.compressed_count == 2
+
+
+@pytest.mark.parametrize("weight", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_weight_that_is_not_positive_and_finite_is_refused(weight: float) -> None:
+    codec = build_codec(SPECS["float32"])
+    acc = PayloadSum(codec, (4,))
+    with pytest.raises(CodecError, match="positive and finite"):
+        acc.accumulate(codec.encode(np.ones(4, np.float32), np.random.default_rng(0))[0], weight)
+    assert acc.count == 0 and acc.coords is None
+
+
+@pytest.mark.parametrize("name", ["float32", "powersgd"])
+def test_the_overflow_guard_weighs_the_summand(name: str) -> None:
+    """A payload within float32's range is refused once its weight could take the sum out."""
+    codec = build_codec(SPECS[name])
+    shape = (4, 3)
+    big = _encode(name, [np.full(shape, 1e36, np.float32)])[0]
+    acc = PayloadSum(codec, shape, 11)
+    acc.accumulate(big, 10.0)  # up to ~1e37 (PowerSGD: its bound r |P| |Q| is looser)
+    before, bound = acc.result(), acc.bound
+    with pytest.raises(CodecError, match="float32's range"):
+        acc.accumulate(big, 1e3)
+    assert acc.count == 1 and acc.bound == bound
+    np.testing.assert_array_equal(acc.result(), before)
+
+
+def test_update_sum_weighs_a_whole_update_or_refuses_it_whole() -> None:
+    codec = build_codec(SPECS["float32"])
+    shapes = {"a": (5,), "b": (2, 2)}
+    ups = [{"a": np.ones(5, np.float32), "b": np.ones((2, 2), np.float32)},
+           {"a": np.ones(5, np.float32), "b": np.full((2, 2), 3e36, np.float32)}]
+    total = UpdateSum(codec, shapes, 5)
+    total.add(total.check(encode_update(codec, ups[0], np.random.default_rng(0), None, 5)[0]), 4.0)
+    with pytest.raises(CodecError, match="tensor 'b'.*float32's range"):
+        total.add(total.check(encode_update(codec, ups[1], np.random.default_rng(0), None, 5)[0]), 500.0)
+    assert (total.count, total.weight) == (1, 4.0)
+    np.testing.assert_array_equal(total.result()["a"], np.full(5, 4.0, np.float32))
+    drained = dict(total.drain())
+    np.testing.assert_array_equal(drained["b"], np.full((2, 2), 4.0))
+    assert (total.count, total.weight) == (1, 4.0)  # both stay after a drain
+
+
+def test_a_weighted_add_allocates_no_temporary_the_size_of_the_tensor() -> None:
+    import tracemalloc
+
+    x = np.random.default_rng(0).standard_normal(1 << 20).astype(np.float32)  # 4 MiB
+    acc = np.zeros(x.size, np.float64)  # 8 MiB
+    add_weighted(acc, x, 3.5)  # the per-thread scratch is allocated once, here
+    tracemalloc.start()
+    try:
+        add_weighted(acc, x, 0.25)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak  # far below one float64 copy (8 MiB)
+    np.testing.assert_array_equal(acc, 3.75 * x.astype(np.float64))
+
+
+# ---------------------------------------------------------------------- the run's decision
+
 def _cfg(codec: dict, weighting: str = "examples", **kw: object) -> RunConfig:
     return RunConfig(codec=CodecSpec(**codec), cohort=CohortConfig(weighting=weighting), **kw)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("name", list(SPECS))
-def test_the_run_sums_codes_exactly_when_the_codec_is_linear(name: str) -> None:
+def test_the_run_sums_in_the_compressed_domain_when_the_codec_is_linear(name: str) -> None:
+    """Under every weighting for float coordinates and decoded payloads; integer codes
+    only under uniform weighting (every weight 1); never for non-linear codecs."""
     spec = SPECS[name].model_dump()
-    want = 1000.0 if name in LINEAR else None
-    assert compressed_weight_scale(_cfg(spec)) == want
-    assert compressed_weight_scale(_cfg(spec, "steps")) == want
-    assert compressed_weight_scale(_cfg(spec, "uniform")) == (None if want is None else 1.0)
+    for weighting in ("examples", "steps", "uniform", "fednova"):
+        want = name in WEIGHTED or (name in INTEGER_CODES and weighting == "uniform")
+        assert sums_compressed(_cfg(spec, weighting)) is want, weighting
 
 
-def test_fednova_secure_aggregation_and_off_decode_every_update() -> None:
+def test_secure_aggregation_and_off_decode_every_update() -> None:
     f32 = {"name": "float32"}
-    assert compressed_weight_scale(_cfg(f32, "fednova")) is None
-    assert compressed_weight_scale(_cfg(f32, compressed_aggregation="off")) is None
+    assert sums_compressed(_cfg(f32, compressed_aggregation="off")) is False
     secure = SecureAggregationConfig(enabled=True)
-    assert compressed_weight_scale(_cfg(f32, secure_aggregation=secure)) is None
-    scaled = SecureAggregationConfig(weight_scale=64.0)
-    assert compressed_weight_scale(_cfg(f32, secure_aggregation=scaled)) == 64.0
+    assert sums_compressed(_cfg(f32, secure_aggregation=secure)) is False
+    # The secure aggregation's weight scale no longer has a say outside it.
+    assert sums_compressed(_cfg(f32, secure_aggregation=SecureAggregationConfig(weight_scale=64.0))) is True
 
 
 def test_the_setting_validates_and_travels_in_the_run_config() -> None:

@@ -1,6 +1,7 @@
 """Tiers that sum payloads in the compressed domain give the model that decoding every
-update gives, refuse what decoding would refuse without touching the sum, weight
-exactly (capped at ``weight_scale``), and leave non-linear codecs on the decode path.
+update gives, weight every update exactly by its header's weight (nothing is capped),
+refuse what decoding would refuse without touching the sum, and leave non-linear codecs
+-- and integer codes under weighted modes -- on the decode path.
 
 Most tests drive one coordinator in-process (``submit_local``, the simulator's entry),
 with uploads built by the client's own ``build_upload``; the last ones run the
@@ -20,6 +21,7 @@ import pytest
 
 from orchard import wire
 from orchard.aggregation import finalize
+from orchard.client.edge import fednova_update, with_fednova_tau
 from orchard.client.update import build_upload
 from orchard.compression import build_codec, decode_update, encode_update
 from orchard.config import CodecSpec, CohortConfig, RunConfig, SecureAggregationConfig, ServerConfig
@@ -45,6 +47,8 @@ CODECS: dict[str, dict[str, Any]] = {
     "powersgd": {"name": "powersgd", "params": {"rank": 2}},
     "ef-randk": {"name": "error_feedback", "params": {"codec": {"name": "randk", "params": {"fraction": 0.2}}}},
 }
+# Integer codes add exactly only unweighted: compressed under uniform weighting only.
+INTEGER_CODES = ("qsgd8-fixed", "randk+qsgd-fixed")
 NOT_LINEAR: dict[str, dict[str, Any]] = {
     "qsgd8": {"name": "qsgd", "params": {"bits": 8}},
     "qsgd4-block64": {"name": "qsgd", "params": {"bits": 4, "block": 64}},
@@ -91,11 +95,15 @@ class Tier:
             self.tasks[node] = t
 
     def upload(self, i: int, delta: NDArrays, weight: float, steps: int = 1) -> tuple[UploadHeader, bytes]:
+        """What client ``i`` sends (as the client runtime builds it, FedNova included)."""
         node = self.nodes[i]
         result = TrainResult(arrays={}, weight=weight, num_examples=max(1, int(weight)), num_steps=steps,
                              metrics={"train_loss": float(i)})
+        tau = None
+        if self.cfg.cohort.weighting == "fednova":
+            delta, result, tau = fednova_update(delta, result, self.cfg.train)
         h, p, _ = build_upload(self.tasks[node], self.cfg, self.codec, node, delta, result, seed=i, states=None)
-        return h, p
+        return (h if tau is None else with_fednova_tau(h, tau)), p
 
     def submit(self, h: UploadHeader, p: bytes) -> None:
         self.coord.submit_local(h.node_id, h, p)
@@ -128,50 +136,103 @@ def _weighted_mean(deltas: list[NDArrays], weights: list[float]) -> NDArrays:
 WEIGHTS = [12.0, 40.0, 7.0, 150.0, 33.0, 90.0, 5.0, 61.0]
 
 
+def _compressed(name: str, weighting: str) -> bool:
+    """The path a tier takes for ``CODECS[name]`` under ``weighting`` (compression "auto")."""
+    return name not in INTEGER_CODES or weighting == "uniform"
+
+
+def _decoded(tier: Tier, uploads: list[tuple[UploadHeader, bytes]]) -> list[NDArrays]:
+    """Every payload decoded as sent: the reference for a lossy codec."""
+    return [decode_update(tier.codec, dict(zip(SHAPES, split(p, h.payload_sizes), strict=True)), SHAPES,
+                          1, SEED) for h, p in uploads]
+
+
 @pytest.mark.parametrize("name", list(CODECS))
-@pytest.mark.parametrize("weighting", ["examples", "uniform"])
+@pytest.mark.parametrize("weighting", ["examples", "steps", "uniform"])
 def test_compressed_sum_equals_decode_then_accumulate(name: str, weighting: str) -> None:
-    """Same uploads (the clients' own build_upload), both paths: equal to 2e-6 of the
-    largest mean element -- float32 summation -- except quantised values pre-scaled by
-    different weights, which are within their quantisation steps (below)."""
+    """Same uploads (the clients' own build_upload: unscaled), both paths: equal to 1e-6
+    of the largest mean element (the compressed sum is rounded to float32 once). Float
+    coordinates and PowerSGD take the compressed path under every weighting; integer
+    codes only under uniform weighting, and are decoded then accumulated otherwise."""
     deltas = _updates(8)
     weights = WEIGHTS if weighting == "examples" else [1.0] * 8
+    steps = [3, 1, 8, 2, 5, 13, 1, 4] if weighting == "steps" else [1] * 8
     on, off = Tier(_cfg(CODECS[name], "auto", weighting), 8), Tier(_cfg(CODECS[name], "off", weighting), 8)
-    assert on.cr.compressed is not None and off.cr.compressed is None
-    got, want = on.run(deltas, weights), off.run(deltas, weights)
+    assert (on.cr.compressed is not None) == _compressed(name, weighting) and off.cr.compressed is None
+    for i in range(8):
+        for tier in (on, off):
+            tier.submit(*tier.upload(i, deltas[i], weights[i], steps[i]))
+    got, want = on.coord.outcome(on.cr), off.coord.outcome(off.cr)
+    if on.cr.compressed is not None:
+        assert on.cr.compressed.count == 8  # every upload went through the compressed sum
     assert got.partial.count == want.partial.count == 8
-    assert got.partial.weight == pytest.approx(want.partial.weight)
+    assert got.partial.weight == want.partial.weight
     assert got.partial.metrics.means() == pytest.approx(want.partial.metrics.means())
-    quantised = "qsgd" in name
-    if not quantised or weighting == "uniform":  # uniform: S = 1, the very same payloads
-        _assert_close(_mean(got), _mean(want), 2e-6)
-    else:
-        # Each client's quantisation error is below one step 2s/L (scaled by d/k for randk);
-        # pre-scaled by c_i = w_i / S, the cohort's errors add up to at most S n step / W.
-        step = 2 * QSGD_SCALE / 255 * (1 / 0.3 if "randk" in name else 1.0)
-        bound = step * (1 + 1000.0 * 8 / sum(weights))
-        exact = _weighted_mean(deltas, weights)
-        for k in SHAPES:
-            assert np.abs(_mean(got)[k] - _mean(want)[k]).max() <= bound
-            assert np.abs(_mean(got)[k] - exact[k]).max() <= step * 1000.0 * 8 / sum(weights)
+    _assert_close(_mean(got), _mean(want), 1e-6)
 
 
-@pytest.mark.parametrize("name", ["float32", "randk", "powersgd"])
-def test_weighted_mean_is_exact_with_weights_capped_at_weight_scale(name: str) -> None:
-    """Clients with different example counts: the mean weights each by min(w, S), S = 1000."""
-    deltas = _updates(6, seed=3)
-    weights = [3.0, 250.0, 999.0, 4000.0, 1000.0, 17.5]
-    capped = [min(w, 1000.0) for w in weights]
-    on, off = Tier(_cfg(CODECS[name], "auto", n=6), 6), Tier(_cfg(CODECS[name], "off", n=6), 6)
-    got = on.run(deltas, weights)
-    off_cfg_capped = off.run(deltas, capped)  # the decode path with the capped weights
-    assert got.partial.weight == pytest.approx(sum(capped))
-    _assert_close(_mean(got), _mean(off_cfg_capped), 2e-6)
-    if name == "float32":
-        _assert_close(_mean(got), _weighted_mean(deltas, capped), 2e-6)
-        # and not the uncapped mean: the 4000-example client counts for 1000
-        uncapped = _weighted_mean(deltas, weights)
-        assert max(np.abs(_mean(got)[k] - uncapped[k]).max() for k in SHAPES) > 1e-4
+@pytest.mark.parametrize("name", ["float32", "randk", "powersgd", "ef-randk"])
+def test_weights_are_not_capped(name: str) -> None:
+    """Clients with very different example counts: each counts with its own weight, a
+    client with 5000 examples counts 5000 (the secure aggregation's weight_scale, 1000
+    by default, has no say here)."""
+    deltas = _updates(7, seed=3)
+    weights = [3.0, 250.0, 999.0, 5000.0, 1000.0, 17.5, 12_000.0]
+    on, off = Tier(_cfg(CODECS[name], "auto", n=7), 7), Tier(_cfg(CODECS[name], "off", n=7), 7)
+    uploads = [on.upload(i, d, w) for i, (d, w) in enumerate(zip(deltas, weights, strict=True))]
+    for h, p in uploads:
+        assert h.weight in weights
+        on.submit(h, p)
+    got = on.coord.outcome(on.cr)
+    assert on.cr.compressed is not None and on.cr.compressed.count == 7
+    assert got.partial.weight == sum(weights)
+    # A plain numpy reference: the exact weighted mean of what the clients sent.
+    want = _weighted_mean(deltas if name == "float32" else _decoded(on, uploads), weights)
+    _assert_close(_mean(got), want, 3e-7)
+    _assert_close(_mean(got), _mean(off.run(deltas, weights)), 1e-6)
+    capped = _weighted_mean(deltas if name == "float32" else _decoded(on, uploads),
+                            [min(w, 1000.0) for w in weights])
+    assert max(np.abs(_mean(got)[k] - capped[k]).max() for k in SHAPES) > 1e-4
+
+
+def test_a_client_with_5000_examples_counts_5000() -> None:
+    tier = Tier(_cfg(CODECS["float32"], "auto", n=2), 2)
+    ones = {k: np.ones(s, np.float32) for k, s in SHAPES.items()}
+    out = tier.run([ones, {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}], [5000.0, 1.0])
+    assert out.partial.weight == 5001.0
+    for v in _mean(out).values():
+        np.testing.assert_allclose(v, np.float32(5000.0 / 5001.0), rtol=1e-7)
+
+
+@pytest.mark.parametrize("name", INTEGER_CODES)
+@pytest.mark.parametrize("weighting", ["examples", "steps", "fednova"])
+def test_integer_codes_under_weighted_modes_take_the_decode_path(name: str, weighting: str) -> None:
+    """Their codes cannot be weighted exactly: each upload is decoded and accumulated with
+    its full weight, as with compression off."""
+    deltas = _updates(8, seed=2)
+    tier = Tier(_cfg(CODECS[name], "auto", weighting), 8)
+    assert tier.cr.compressed is None
+    uploads = [tier.upload(i, d, w, steps=i + 1) for i, (d, w) in enumerate(zip(deltas, WEIGHTS, strict=True))]
+    for h, p in uploads:
+        tier.submit(h, p)
+    out = tier.coord.outcome(tier.cr)
+    ws = [h.weight for h, _ in uploads]
+    assert out.partial.weight == pytest.approx(sum(ws))
+    _assert_close(_mean(out), _weighted_mean(_decoded(tier, uploads), ws), 1e-6)
+
+
+def test_integer_codes_refuse_a_weight_other_than_1_and_the_sum_is_untouched() -> None:
+    tier = Tier(_cfg(CODECS["qsgd8-fixed"], "auto", "uniform", n=3), 3)
+    deltas = _updates(3, seed=4)
+    tier.submit(*tier.upload(0, deltas[0], 1.0))
+    count, weight, sums, _ = _state(tier)
+    h, p = tier.upload(1, deltas[1], 1.0)
+    with pytest.raises(UpdateSchemaError, match="uniform weighting"):
+        tier.submit(dataclasses.replace(h, weight=2.0), p)
+    c2, w2, s2, r2 = _state(tier)
+    assert (c2, w2) == (count, weight) == (1, 1.0) and r2 == {"UpdateSchemaError": 1}
+    for k in SHAPES:
+        np.testing.assert_array_equal(s2[k], sums[k])
 
 
 def test_steps_weighting_weights_by_steps() -> None:
@@ -201,10 +262,31 @@ def test_non_linear_codecs_take_the_decode_path_and_still_work(name: str) -> Non
     _assert_close(_mean(tier.coord.outcome(tier.cr)), _weighted_mean(decoded, WEIGHTS), 1e-6)
 
 
-def test_secure_aggregation_and_fednova_runs_keep_the_decode_path() -> None:
-    assert Tier(_cfg(CODECS["float32"], weighting="fednova"), 2).cr.compressed is None
+def test_secure_aggregation_keeps_the_decode_path() -> None:
     secure = _cfg(CODECS["float32"], secure_aggregation=SecureAggregationConfig(enabled=True))
     assert Tier(secure, 4).cr.compressed is None
+
+
+@pytest.mark.parametrize("name", ["float32", "randk", "powersgd"])
+def test_fednova_sums_in_the_compressed_domain_and_gives_the_same_step(name: str) -> None:
+    """FedNova's tiers fold sum_i p_i d_i with p_i the header's weight, and the metric
+    fednova_tau from the header: the compressed path folds exactly that, so the root's
+    step (mean update times tau_eff) is the decode path's."""
+    from orchard.server.root import fednova_rescale
+
+    deltas = _updates(6, seed=21)
+    weights, steps = [40.0, 7.0, 2500.0, 90.0, 12.0, 300.0], [5, 1, 20, 8, 3, 11]
+    on, off = (Tier(_cfg(CODECS[name], mode, "fednova", n=6), 6) for mode in ("auto", "off"))
+    assert on.cr.compressed is not None and off.cr.compressed is None
+    for i in range(6):
+        for tier in (on, off):
+            tier.submit(*tier.upload(i, deltas[i], weights[i], steps[i]))
+    got, want = on.coord.outcome(on.cr), off.coord.outcome(off.cr)
+    assert on.cr.compressed.count == 6 and got.partial.weight == want.partial.weight == sum(weights)
+    (m_on, x_on), (m_off, x_off) = finalize(got.partial), finalize(want.partial)
+    assert x_on["fednova_tau"] == pytest.approx(x_off["fednova_tau"])
+    assert x_on["fednova_tau"] == pytest.approx(sum(w * s for w, s in zip(weights, steps, strict=True)) / sum(weights))
+    _assert_close(fednova_rescale(m_on, x_on), fednova_rescale(m_off, x_off), 1e-6)
 
 
 # ---------------------------------------------------------------------- bad uploads
@@ -258,7 +340,7 @@ def test_bad_payloads_are_refused_by_name_and_leave_the_sum_untouched(name: str)
     tier.submit(*tier.upload(0, deltas[0], 20.0))
     edge = 1.5e38 if name == "float32" else 1.5e38 * 0.2  # randk decodes kept values times d / k
     big = {k: np.full(s, edge, np.float32) for k, s in SHAPES.items()}  # finite, but near the edge
-    tier.submit(*_raw_upload(tier, 1, _encoded(tier, big), weight=1000.0))
+    tier.submit(*_raw_upload(tier, 1, _encoded(tier, big), weight=1.0))
     i = 2
     for label, err, match, payloads in _bad_cases(tier):
         count, weight, sums, rejected = _state(tier)
