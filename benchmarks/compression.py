@@ -12,12 +12,14 @@ factorises it) of Gaussian values, seeded.
 through ``Coordinator.submit_local`` -- the header checks, sha256, decode or parse,
 finite-value checks and fold that every upload costs -- and then reads the round's
 outcome, once decoding every update into the float64 accumulator
-(``compressed_aggregation = "off"``) and once summing payloads in the compressed
-domain ("auto"), for float32, randk 1% and 8-bit qsgd with a fixed scale. Uploads are
-built by the client's own ``build_upload`` (so they are pre-scaled where the run says
-so), 16 distinct ones per case reused under N node ids; building them is not timed.
-Peak memory is tracemalloc's peak over the fold, above what was allocated before it
-(the uploads). Written to ``PATH.tier.json`` with ``--json PATH``.
+(``compressed_aggregation = "off"``) and once with "auto", for float32 and randk 1%
+weighted by examples, and 8-bit qsgd with a fixed scale under uniform weighting (its
+integer codes add in the compressed domain only unweighted) and under weighting by
+examples (where "auto" decodes too: the row shows what that costs). Uploads are built
+by the client's own ``build_upload`` (plain updates: the tier applies the weights), 16
+distinct ones per case reused under N node ids; building them is not timed. Peak
+memory is tracemalloc's peak over the fold, above what was allocated before it (the
+uploads). Written to ``PATH.tier.json`` with ``--json PATH``.
 """
 
 from __future__ import annotations
@@ -205,15 +207,17 @@ def print_federated(rows: list[dict[str, object]]) -> None:
 TIER_SHAPES: dict[str, tuple[int, ...]] = {
     "layer1.weight": (1024, 768), "layer1.bias": (1024,), "layer2.weight": (256, 1024)}
 TIER_QSGD_SCALE = 0.05  # client deltas below are N(0, 0.01^2)
-TIER_CASES: list[tuple[str, dict[str, object]]] = [
-    ("float32", {"name": "float32"}),
-    ("randk-1%", {"name": "randk", "params": {"fraction": 0.01}}),
-    ("qsgd-8bit-fixed", {"name": "qsgd", "params": {"bits": 8, "scale": TIER_QSGD_SCALE}}),
+TIER_QSGD_FIXED: dict[str, object] = {"name": "qsgd", "params": {"bits": 8, "scale": TIER_QSGD_SCALE}}
+TIER_CASES: list[tuple[str, dict[str, object], str]] = [  # label, codec, weighting
+    ("float32", {"name": "float32"}, "examples"),
+    ("randk-1%", {"name": "randk", "params": {"fraction": 0.01}}, "examples"),
+    ("qsgd-8bit-fixed", TIER_QSGD_FIXED, "uniform"),
+    ("qsgd-8bit-fixed", TIER_QSGD_FIXED, "examples"),
 ]
 TIER_POOL = 16
 
 
-def _tier_fold(codec: dict[str, object], mode: str, uploads: int) -> dict[str, object]:
+def _tier_fold(codec: dict[str, object], mode: str, weighting: str, uploads: int) -> dict[str, object]:
     """One tier folds ``uploads`` client uploads, twice: timed, then under tracemalloc."""
     import gc
     import tracemalloc
@@ -229,7 +233,7 @@ def _tier_fold(codec: dict[str, object], mode: str, uploads: int) -> dict[str, o
     from orchard.wire import sha256_hex
 
     cfg = RunConfig(codec=CodecSpec.model_validate(codec), compressed_aggregation=mode,  # type: ignore[arg-type]
-                    cohort=CohortConfig(target=uploads, over_selection=1.0))
+                    cohort=CohortConfig(target=uploads, over_selection=1.0, weighting=weighting))  # type: ignore[arg-type]
     schema = tuple(TensorSpec(k, s, "float32") for k, s in TIER_SHAPES.items())
     task = RoundTask(run_id="bench", round=1, attempt=0, config=cfg, config_json=cfg.model_dump_json(),
                      model_blob=b"", model_hash="h", schema=schema, deadline_unix=time.time() + 3600,
@@ -287,17 +291,18 @@ def tier(uploads: int) -> list[dict[str, object]]:
     """Decode-then-accumulate vs compressed-domain sums at one tier, same uploads' inputs."""
     rows: list[dict[str, object]] = []
     params = sum(math.prod(s) for s in TIER_SHAPES.values())
-    for label, codec in TIER_CASES:
-        off = _tier_fold(codec, "off", uploads)
-        on = _tier_fold(codec, "auto", uploads)
-        assert on["compressed"] and not off["compressed"]
+    for label, codec, weighting in TIER_CASES:
+        off = _tier_fold(codec, "off", weighting, uploads)
+        on = _tier_fold(codec, "auto", weighting, uploads)
+        assert not off["compressed"]
         m_on, m_off = on["mean"], off["mean"]
         assert isinstance(m_on, dict) and isinstance(m_off, dict)
         diff = max(float(np.abs(m_on[k] - m_off[k]).max()) for k in m_off)
         peak = max(float(np.abs(v).max()) for v in m_off.values())
         sha = min(float(off["sha256_seconds"]), float(on["sha256_seconds"]))  # type: ignore[arg-type]
         rows.append({
-            "codec": label, "uploads": uploads, "params": params, "upload_bytes": on["upload_bytes"],
+            "codec": label, "weighting": weighting, "auto_path": "compressed" if on["compressed"] else "decode",
+            "uploads": uploads, "params": params, "upload_bytes": on["upload_bytes"],
             "decode_s": round(float(off["seconds"]), 3),  # type: ignore[arg-type]
             "compressed_s": round(float(on["seconds"]), 3),  # type: ignore[arg-type]
             "speedup": round(float(off["seconds"]) / float(on["seconds"]), 2),  # type: ignore[arg-type]
@@ -318,18 +323,21 @@ def print_tier(rows: list[dict[str, object]]) -> None:
     r0 = rows[0]
     print(f"one tier folds {r0['uploads']} uploads of a {r0['params']:,}-parameter model "
           "(checks, sha256, decode or parse, fold; then the round's outcome)")
-    head = (f"{'codec':<18}{'upload B':>11}{'decode s':>10}{'compr. s':>10}{'speedup':>9}{'sha256 s':>10}"
-            f"{'w/o sha':>9}{'decode MiB':>12}{'compr. MiB':>12}{'mem ratio':>11}{'rel. diff':>11}")
+    head = (f"{'codec':<18}{'weighting':<10}{'auto':<11}{'upload B':>11}{'decode s':>10}{'auto s':>10}"
+            f"{'speedup':>9}{'sha256 s':>10}"
+            f"{'w/o sha':>9}{'decode MiB':>12}{'auto MiB':>12}{'mem ratio':>11}{'rel. diff':>11}")
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['codec']!s:<18}{r['upload_bytes']:>11,}{r['decode_s']:>10.2f}{r['compressed_s']:>10.2f}"
+        print(f"{r['codec']!s:<18}{r['weighting']!s:<10}{r['auto_path']!s:<11}"
+              f"{r['upload_bytes']:>11,}{r['decode_s']:>10.2f}{r['compressed_s']:>10.2f}"
               f"{r['speedup']:>9.2f}{r['sha256_s']:>10.2f}{r['speedup_excluding_sha256']:>9.2f}"
               f"{r['decode_peak_mib']:>12.1f}{r['compressed_peak_mib']:>12.1f}"
               f"{r['memory_ratio']:>11.2f}{r['relative_difference']:>11.1e}")
-    print("speedup: decode s / compressed s; w/o sha: the same without the sha256 check both paths run; "
-          "MiB: tracemalloc peak over the fold; rel. diff: the two means' largest difference over the "
-          "largest mean element (qsgd: clients quantise pre-scaled updates on the compressed path)")
+    print("auto: the path compressed_aggregation = \"auto\" takes (integer codes are summed in the "
+          "compressed domain only under uniform weighting); speedup: decode s / auto s; w/o sha: the same "
+          "without the sha256 check both paths run; MiB: tracemalloc peak over the fold; rel. diff: the two "
+          "means' largest difference over the largest mean element")
 
 
 def main(argv: list[str] | None = None) -> None:
