@@ -9,7 +9,7 @@ the values it masks itself: ``orchard.client.secure``).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -18,14 +18,38 @@ from orchard.compression import Codec, encode_update
 from orchard.config import RunConfig
 from orchard.errors import UpdateSchemaError
 from orchard.messages import TaskAssignment, UploadHeader, UploadKind
+from orchard.seeds import derive_seed
 from orchard.trainer import TrainResult
 from orchard.typing import NDArrays
 from orchard.updates import pack
 
 
 def train_seed(run_seed: int, rnd: int, partition_id: int) -> int:
-    """Deterministic per (run seed, round, partition): same seed, same update."""
-    return int(np.random.default_rng([run_seed, rnd, partition_id]).integers(0, 2**31 - 1))
+    """Deterministic per (run seed, round, partition): same seed, same update. In
+    ``[0, 2**31 - 1)``."""
+    return derive_seed(run_seed, rnd, partition_id, bits=31) % (2**31 - 1)
+
+
+class _LazyGenerator:
+    """Stands in for ``np.random.default_rng(entropy)``, built on first attribute access:
+    most codecs draw nothing, and building a Generator costs more than encoding a small
+    update. A codec that draws gets the very stream the Generator would give."""
+
+    __slots__ = ("_entropy", "_rng")
+
+    def __init__(self, entropy: list[int]) -> None:
+        self._entropy = entropy
+        self._rng: np.random.Generator | None = None
+
+    def __getattr__(self, name: str) -> Any:  # only for names the slots do not hold
+        if self._rng is None:
+            self._rng = np.random.default_rng(self._entropy)
+        return getattr(self._rng, name)
+
+
+def upload_rng(seed: int) -> np.random.Generator:
+    """The encoder's randomness for an upload trained with ``seed`` (created lazily)."""
+    return cast(np.random.Generator, _LazyGenerator([seed, 0xC0DEC]))
 
 
 def weight_of(result: TrainResult, weighting: str) -> float:
@@ -59,8 +83,7 @@ def build_upload(t: TaskAssignment, cfg: RunConfig, codec: Codec, node_id: str, 
     """Encode ``delta`` with the run's codec (unscaled: the header carries the weight);
     returns header, payload and new codec state."""
     w = weight_of(result, cfg.cohort.weighting)
-    rng = np.random.default_rng([seed, 0xC0DEC])
-    payloads, new_states = encode_update(codec, delta, rng, states, t.shared_seed)
+    payloads, new_states = encode_update(codec, delta, upload_rng(seed), states, t.shared_seed)
     payload, sizes = pack([payloads[s.name] for s in t.schema])
     metric_w = float(max(result.num_examples, 1))
     metrics = {k: float(v) for k, v in result.metrics.items() if np.isfinite(v)}
