@@ -74,9 +74,9 @@ class PretrainConfig(_Strict):
     ``batch_size * grad_accum * world_size`` sequences of ``model.seq_len`` tokens.
     ``precision`` "auto" is bf16 autocast on CUDA and fp32 on CPU. ``stop_after`` ends
     this invocation after that many steps with a checkpoint (as SIGTERM would);
-    a later run with ``resume`` continues from it. The base model is exported to
-    ``export_dir`` (default ``output_dir``, which also holds checkpoints, metrics and, by
-    default, token shards).
+    a later run with ``resume`` continues from it. SIGTERM is noticed at the next
+    optimizer step. The base model is exported to ``export_dir`` (default ``output_dir``,
+    which also holds checkpoints, metrics and, by default, token shards).
     """
 
     output_dir: Path = Path("pretrain-out")

@@ -108,10 +108,34 @@ def all_mean(values: torch.Tensor, env: DistEnv) -> torch.Tensor:
     return values
 
 
-def any_rank(flag: bool, env: DistEnv) -> bool:
-    """True on every rank if it is true on any, so all ranks stop at the same step."""
-    if not (env.distributed and env.world_size > 1):
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=env.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+class StopVote:
+    """Every rank's stop flag, combined at each optimizer step so all ranks stop at the
+    same one.
+
+    One process: the flag itself, no collective. Several: a MAX all-reduce of one CPU
+    float over gloo (the default group when it is gloo; under NCCL a gloo group made for
+    this), so the vote never synchronises with the accelerator and costs tens of
+    microseconds per step on one machine. Every rank must call :meth:`any` at every step.
+    """
+
+    def __init__(self, env: DistEnv) -> None:
+        self.active = env.distributed and env.world_size > 1
+        self.group: dist.ProcessGroup | None = None
+        self._own = False
+        if self.active and dist.get_backend() != "gloo":
+            self.group = dist.new_group(backend="gloo")  # collective: every rank makes it
+            self._own = True
+        self._buf = torch.zeros(1)
+
+    def any(self, flag: bool) -> bool:
+        if not self.active:
+            return flag
+        self._buf.fill_(1.0 if flag else 0.0)
+        dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(self._buf.item())
+
+    def close(self) -> None:
+        if self._own and self.group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.group)
+        self.group = None
+        self._own = False

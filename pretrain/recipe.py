@@ -8,7 +8,10 @@ rendezvous. The order of things:
 2. wrap it (DDP or FSDP2), build AdamW + warmup/cosine LambdaLR
 3. resume from the newest checkpoint under ``<output_dir>/checkpoints`` if any
 4. train: grad accumulation, autocast, clipping; log loss, tokens/s, MFU; checkpoint
-   every ``checkpoint_every`` steps and when SIGTERM (or ``stop_after``) asks to stop
+   every ``checkpoint_every`` steps and when SIGTERM (or ``stop_after``) asks to stop.
+   A pending SIGTERM is looked at after every optimizer step: ranks agree on it through
+   one 1-element all-reduce per step on a CPU (gloo) group, which never waits on the
+   accelerator; a single process checks a flag.
 5. at the last step: validation loss, then rank 0 exports the base-model directory
    (to ``export_dir``, default ``output_dir``)
 """
@@ -228,8 +231,9 @@ def evaluate(c: Components) -> float | None:
 
 
 class _StopFlag:
-    """SIGTERM sets the flag; the loop checkpoints at the next log step and returns.
-    (A handler can only be installed from the main thread; elsewhere the flag stays off.)"""
+    """SIGTERM sets the flag; after the current optimizer step the loop logs, checkpoints
+    and returns. (A handler can only be installed from the main thread; elsewhere the
+    flag stays off.)"""
 
     def __init__(self) -> None:
         self.set = False
@@ -335,8 +339,30 @@ def _run(cfg: PretrainConfig, env: DistEnv) -> PretrainResult:
     stopped_by: str | None = None
     meter = _Meter(env.device, c.tokens_per_step)
     step = start
+    vote = distributed.StopVote(env)
     loader = Prefetcher(c.sampler, start, end, cfg.grad_accum, env.device, cfg.data.prefetch)
     c.model.train()
+
+    def log(bar: Progress | None, task: Any) -> None:
+        # The loop's only device sync: this interval's losses are read at once.
+        means = distributed.all_mean(torch.stack(pending), env).tolist()
+        losses.extend(means)
+        pending.clear()
+        meter.lap(step)
+        util = mfu(meter.rate / env.world_size, c.flops_per_token, peak)
+        status = f"loss {means[-1]:.4f}"
+        if meter.rate:  # nothing timed yet on the run's first step
+            status += f"  {meter.rate:,.0f} tok/s"
+        if util is not None:
+            status += f"  MFU {100 * util:.1f}%"
+        if env.is_main:
+            _append_metrics(cfg.output_dir, step, means, meter.rate, util)
+        if bar is not None:
+            bar.update(task, completed=step, status=status)
+            bar.console.print(f"step {step}/{cfg.steps}  {status}")
+        elif env.is_main:
+            console.print(f"step {step}/{cfg.steps}  {status}")
+
     try:
         with _StopFlag() as stop, _progress(main_progress, cfg.steps, start) as (bar, task):
             for batch in loader:
@@ -344,28 +370,15 @@ def _run(cfg: PretrainConfig, env: DistEnv) -> PretrainResult:
                 step += 1
                 if step == start + 1:  # compilation and allocator warm-up: not timed
                     meter.start(step)
-                if step % cfg.log_every == 0 or step == end:
-                    # The loop's only host sync: this interval's losses are read at once.
-                    means = distributed.all_mean(torch.stack(pending), env).tolist()
-                    losses.extend(means)
-                    pending.clear()
-                    meter.lap(step)
-                    util = mfu(meter.rate / env.world_size, c.flops_per_token, peak)
-                    status = f"loss {means[-1]:.4f}"
-                    if meter.rate:  # nothing timed yet on the run's first step
-                        status += f"  {meter.rate:,.0f} tok/s"
-                    if util is not None:
-                        status += f"  MFU {100 * util:.1f}%"
+                # Every step, and on every rank at the same step: a CPU-side vote.
+                stopping = vote.any(stop.set)
+                if stopping or step % cfg.log_every == 0 or step == end:
+                    log(bar, task)
+                if stopping:
+                    stopped_by = "signal"
                     if env.is_main:
-                        _append_metrics(cfg.output_dir, step, means, meter.rate, util)
-                    if bar is not None:
-                        bar.update(task, completed=step, status=status)
-                        bar.console.print(f"step {step}/{cfg.steps}  {status}")
-                    elif env.is_main:
-                        console.print(f"step {step}/{cfg.steps}  {status}")
-                    if distributed.any_rank(stop.set, env):
-                        stopped_by = "signal"
-                        break
+                        console.print(f"SIGTERM: stopping at step {step}, writing a checkpoint")
+                    break
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0 and step < end:
                     meter.lap(step)
                     checkpoint.save(
@@ -380,6 +393,7 @@ def _run(cfg: PretrainConfig, env: DistEnv) -> PretrainResult:
                     meter.start(step)  # checkpoint time is not training throughput
     finally:
         loader.close()
+        vote.close()
 
     if step < cfg.steps and stopped_by is None:
         stopped_by = "stop_after"

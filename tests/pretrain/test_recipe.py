@@ -53,10 +53,13 @@ def _flags(data: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, tiny_config) -> None:
+def test_sigterm_stops_at_the_next_step_and_resumes_exactly(tmp_path, tiny_config) -> None:
+    """SIGTERM mid-interval (log_every far away): the run stops after the step it was in,
+    logs that step's losses, checkpoints it and exits 0; resuming repeats the
+    uninterrupted run's losses."""
     tiny = tiny_config
     out = tmp_path / "run"
-    base = {"steps": 100000, "checkpoint_every": 3, "log_every": 1, "eval_batches": 0}
+    base = {"steps": 100000, "checkpoint_every": 3, "log_every": 100000, "eval_batches": 0}
     args = [sys.executable, "-m", "orchard.pretrain"] + _flags(
         tiny(out, **base).model_dump(mode="json")
     )
@@ -64,6 +67,7 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, tiny_config) -> None:
     proc = subprocess.Popen(
         args, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+    # The first periodic checkpoint (step 3) says the loop, and its handler, are running.
     _wait_for(lambda: (out / "checkpoints" / "latest").is_file(), 120, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=60)
@@ -71,11 +75,17 @@ def test_sigterm_checkpoints_and_exits_cleanly(tmp_path, tiny_config) -> None:
     stopped = checkpoint.latest(out / "checkpoints")
     assert stopped is not None
     k = int((stopped / "done").read_text())
-    assert k >= 3
+    # Well before the first log step, so the stop came from the per-step check.
+    assert 3 <= k < 1000, k
+    assert f"stopping at step {k}" in err
+    # The stopped run logged exactly its k steps (flushed at the stop, not at a log step).
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, k + 1))
 
     resumed = run(tiny(out, stop_after=3, **base))
-    assert resumed.start_step == k
+    assert (resumed.start_step, resumed.step) == (k, k + 3)
     straight = run(tiny(tmp_path / "straight", stop_after=k + 3, **base))
+    assert straight.losses[:k] == [r["loss"] for r in rows]
     assert straight.losses[k:] == resumed.losses
 
 
