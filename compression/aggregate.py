@@ -54,6 +54,8 @@ def add_weighted(acc: np.ndarray, x: np.ndarray, weight: float) -> None:
     dtype, as many elements): each product formed in float64, as the accumulator of the
     decode path forms it, without a float64 temporary the size of ``x`` -- the products
     go through one small scratch buffer per thread, a block at a time."""
+    if not acc.flags.c_contiguous:  # reshape would copy, and the sum would be lost
+        raise ValueError("add_weighted needs a contiguous accumulator")
     a, v = acc.reshape(-1), x.reshape(-1)
     if weight == 1.0:
         np.add(a, v, out=a)

@@ -359,6 +359,8 @@ def test_a_weighted_add_allocates_no_temporary_the_size_of_the_tensor() -> None:
         tracemalloc.stop()
     assert peak < 1 << 20, peak  # far below one float64 copy (8 MiB)
     np.testing.assert_array_equal(acc, 3.75 * x.astype(np.float64))
+    with pytest.raises(ValueError, match="contiguous"):  # a strided view would be added into a copy
+        add_weighted(np.zeros((4, 4))[:, ::2], np.ones((4, 2)), 2.0)
 
 
 # ---------------------------------------------------------------------- the run's decision
