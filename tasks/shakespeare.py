@@ -20,12 +20,15 @@ frozen and the global state is the adapter (FFA-LoRA: ``B`` only; see
 little (its loss barely moves), hence the pretrained default below.
 ``lora=False`` trains every parameter instead.
 
-The base is ``base="pretrained"`` by default: ``data/shakespeare/base_gpt.safetensors``,
-a GPT pretrained on the *public* roles only (:func:`is_public_role`, about a fifth of
-the text), which are never federated clients; see :func:`pretrain_base`. So the
-federation adapts a base to text it has not seen, as it would a base from
-``orchard pretrain``. ``base="random"`` starts from ``base_seed`` instead, and ``base``
-may also be the path of a safetensors state dict of a GPT with the task's sizes.
+The base is ``base="pretrained"`` by default: ``data/shakespeare/base/``, a base-model
+directory written by ``orchard pretrain --config tasks/data/shakespeare/pretrain.toml``
+(weights, ``config.json`` with the architecture and tokenizer, ``lora_targets.json``).
+That config trains on the *public* roles only (:func:`is_public_role`, about a fifth of
+the text, selected by :func:`public_text`), which are never federated clients, so the
+federation adapts a base to text it has not seen. ``base`` may also be any directory
+``orchard pretrain`` wrote (or its ``model.safetensors``): the task takes the
+architecture, tokenizer and LoRA targets from it. ``base="random"`` starts from
+``base_seed`` instead, with the sizes given (default 80 / 2 / 4 / 64).
 """
 
 from __future__ import annotations
@@ -36,12 +39,19 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-import torch
 from torch import nn
 
 from orchard.edge_runtime.lora import LoRASpec, LoRATrainer, apply_lora, trainable_names
 from orchard.errors import ConfigError
-from orchard.gpt import GPT, GPTConfig, lora_target_modules
+from orchard.gpt import (
+    BASE_WEIGHTS,
+    GPT,
+    BaseModel,
+    BaseModelError,
+    GPTConfig,
+    lora_target_modules,
+    read_base_model,
+)
 from orchard.tasks.core import SupervisedTask, seeded_model
 from orchard.tasks.partition import Partition, label_skew
 from orchard.tasks.torch_trainer import TensorData, TorchTrainer
@@ -49,9 +59,10 @@ from orchard.text import CharTokenizer
 
 DATA_DIR = Path(__file__).parent / "data" / "shakespeare"
 DATA_FILE = DATA_DIR / "tinyshakespeare_input.txt"
-SHIPPED_BASE = DATA_DIR / "base_gpt.safetensors"
-# Architecture of the shipped base (see pretrain_base); ``base="pretrained"`` needs it.
-SHIPPED_BASE_ARCH = {"seq_len": 80, "n_layer": 2, "n_head": 4, "d_model": 64}
+SHIPPED_BASE = DATA_DIR / "base"  # written by `orchard pretrain --config PRETRAIN_CONFIG`
+PRETRAIN_CONFIG = DATA_DIR / "pretrain.toml"
+# Sizes of a ``base="random"`` model when none are given.
+RANDOM_BASE_ARCH = {"seq_len": 80, "n_layer": 2, "n_head": 4, "d_model": 64}
 
 
 def load_text() -> str:
@@ -81,6 +92,8 @@ def is_public_role(name: str) -> bool:
 
 
 def public_text(text: str) -> str:
+    """The public roles' speeches, role by role (what the shipped base is pretrained on:
+    ``data.select`` of ``data/shakespeare/pretrain.toml``)."""
     return "".join(role for name, role in speeches(text).items() if is_public_role(name))
 
 
@@ -113,10 +126,10 @@ def windows(ids: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
 
 def build(
     *,
-    seq_len: int = 80,
-    n_layer: int = 2,
-    n_head: int = 4,
-    d_model: int = 64,
+    seq_len: int | None = None,
+    n_layer: int | None = None,
+    n_head: int | None = None,
+    d_model: int | None = None,
     max_chars_per_client: int = 700,
     min_chars: int = 0,
     test_fraction: float = 0.2,
@@ -131,11 +144,21 @@ def build(
 ) -> SupervisedTask:
     """Build the Shakespeare task.
 
-    ``min_chars`` 0 means "long enough for one test window":
-    ``ceil((seq_len + 1) / test_fraction)``. ``central_test_windows`` caps the held-out
-    windows :meth:`evaluate` scores (a fixed seeded subset of all clients' test
-    windows) so that central evaluation stays a few seconds on a CPU.
+    ``seq_len``, ``n_layer``, ``n_head``, ``d_model`` default to the base's (from its
+    ``config.json``); given with a pretrained base they must match it. ``min_chars`` 0
+    means "long enough for one test window": ``ceil((seq_len + 1) / test_fraction)``.
+    ``central_test_windows`` caps the held-out windows :meth:`evaluate` scores (a fixed
+    seeded subset of all clients' test windows) so that central evaluation stays a few
+    seconds on a CPU.
     """
+    asked = {"seq_len": seq_len, "n_layer": n_layer, "n_head": n_head, "d_model": d_model}
+    pretrained = _load_base(base, asked)
+    if pretrained is not None:
+        gpt_cfg = pretrained.model.config
+        arch = {k: getattr(gpt_cfg, k) for k in asked}
+    else:
+        arch = {k: v if v is not None else RANDOM_BASE_ARCH[k] for k, v in asked.items()}
+    seq_len = arch["seq_len"]
     problems = []
     if not 0.0 < test_fraction < 1.0:
         problems.append(f"test_fraction must be in (0, 1), got {test_fraction}")
@@ -149,6 +172,18 @@ def build(
 
     text = load_text()
     tokenizer = CharTokenizer.from_text(text)
+    if pretrained is not None:
+        # The base's ids are the ones it learned: encode with its tokenizer.
+        unknown = sorted(set(tokenizer.chars) - set(pretrained.tokenizer.chars))
+        if unknown:
+            raise ConfigError(
+                f"base {pretrained.directory} has no token for characters {unknown} of the "
+                "Shakespeare text; pretrain it on a corpus that holds them"
+            )
+        tokenizer = pretrained.tokenizer
+        gpt_cfg = pretrained.model.config
+    else:
+        gpt_cfg = GPTConfig(vocab_size=tokenizer.vocab_size, **arch)
     clients = client_texts(text, max_chars_per_client, min_chars)
     train_x: list[np.ndarray] = []
     train_y: list[np.ndarray] = []
@@ -172,30 +207,24 @@ def build(
     train_owner_all, test_owner_all = np.concatenate(train_owner), np.concatenate(test_owner)
     num_clients = len(clients)
 
-    cfg = GPTConfig(
-        vocab_size=tokenizer.vocab_size,
-        seq_len=seq_len,
-        n_layer=n_layer,
-        n_head=n_head,
-        d_model=d_model,
-    )
+    targets = pretrained.lora_targets if pretrained is not None else tuple(lora_target_modules())
     spec = LoRASpec(
-        target_modules=tuple(lora_target_modules()),
+        target_modules=tuple(targets),
         rank=lora_rank,
         alpha=lora_alpha,
         variant=lora_variant,
         init_seed=lora_seed,
     )
-
-    checkpoint = _base_checkpoint(
-        base, seq_len=seq_len, n_layer=n_layer, n_head=n_head, d_model=d_model
+    base_state = (
+        {k: v.clone() for k, v in pretrained.model.state_dict().items()}
+        if pretrained is not None
+        else None
     )
-    base_state = _read_base(checkpoint) if checkpoint is not None else None
 
     def base_model() -> nn.Module:
-        model = seeded_model(lambda: GPT(cfg), base_seed)
+        model = seeded_model(lambda: GPT(gpt_cfg), base_seed)
         if base_state is not None:
-            _load_base(model, base_state, checkpoint)
+            model.load_state_dict(base_state, strict=True)
         return model
 
     def model(seed: int) -> nn.Module:
@@ -204,7 +233,7 @@ def build(
         # from the run seed otherwise.
         if lora:
             return apply_lora(base_model(), spec)
-        return base_model() if base_state is not None else seeded_model(lambda: GPT(cfg), seed)
+        return base_model() if base_state is not None else seeded_model(lambda: GPT(gpt_cfg), seed)
 
     def partitioner(num_partitions: int, seed: int) -> Partition:
         return _group_clients(
@@ -236,10 +265,7 @@ def build(
         model=model,
         partitioner=partitioner,
         params=dict(
-            seq_len=seq_len,
-            n_layer=n_layer,
-            n_head=n_head,
-            d_model=d_model,
+            **arch,
             max_chars_per_client=max_chars_per_client,
             min_chars=min_chars,
             test_fraction=test_fraction,
@@ -259,46 +285,40 @@ def build(
     )
 
 
-def _base_checkpoint(base: str, **arch: int) -> Path | None:
-    """``base``: "pretrained" (the shipped base), "random" (from ``base_seed``) or a path."""
+def _load_base(base: str, asked: dict[str, int | None]) -> BaseModel | None:
+    """``base``: "pretrained" (the shipped base), "random" (None: from ``base_seed``), or
+    a base-model directory written by ``orchard pretrain`` (or its ``model.safetensors``).
+    Sizes in ``asked`` that are not None must be the base's."""
     if base == "random":
         return None
-    if base == "pretrained":
-        if arch != SHIPPED_BASE_ARCH:
-            raise ConfigError(
-                f"the shipped pretrained base has architecture {SHIPPED_BASE_ARCH}, the task asks for {arch}; "
-                "use those sizes, base='random', or base=<path to a safetensors base of your sizes>"
-            )
-        return SHIPPED_BASE
-    path = Path(base)
-    if not path.is_file():
+    path = SHIPPED_BASE if base == "pretrained" else Path(base)
+    if path.is_file() and path.name == BASE_WEIGHTS:
+        path = path.parent
+    if not path.is_dir():
         raise ConfigError(
-            f"base {base!r} is neither 'pretrained', 'random' nor an existing safetensors file"
+            f"base {base!r} is neither 'pretrained', 'random' nor a base-model directory "
+            "written by `orchard pretrain` (or its model.safetensors)"
         )
-    return path
-
-
-def _read_base(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    if not path.is_file():
-        raise ConfigError(f"base checkpoint {path} is missing; use base='random' or pass a path")
-    return load_file(str(path))
-
-
-def _load_base(model: nn.Module, state: dict[str, torch.Tensor], path: Path | None) -> None:
-    state = dict(state)
-    # The LM head is tied to the token embedding; a checkpoint may hold either name.
-    if "lm_head.weight" not in state and "wte.weight" in state:
-        state["lm_head.weight"] = state["wte.weight"]
-    if "wte.weight" not in state and "lm_head.weight" in state:  # `orchard pretrain` stores it once
-        state["wte.weight"] = state["lm_head.weight"]
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
+    try:
+        loaded = read_base_model(path)
+    except BaseModelError as err:
+        raise ConfigError(f"base {base!r}: {err}") from None
+    have = loaded.model.config
+    clash = {
+        k: (v, getattr(have, k))
+        for k, v in asked.items()
+        if v is not None and v != getattr(have, k)
+    }
+    if clash:
+        which = "the shipped pretrained base" if base == "pretrained" else f"base {path}"
         raise ConfigError(
-            f"base checkpoint {path} does not fit the task's GPT: missing {missing[:5]}, unexpected {unexpected[:5]}; "
-            "set seq_len, n_layer, n_head, d_model to the checkpoint's architecture"
+            f"{which} has "
+            + ", ".join(f"{k} {got}" for k, (_, got) in clash.items())
+            + ", the task asks for "
+            + ", ".join(f"{k} {want}" for k, (want, _) in clash.items())
+            + "; leave the sizes unset to take the base's, or use base='random'"
         )
+    return loaded
 
 
 def _group_clients(
@@ -345,57 +365,3 @@ def _group_clients(
 def _indices_by_group(groups: np.ndarray, n: int) -> list[np.ndarray]:
     order = np.argsort(groups, kind="stable")
     return np.split(order.astype(np.int64), np.cumsum(np.bincount(groups, minlength=n))[:-1])
-
-
-def pretrain_base(
-    steps: int = 3000, seed: int = 0, batch_size: int = 32, learning_rate: float = 3e-3
-) -> dict[str, np.ndarray]:
-    """Train the shipped base: a GPT of ``SHIPPED_BASE_ARCH`` on the public roles only
-    (never on a federated client's text), full-parameter Adam, non-overlapping windows.
-
-    This is how ``data/shakespeare/base_gpt.safetensors`` was made
-    (``python -m orchard.tasks.shakespeare OUT.safetensors``).
-    """
-    from orchard.trainer import TrainConfig
-
-    text = load_text()
-    tokenizer = CharTokenizer.from_text(text)
-    arch = SHIPPED_BASE_ARCH
-    cfg = GPTConfig(vocab_size=tokenizer.vocab_size, **arch)  # type: ignore[arg-type]
-    ids = tokenizer.encode_array(public_text(text))
-    cut = int(len(ids) * 0.95)
-    x, y = windows(ids[:cut], arch["seq_len"])
-    vx, vy = windows(ids[cut:], arch["seq_len"])
-    trainer = TorchTrainer(
-        lambda: seeded_model(lambda: GPT(cfg), seed),
-        TensorData.from_numpy(x, y),
-        TensorData.from_numpy(vx, vy),
-        seed=seed,
-    )
-    init = {
-        n: p.detach().numpy().copy()
-        for n, p in seeded_model(lambda: GPT(cfg), seed).named_parameters()
-    }
-    result = trainer.train(
-        init,
-        TrainConfig(
-            steps=steps,
-            batch_size=batch_size,
-            learning_rate=learning_rate,
-            optimizer="adam",
-            seed=seed,
-        ),
-    )
-    held_out = trainer.evaluate(result.arrays, TrainConfig())
-    print(f"base: {steps} steps, train {result.metrics}, held-out public text {held_out.metrics}")
-    return result.arrays
-
-
-if __name__ == "__main__":
-    import sys
-
-    from safetensors.numpy import save_file
-
-    out = sys.argv[1] if len(sys.argv) > 1 else str(SHIPPED_BASE)
-    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 3000
-    save_file(pretrain_base(steps=steps), out, metadata={"arch": str(SHIPPED_BASE_ARCH)})

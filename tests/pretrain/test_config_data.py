@@ -134,3 +134,17 @@ def test_select_names_a_function_that_is_imported_at_build_time(tmp_path) -> Non
     with pytest.raises(ConfigError, match="data.select"):
         parse_pretrain_config({"data": {"select": "not a dotted name"}})
 
+
+def test_shakespeare_base_config_pretrains_on_public_roles_only() -> None:
+    """The committed config of the task's shipped base: CPU, no ONNX, the public roles,
+    and the base-model files exported where the task loads them."""
+    from pathlib import Path
+
+    from orchard.tasks import shakespeare
+
+    cfg = load_pretrain_config(shakespeare.PRETRAIN_CONFIG)
+    repo = Path(__file__).resolve().parents[2]
+    assert repo / cfg.export_dir == shakespeare.SHIPPED_BASE
+    assert cfg.output_dir != cfg.export_dir
+    assert cfg.device == "cpu" and not cfg.export_onnx
+    assert cfg.data.corpus == [] and cfg.data.select == "orchard.tasks.shakespeare:public_text"
