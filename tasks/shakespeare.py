@@ -154,8 +154,7 @@ def build(
     asked = {"seq_len": seq_len, "n_layer": n_layer, "n_head": n_head, "d_model": d_model}
     pretrained = _load_base(base, asked)
     if pretrained is not None:
-        gpt_cfg = pretrained.model.config
-        arch = {k: getattr(gpt_cfg, k) for k in asked}
+        arch = {k: getattr(pretrained.model.config, k) for k in asked}
     else:
         arch = {k: v if v is not None else RANDOM_BASE_ARCH[k] for k, v in asked.items()}
     seq_len = arch["seq_len"]
