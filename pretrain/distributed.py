@@ -114,8 +114,11 @@ class StopVote:
 
     One process: the flag itself, no collective. Several: a MAX all-reduce of one CPU
     float over gloo (the default group when it is gloo; under NCCL a gloo group made for
-    this), so the vote never synchronises with the accelerator and costs tens of
-    microseconds per step on one machine. Every rank must call :meth:`any` at every step.
+    this), so the vote never synchronises with the accelerator. Measured with two ranks
+    on a 2-core CPU machine: 0.1 to 0.3 ms a vote alone, up to about 1 ms inside the
+    loop, where it also waits for the slower rank (several percent of a toy model's 8 ms
+    step, within noise on the two-rank gloo tests' wall time). Every rank must call
+    :meth:`any` at every step.
     """
 
     def __init__(self, env: DistEnv) -> None:
