@@ -280,6 +280,7 @@ class Coordinator:
         # Long-pollers wait on the current event; a change sets it and installs a fresh one,
         # so waiting needs no lock and a timeout cannot leave one half-held.
         self._changed = asyncio.Event()
+        self._changed_watched = False  # whether a waiter holds _changed (else there is no one to wake)
         self._ids = itertools.count()
         # One fold at a time (the accumulator is not thread-safe); decoding runs beside it.
         self._fold_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchard-fold")
@@ -443,7 +444,7 @@ class Coordinator:
             remaining = deadline - self._mono()
             if remaining <= 0:
                 return Idle(retry_after_s=0.0, reason=self._idle_reason(node_id))
-            ev = self._changed
+            ev = self._watch()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ev.wait(), timeout=remaining)
             self.touch(node_id)
@@ -717,7 +718,7 @@ class Coordinator:
             remaining = end - self._mono()
             if remaining <= 0 or cr.closed:
                 return stage_index_of(sc.stage), b"", False, ""
-            ev = self._changed
+            ev = self._watch()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ev.wait(), timeout=remaining)
             self.touch(node_id)
@@ -810,8 +811,17 @@ class Coordinator:
                             tier_participants=dict(cr.tier_participants), reason=cr.close_reason,
                             seconds=self._mono() - cr.started, rejected=dict(cr.rejected))
 
+    def _watch(self) -> asyncio.Event:
+        """The event a long-poller waits on; set (and replaced) at the next change."""
+        self._changed_watched = True
+        return self._changed
+
     def _notify(self) -> None:
-        ev, self._changed = self._changed, asyncio.Event()
+        # A tier notifies on every fold; with no long-poller holding the event (the
+        # simulator, a busy round) there is nothing to wake and nothing to replace.
+        if not self._changed_watched:
+            return
+        ev, self._changed, self._changed_watched = self._changed, asyncio.Event(), False
         ev.set()
 
     def shutdown(self) -> None:
