@@ -29,6 +29,8 @@ def simulate(
     workers: Annotated[int | None, typer.Option("--workers")] = None,
     seed: Annotated[int | None, typer.Option("--seed")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Directory for rounds.jsonl, report.json, plots.")] = None,
+    base_model: Annotated[Path | None, typer.Option(
+        "--base-model", help="Base model dir from `orchard pretrain`: the LoRA task adapts it.")] = None,
 ) -> None:
     """Simulate a federation in-process: real client, codec, secure-aggregation and tier code."""
     from orchard.config import load_toml
@@ -44,6 +46,11 @@ def simulate(
     try:
         data = load_toml(config) if config is not None else {}
         cfg = build_simulation_config(data, overrides)
+        if base_model is not None:
+            from orchard.cli import base_model_params
+
+            params = base_model_params(cfg.run.task, base_model)
+            cfg = build_simulation_config(data, {**overrides, **{f"run.task_params.{k}": v for k, v in params.items()}})
         if cfg.out is None:
             cfg = cfg.model_copy(update={"out": Path("sim-out")})
         report = _run_with_progress(cfg, run_simulation, console)

@@ -67,3 +67,26 @@ def test_the_task_takes_sizes_tokenizer_and_lora_targets_from_the_directory(pret
     (custom / "lora_targets.json").unlink()
     with pytest.raises(ConfigError, match="lora_targets.json"):
         get_task("shakespeare", base=str(custom))
+
+
+def test_simulate_takes_the_base_directly(pretrained: Path, tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from orchard.cli import app
+
+    out = tmp_path / "sim"
+    res = CliRunner().invoke(app, ["simulate", "--task", "shakespeare", "--base-model", str(pretrained),
+                                   "--clients", "6", "--clients-per-round", "2", "--rounds", "1",
+                                   "--aggregators", "0", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    report = json.loads((out / "report.json").read_text())
+    assert report["rounds"][0]["participants"] == 2
+    # The run adapted this base (d_model 32), not the shipped one: its uploads are the
+    # size of this base's adapter.
+    small = sum(v.nbytes for v in get_task("shakespeare", base=str(pretrained)).initial_arrays(0).values())
+    shipped = sum(v.nbytes for v in get_task("shakespeare").initial_arrays(0).values())
+    assert small < shipped
+    assert 2 * small <= report["rounds"][0]["bytes_up"] < 2 * shipped
+    bad = CliRunner().invoke(app, ["simulate", "--task", "digits", "--base-model", str(pretrained),
+                                   "--rounds", "1", "--out", str(tmp_path / "bad")])
+    assert bad.exit_code == 1 and "cannot take a pretrained base" in bad.output
