@@ -124,6 +124,10 @@ class StepEstimate:
     energy_j_per_s: float = 0.0
 
 
+def _hi(cur: float | None, r: float) -> float:
+    return r if cur is None or r > cur else cur
+
+
 def _per_unit_maxima(
     samples: Sequence[StepSample],
 ) -> tuple[float | None, float | None, float | None, float | None]:
@@ -134,21 +138,13 @@ def _per_unit_maxima(
         u = s.units
         if u <= 0:
             continue
-        r = s.seconds / u
-        if seconds is None or r > seconds:
-            seconds = r
+        seconds = _hi(seconds, s.seconds / u)
         if s.rise_c is not None:
-            r = s.rise_c / u
-            if rise is None or r > rise:
-                rise = r
+            rise = _hi(rise, s.rise_c / u)
         if s.drop_percent is not None:
-            r = s.drop_percent / u
-            if drop is None or r > drop:
-                drop = r
+            drop = _hi(drop, s.drop_percent / u)
         if s.energy_j is not None:
-            r = s.energy_j / u
-            if energy is None or r > energy:
-                energy = r
+            energy = _hi(energy, s.energy_j / u)
     return rise, drop, energy, seconds
 
 
@@ -161,13 +157,9 @@ def _per_second_maxima(*groups: Sequence[StepSample]) -> tuple[float | None, flo
             if t <= 0:
                 continue
             if s.drop_percent is not None:
-                r = s.drop_percent / t
-                if drain is None or r > drain:
-                    drain = r
+                drain = _hi(drain, s.drop_percent / t)
             if s.energy_j is not None:
-                r = s.energy_j / t
-                if power is None or r > power:
-                    power = r
+                power = _hi(power, s.energy_j / t)
     return drain, power
 
 
