@@ -85,6 +85,9 @@ def server_start(
     insecure: Insecure = False,
     tls_dir: Annotated[Path | None, typer.Option("--tls-dir", help="server.pem/server.key/ca.pem (default DATA_DIR/tls, created if absent).")] = None,
     metrics_port: Annotated[int | None, typer.Option("--metrics-port", help="Serve Prometheus metrics on this port.")] = None,
+    base_model: Annotated[Path | None, typer.Option(
+        "--base-model", help="Base model dir from `orchard pretrain`: runs of a LoRA task adapt it unless they name "
+                             "their own.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = True,
 ) -> None:
     """Start the root server."""
@@ -96,7 +99,7 @@ def server_start(
 
     async def main() -> None:
         h = await start_root(data_dir, host=host, port=port, insecure=insecure, server_cfg=scfg, tls_dir=tls_dir,
-                             metrics_port=metrics_port)
+                             metrics_port=metrics_port, base_model=base_model)
         console.print(f"[green]root listening on {h.address}[/] ({'INSECURE' if insecure else 'TLS'}); "
                       f"data in {data_dir}")
         if h.admin_token:
@@ -468,17 +471,24 @@ def run_start(
 
     cfg = build_run_config(config, {"task": task, "rounds": rounds, "cohort.target": clients_per_round,
                                     "codec.name": codec, "secure_aggregation.enabled": secure_aggregation})
-    if base_model is not None:
-        cfg = cfg.model_copy(update={"task_params": {**cfg.task_params, **base_model_params(cfg.task, base_model)}})
-    if initial_arrays is not None:
-        from safetensors.numpy import load_file
-
-        blob = wire.arrays_to_blob(dict(load_file(str(initial_arrays))))
-    else:
-        from orchard.tasks import get_task
-
-        blob = wire.arrays_to_blob(get_task(cfg.task, **cfg.task_params).initial_arrays(cfg.seed))
     with _control(server, admin_token, ca_cert, insecure, data_dir) as ctl:
+        if base_model is None and "base" not in cfg.task_params:
+            # The root's own base (`server start --base-model`), for a task that takes one.
+            from orchard.tasks import task_params
+
+            server_base = ctl.status().get("base_model")
+            if server_base and "base" in task_params(cfg.task):
+                base_model = Path(server_base)
+        if base_model is not None:
+            cfg = cfg.model_copy(update={"task_params": {**cfg.task_params, **base_model_params(cfg.task, base_model)}})
+        if initial_arrays is not None:
+            from safetensors.numpy import load_file
+
+            blob = wire.arrays_to_blob(dict(load_file(str(initial_arrays))))
+        else:
+            from orchard.tasks import get_task
+
+            blob = wire.arrays_to_blob(get_task(cfg.task, **cfg.task_params).initial_arrays(cfg.seed))
         run_id = ctl.start_run(cfg, blob)
         out.print(f"started {run_id}: task {cfg.task}, {cfg.rounds} rounds, {cfg.cohort.target} clients per round")
         if not detach:

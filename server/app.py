@@ -121,7 +121,8 @@ def _admin_token(store: Store, data_dir: Path) -> str | None:
 
 async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, insecure: bool = False,
                      server_cfg: ServerConfig | None = None, tls_dir: str | Path | None = None,
-                     metrics_port: int | None = None, start_grace_s: float = 5.0, seed: int | None = None) -> TierHandle:
+                     metrics_port: int | None = None, start_grace_s: float = 5.0, seed: int | None = None,
+                     base_model: str | Path | None = None) -> TierHandle:
     from orchard.server.control import ControlServicer
     from orchard.server.root import RootRunner, warm_up
 
@@ -131,7 +132,7 @@ async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int
     cfg = (server_cfg or ServerConfig()).model_copy(update={"host": host, "port": port})
     store = Store(data_dir / "orchard.db")
     coord = Coordinator("root", cfg, np.random.default_rng(seed), ClientUpdateDecoder())
-    runner = RootRunner(coord, store, data_dir, cfg, start_grace_s=start_grace_s)
+    runner = RootRunner(coord, store, data_dir, cfg, start_grace_s=start_grace_s, base_model=base_model)
     auth: Authenticator
     creds = None
     ca = None

@@ -34,6 +34,16 @@ from orchard.typing import NDArrays, schema_of
 log = logging.getLogger("orchard.server.root")
 
 
+def check_base_model_dir(path: str | Path) -> str:
+    """The absolute path of a base-model directory written by `orchard pretrain`, or ConfigError."""
+    p = Path(path).resolve()
+    missing = [f for f in ("config.json", "model.safetensors") if not (p / f).is_file()]
+    if missing:
+        raise ConfigError(f"--base-model {path} lacks {', '.join(missing)}; pass a directory written by "
+                          "`orchard pretrain`")
+    return str(p)
+
+
 def warm_up() -> None:
     """Build one optimizer at start: torch imports its compiler stack on first use (seconds),
     which would otherwise land inside the first round."""
@@ -69,8 +79,11 @@ class ActiveRun:
 
 class RootRunner:
     def __init__(self, coordinator: Coordinator, store: Store, data_dir: Path, server_cfg: ServerConfig,
-                 start_grace_s: float = 5.0) -> None:
+                 start_grace_s: float = 5.0, base_model: str | Path | None = None) -> None:
         self.coord = coordinator
+        # The base model (a directory written by `orchard pretrain`) that runs of a LoRA
+        # task adapt unless they name their own; `run start` reads it from the status.
+        self.base_model = check_base_model_dir(base_model) if base_model is not None else None
         self.store = store
         self.data_dir = data_dir
         self.server_cfg = server_cfg
@@ -270,7 +283,8 @@ class RootRunner:
         if row is None:
             if run_id:
                 raise RoundClosedError(f"no run {run_id!r} on this server")
-            return {"run_id": None, "status": "idle", "completed_rounds": 0, "rounds": [], "nodes": self.nodes_summary()}
+            return {"run_id": None, "status": "idle", "completed_rounds": 0, "rounds": [], "nodes": self.nodes_summary(),
+                    "base_model": self.base_model}
         cfg = json.loads(row.config_json)
         rounds = [r for r in self.store.rounds(row.run_id)
                   if r["status"] in ("completed", "failed", "stopped", "interrupted")]
@@ -282,6 +296,7 @@ class RootRunner:
             "rounds": rounds, "nodes": self.nodes_summary(),
             "bytes_up_total": sum(r.get("bytes_up", 0) for r in rounds),
             "bytes_down_total": sum(r.get("bytes_down", 0) for r in rounds),
+            "base_model": self.base_model,
         }
         r = self.run
         if r is not None and r.run_id == row.run_id and r.current is not None:

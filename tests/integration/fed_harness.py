@@ -121,14 +121,15 @@ class BackgroundRoot:
     """A root serving from its own event loop in a thread, for tests that speak to it
     synchronously (raw gRPC stubs, subprocess clients)."""
 
-    def __init__(self, data_dir: Path, cfg: ServerConfig = FAST, start_grace_s: float = 0.1) -> None:
+    def __init__(self, data_dir: Path, cfg: ServerConfig = FAST, start_grace_s: float = 0.1,
+                 **root_kw: Any) -> None:
         import threading
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
         self.root: TierHandle = self.call(start_root(data_dir, insecure=True, server_cfg=cfg,
-                                                     start_grace_s=start_grace_s))
+                                                     start_grace_s=start_grace_s, **root_kw))
 
     def call(self, coro: Any, timeout: float = 60.0) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
