@@ -16,6 +16,8 @@ from orchard.compression.base import (
     Algebra,
     BaseCodec,
     State,
+    as_float32,
+    check_seed,
     expect_field,
     expect_fields,
     numel,
@@ -83,6 +85,7 @@ class CastCodec(BaseCodec):
         self.name = name
         self.codec_id = CODEC_IDS[name]
         self._wire_dtype = wire_dtype
+        self._heads: dict[tuple[tuple[int, ...], str], bytes] = {}  # (shape, wire dtype) -> header
         self._to_wire = to_wire
         self._from_wire = from_wire
         self.algebra = Algebra(
@@ -97,6 +100,30 @@ class CastCodec(BaseCodec):
         self, x: np.ndarray, rng: np.random.Generator, state: State | None, shared_seed: int
     ) -> tuple[EncodedTensor, State | None]:
         return self.header(x.shape, [Field(self._to_wire(x.reshape(-1)))]), None
+
+    def encode(
+        self,
+        x: np.ndarray,
+        rng: np.random.Generator,
+        state: State | None = None,
+        shared_seed: int = 0,
+    ) -> tuple[bytes, State | None]:
+        # A cast's payload is a fixed header for (shape, wire dtype) and the values: build
+        # the header once per shape and append the values (the same bytes as
+        # EncodedTensor.to_bytes; a client encodes one payload per tensor per round).
+        check_seed(shared_seed)
+        x32 = as_float32(x)
+        values = np.ascontiguousarray(self._to_wire(x32.reshape(-1)))
+        if values.dtype.byteorder == ">":  # not native little-endian: the general path
+            return self.encode_parsed(x32, rng, state, shared_seed)[0].to_bytes(), None
+        key = (x32.shape, values.dtype.str)
+        head = self._heads.get(key)
+        if head is None:
+            full = self.header(x32.shape, [Field(values)]).to_bytes()
+            head = full[: len(full) - values.nbytes]
+            if len(self._heads) < 1024:
+                self._heads[key] = head
+        return head + memoryview(values).cast("B"), None  # type: ignore[arg-type]
 
     def _values(self, enc: EncodedTensor) -> np.ndarray:
         (f,) = expect_fields(enc, 1, "values")

@@ -182,3 +182,16 @@ def test_topk_then_qsgd_is_topk_support_with_quantised_values(x: np.ndarray) -> 
     assert np.all(y.reshape(-1)[outside] == 0)
     assert np.all(err[~outside] <= 2 * s / 255 * (1 + 1e-5) + TINY)
     del y_topk
+
+
+@pytest.mark.parametrize("name", ["float32", "float16", "bfloat16"])
+@given(x=tensors())
+def test_cast_fast_encode_is_byte_identical_to_the_general_framing(name: str, x: np.ndarray) -> None:
+    """Casts build their header once per shape and append the values; the bytes must be
+    exactly what EncodedTensor.to_bytes frames (twice: the second call hits the cache)."""
+    codec = build_codec({"name": name})
+    rng = np.random.default_rng(0)
+    general = codec.encode_parsed(np.asarray(x, dtype=np.float32), rng, None, 0)[0].to_bytes()
+    for _ in range(2):
+        payload, state = codec.encode(x, rng)
+        assert state is None and bytes(payload) == general
