@@ -500,12 +500,11 @@ def base_model_params(task: str, base_dir: Path) -> dict[str, Any]:
 
     Clients load the base from this path, so it must exist where they run (the demo and
     the simulator share the machine; devices get the base in their bundle)."""
+    from orchard.config import BASE_CONFIG, BASE_WEIGHTS, base_model_dir
     from orchard.tasks import task_params
 
-    cfg_path, weights = base_dir / "config.json", base_dir / "model.safetensors"
-    if not (cfg_path.is_file() and weights.is_file()):
-        raise OrchardError(f"--base-model {base_dir} lacks config.json or model.safetensors; "
-                           "pass a directory written by `orchard pretrain`")
+    base_dir = base_model_dir(base_dir)
+    cfg_path, weights = base_dir / BASE_CONFIG, base_dir / BASE_WEIGHTS
     accepted = task_params(task)
     arch = json.loads(cfg_path.read_text())["model"]
     wanted = {"base": str(weights.resolve()), **{k: arch[k] for k in ("seq_len", "n_layer", "n_head", "d_model")}}

@@ -177,3 +177,19 @@ def load_run_config(path: str | Path) -> RunConfig:
     data = load_toml(path)
     # A file may hold the run config at the top or under [run].
     return parse_run_config(data.get("run", data))
+
+
+# The files of a base-model directory written by `orchard pretrain` (orchard.gpt reads it).
+BASE_WEIGHTS = "model.safetensors"
+BASE_CONFIG = "config.json"
+
+
+def base_model_dir(path: str | Path) -> Path:
+    """The absolute path of a base-model directory written by `orchard pretrain`, or
+    ConfigError naming the files it lacks. Reads nothing: servers check it without torch."""
+    p = Path(path).resolve()
+    missing = [f for f in (BASE_CONFIG, BASE_WEIGHTS) if not (p / f).is_file()]
+    if missing:
+        raise ConfigError(f"--base-model {path} lacks {', '.join(missing)}; pass a directory written by "
+                          "`orchard pretrain`")
+    return p

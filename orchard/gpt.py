@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from orchard.config import BASE_CONFIG, BASE_WEIGHTS
 from orchard.errors import ConfigError, OrchardError
 from orchard.text import CharTokenizer, TokenizerError
 
@@ -40,8 +41,6 @@ LORA_TARGET_MODULES: tuple[str, ...] = ("attn.qkv", "attn.proj", "mlp.fc", "mlp.
 
 # The files of a base-model directory.
 BASE_FORMAT_VERSION = 1
-BASE_WEIGHTS = "model.safetensors"
-BASE_CONFIG = "config.json"
 BASE_TOKENIZER = "tokenizer.json"
 BASE_LORA_TARGETS = "lora_targets.json"
 

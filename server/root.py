@@ -25,23 +25,13 @@ import numpy as np
 from orchard import wire
 from orchard.aggregation import finalize
 from orchard.aggregation.server_opt import ServerOptimizer
-from orchard.config import RunConfig, ServerConfig, ServerOptimizerConfig
+from orchard.config import RunConfig, ServerConfig, ServerOptimizerConfig, base_model_dir
 from orchard.errors import ConfigError, RoundClosedError, StoreError, UpdateSchemaError
 from orchard.server.coordinator import Coordinator, RoundOutcome, RoundTask
 from orchard.server.store import Store, atomic_write
 from orchard.typing import NDArrays, schema_of
 
 log = logging.getLogger("orchard.server.root")
-
-
-def check_base_model_dir(path: str | Path) -> str:
-    """The absolute path of a base-model directory written by `orchard pretrain`, or ConfigError."""
-    p = Path(path).resolve()
-    missing = [f for f in ("config.json", "model.safetensors") if not (p / f).is_file()]
-    if missing:
-        raise ConfigError(f"--base-model {path} lacks {', '.join(missing)}; pass a directory written by "
-                          "`orchard pretrain`")
-    return str(p)
 
 
 def warm_up() -> None:
@@ -83,7 +73,7 @@ class RootRunner:
         self.coord = coordinator
         # The base model (a directory written by `orchard pretrain`) that runs of a LoRA
         # task adapt unless they name their own; `run start` reads it from the status.
-        self.base_model = check_base_model_dir(base_model) if base_model is not None else None
+        self.base_model = str(base_model_dir(base_model)) if base_model is not None else None
         self.store = store
         self.data_dir = data_dir
         self.server_cfg = server_cfg
