@@ -28,10 +28,13 @@ Per round (attempt), in simulated time:
 5. **Root.** When the root closes: ``finalize`` and ``ServerOptimizer.step``, as
    ``server.root`` does; too few updates fail the round and it is retried.
 
-Client training runs in a backend (threads or Ray) in chunks of ``chunk_size`` clients
-taken in finish-time order, and only for clients whose tier is still open: a client
-that would arrive after its tier closed is never trained (its upload would be refused
-anyway), which keeps large over-selected rounds cheap without changing any number.
+Client training runs in a backend (threads, processes or Ray) in chunks of
+``chunk_size`` clients taken in finish-time order, and only for clients expected to
+count: a client that would arrive after its tier closed (past the deadline, or after
+the tier's first ``target`` arrivals) is not trained, since its upload would be refused
+anyway. That keeps large over-selected rounds cheap without changing any number: when
+the guess is wrong (an earlier upload failed or was refused, so the tier is still open
+when the client's turn comes) the client is trained then.
 """
 
 from __future__ import annotations
@@ -124,6 +127,7 @@ class Arrival:
     assignment: TaskAssignment
     steps: int | None
     start: str = ""  # the model it trains from: "" the global one, else its downlink reconstruction
+    deferred: bool = False  # expected to arrive after its tier closed: trained only if it did not
 
 
 @dataclass
@@ -436,6 +440,7 @@ class Engine:
         for leaf in self.leaves:
             if leaf.cr is not None and leaf.waiting == 0:
                 self._schedule_quiet_close(leaf, events, seq)
+        self._defer_expected_late(arrivals)
         pending: deque[tuple[list[Arrival], Future[list[ClientOutput]]]] = deque()
         outputs: dict[int, ClientOutput] = {}
         cursor = 0
@@ -460,9 +465,13 @@ class Engine:
                         a.leaf.waiting -= 1
                         a.leaf.working.discard(a.node_id)
                 if batch:
-                    jobs = [ClientJob(a.partition, a.node_id, a.assignment, a.steps,
-                                      self.codec_states.get(a.partition), a.start) for a in batch]
-                    pending.append((batch, self.backend.submit(jobs, arrays, starts or None)))
+                    jobs = [self._job(a) for a in batch if not a.deferred]
+                    if jobs:
+                        fut = self.backend.submit(jobs, arrays, starts or None)
+                    else:
+                        fut = Future()
+                        fut.set_result([])
+                    pending.append((batch, fut))
             return cursor
 
         def root_done() -> bool:
@@ -493,10 +502,37 @@ class Engine:
                     stats.late += 1
                     continue
                 self.time.advance_to(a.finish)
+                if a.deferred:
+                    if a.leaf.cr is None or a.leaf.cr.closed:  # as expected: late, never trained
+                        stats.late += 1
+                        a.leaf.waiting -= 1
+                        a.leaf.working.discard(a.node_id)
+                        continue
+                    # Its tier is still open (an upload before it failed or was refused):
+                    # train it now, as it would have been.
+                    (o,) = self.backend.submit([self._job(a)], arrays, starts or None).result()
+                    outputs[a.partition] = o
                 self._arrive(a, outputs.pop(a.partition), events, seq, stats)
             outputs.clear()
         for _, fut in pending:
             fut.cancel()
+
+    def _job(self, a: Arrival) -> ClientJob:
+        return ClientJob(a.partition, a.node_id, a.assignment, a.steps, self.codec_states.get(a.partition), a.start)
+
+    def _defer_expected_late(self, arrivals: list[Arrival]) -> None:
+        """Mark the arrivals expected to find their tier closed: past the tier's deadline,
+        or after the tier's first ``target`` arrivals (which close it). Only a guess --
+        an upload that fails or is refused leaves the tier open for one more, and then a
+        deferred client is trained when its turn comes -- but it is right in the common
+        case, and an over-selected round then trains only the clients that count."""
+        seen: dict[int, int] = {}
+        for a in arrivals:  # in finish-time order
+            cr = a.leaf.cr
+            assert cr is not None  # a client arrives only at a tier that opened
+            k = seen.get(id(a.leaf), 0)
+            seen[id(a.leaf)] = k + 1
+            a.deferred = k >= cr.task.target or a.finish >= cr.task.deadline_unix - self.time.origin
 
     def _arrive(self, a: Arrival, o: ClientOutput, events: list, seq: Any, stats: RoundStats) -> None:
         leaf = a.leaf

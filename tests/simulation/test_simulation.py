@@ -16,6 +16,7 @@ from torch import nn
 from orchard.client.update import train_seed
 from orchard.compression import build_codec, decode_update
 from orchard.config import CodecSpec, CohortConfig, RunConfig
+from orchard.errors import OrchardError
 from orchard.messages import TaskAssignment
 from orchard.simulation import DeviceProfile, SimulationConfig, run_simulation, simulation_problems
 from orchard.simulation.clients import ClientJob, run_jobs
@@ -205,6 +206,32 @@ def test_target_closes_the_round_before_stragglers() -> None:
     assert r["selected"] == 30
     assert r["late"] + r["vanished"] + r["participants"] + r["stopped_by_governor"] == r["selected"]
     assert r["simulated_seconds"] < 600.0
+
+
+def test_clients_expected_late_are_not_trained_unless_their_tier_stays_open(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Over-selection 1.5: 30 selected for a target of 20. The 10 expected to arrive after
+    # the target closed the tier are not trained...
+    run = _run(cohort=CohortConfig(target=20, over_selection=1.5, min_fraction=0.5, deadline_s=600.0))
+    cfg = _sim(clients=300, clients_per_round=20, rounds=1, aggregators=0, run=run, profiles={"box": ALWAYS_ON},
+               devices={"box": 1.0})
+    r = run_simulation(cfg).rounds[0]
+    assert (r["selected"], r["participants"], r["trained"], r["late"]) == (30, 20, 20, 10)
+    # ... but when the first three uploads fail, the tier stays open and three of them train.
+    import orchard.simulation.clients as clients
+
+    calls = {"n": 0}
+    real = clients.build_upload
+
+    def flaky(*a: object, **kw: object) -> object:
+        calls["n"] += 1
+        if calls["n"] <= 3:
+            raise OrchardError("the device lost its upload")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(clients, "build_upload", flaky)
+    r = run_simulation(cfg).rounds[0]
+    assert r["closed_because"] == "target reached"
+    assert (r["participants"], r["failed_clients"], r["trained"], r["late"]) == (20, 3, 23, 7)
 
 
 def test_governor_stops_slow_devices_early_and_they_report_fewer_steps() -> None:
