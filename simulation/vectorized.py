@@ -92,42 +92,58 @@ def train_group(trainers: Sequence[TorchTrainer], global_arrays: NDArrays,
     c = len(trainers)
     n = len(first.train_data)
     plan = _plan(n, cfg)
-    # Each client's batch order from its own generator, exactly as TorchTrainer draws it.
-    perms: list[list[torch.Tensor]] = []
+    # Each client's batch order from its own generator, exactly as TorchTrainer draws it:
+    # one (C, n) matrix of permutations per epoch.
     epochs = (plan[-1][0] + 1) if plan else 0
-    for t, tc in zip(trainers, configs, strict=True):
-        gen = torch.Generator().manual_seed(_seed_from(t.seed, tc.seed))
-        perms.append([torch.randperm(n, generator=gen) if n > 1 else torch.zeros(1, dtype=torch.int64)
-                      for _ in range(epochs)])
+    perms = torch.empty((epochs, c, n), dtype=torch.int64)
+    if n <= 1:
+        perms.zero_()
+    else:
+        for i, (t, tc) in enumerate(zip(trainers, configs, strict=True)):
+            gen = torch.Generator().manual_seed(_seed_from(t.seed, tc.seed))
+            for e in range(epochs):
+                torch.randperm(n, generator=gen, out=perms[e, i])
     x_all = torch.stack([t.train_data.x for t in trainers])  # (C, n, ...)
     y_all = torch.stack([t.train_data.y for t in trainers])
     g = {k: torch.from_numpy(np.ascontiguousarray(global_arrays[k], dtype=np.float32)) for k in names}
-    params = {k: v.unsqueeze(0).repeat(c, *([1] * v.dim())) for k, v in g.items()}  # repeat copies
     anchors = {k: v.unsqueeze(0) for k, v in g.items()}
+    # Every client starts from the global model: until the first step, their parameters
+    # are one broadcast view (vmap's in_dims None), so the first forward pass is one
+    # matrix product over every client's batch instead of C small ones.
+    params: dict[str, torch.Tensor] = anchors
     mu, wd, lr = cfg.proximal_mu, cfg.weight_decay, cfg.learning_rate
-    step_fn = vmap(grad(lambda p, x, y: _loss(model, p, x, y), has_aux=True))
+    loss_fn = grad(lambda p, x, y: _loss(model, p, x, y), has_aux=True)
+    step_fn, first_fn = vmap(loss_fn), vmap(loss_fn, in_dims=(None, 0, 0))
     loss_sum = torch.zeros(c, dtype=torch.float64)
     correct = torch.zeros(c, dtype=torch.int64)
     seen = 0
     rows = torch.arange(c).unsqueeze(1)
-    for epoch, start in plan:
+    for i, (epoch, start) in enumerate(plan):
         if n <= cfg.batch_size:
             x, y = x_all, y_all  # one batch: TorchTrainer skips the gather too
         else:
-            idx = torch.stack([p[epoch][start:start + cfg.batch_size] for p in perms])  # (C, B)
+            idx = perms[epoch, :, start:start + cfg.batch_size]  # (C, B)
             x, y = x_all[rows, idx], y_all[rows, idx]
-        grads, (loss, hits) = step_fn(params, x, y)
+        grads, (loss, hits) = first_fn(g, x, y) if i == 0 else step_fn(params, x, y)
         with torch.no_grad():
+            nxt = {}
             for k, p in params.items():
                 d = grads[k]
                 if mu > 0:
                     d = d + mu * (p - anchors[k])
                 if wd != 0:
                     d = d + wd * p
-                p.sub_(lr * d)
+                if i == 0:  # p - lr d, as the in-place step below computes it: now C copies
+                    nxt[k] = p - lr * d
+                else:
+                    p.sub_(lr * d)
+            if i == 0:
+                params = nxt
             loss_sum += loss.double() * y[0].numel()
             correct += hits
         seen += y[0].numel()
+    if not plan:  # no step: every client keeps the global model
+        params = {k: v.repeat(c, *([1] * (v.dim() - 1))) for k, v in anchors.items()}
     out = []
     arrays = {k: v.numpy() for k, v in params.items()}
     losses, hits_total = loss_sum.tolist(), correct.tolist()
