@@ -30,7 +30,7 @@ from torch import nn
 
 from orchard.errors import ConfigError
 from orchard.tasks.core import SupervisedTask, seeded_model
-from orchard.tasks.partition import Partition, label_skew, stratified_split
+from orchard.tasks.partition import Partition, group_by_owner, label_skew, stratified_split
 from orchard.tasks.torch_trainer import TensorData
 
 DATA_DIR = Path(__file__).parent / "data" / "heart"
@@ -142,12 +142,10 @@ def build(
                 f"heart has exactly {len(HOSPITALS)} natural clients, the hospitals {', '.join(HOSPITALS)}; "
                 f"num_partitions must be 4, got {num_partitions}"
             )
-        train_idx = [np.flatnonzero(train_owner == s) for s in range(len(HOSPITALS))]
-        test_idx = [np.flatnonzero(test_owner == s) for s in range(len(HOSPITALS))]
+        train_idx = group_by_owner(train_owner, len(HOSPITALS))
         return Partition(
             indices=train_idx,
-            test_indices=test_idx,
-            sizes=[len(i) for i in train_idx],
+            test_indices=group_by_owner(test_owner, len(HOSPITALS)),
             label_skew=label_skew(y_train, train_idx, NUM_CLASSES),
             scheme="natural(hospital)",
         )

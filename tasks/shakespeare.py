@@ -53,7 +53,7 @@ from orchard.gpt import (
     read_base_model,
 )
 from orchard.tasks.core import SupervisedTask, seeded_model
-from orchard.tasks.partition import Partition, label_skew
+from orchard.tasks.partition import Partition, RaggedIndex, group_by_owner, label_skew
 from orchard.tasks.torch_trainer import TensorData, TorchTrainer
 from orchard.text import CharTokenizer
 
@@ -342,25 +342,22 @@ def _group_clients(
         order = np.random.default_rng(seed).permutation(num_clients)
         for g, members in enumerate(np.array_split(order, num_partitions)):
             groups[members] = g
-    train_group, test_group = groups[train_owner], groups[test_owner]
-    train_idx = _indices_by_group(train_group, num_partitions)
-    test_idx = _indices_by_group(test_group, num_partitions)
+    train_idx = group_by_owner(groups[train_owner], num_partitions)
+    test_idx = group_by_owner(groups[test_owner], num_partitions)
     # Label skew over next-character targets: per client, the histogram of the
-    # characters it learns to predict.
+    # characters it learns to predict (every position of each of its windows).
     per_window = train_targets.shape[1]
-    positions = [(i[:, None] * per_window + np.arange(per_window)).reshape(-1) for i in train_idx]
+    windows_flat = train_idx.values.astype(np.int64)
+    positions = RaggedIndex(
+        (windows_flat[:, None] * per_window + np.arange(per_window)).reshape(-1),
+        train_idx.offsets * per_window,
+    )
     skew = label_skew(train_targets.reshape(-1), positions, vocab_size)
     return Partition(
         indices=train_idx,
         test_indices=test_idx,
-        sizes=[len(i) for i in train_idx],
         label_skew=skew,
         scheme="natural(role)"
         if num_partitions == num_clients
         else f"natural(role) grouped into {num_partitions}",
     )
-
-
-def _indices_by_group(groups: np.ndarray, n: int) -> list[np.ndarray]:
-    order = np.argsort(groups, kind="stable")
-    return np.split(order.astype(np.int64), np.cumsum(np.bincount(groups, minlength=n))[:-1])

@@ -57,7 +57,7 @@ def test_partition_reports_sizes_and_skew(task) -> None:  # type: ignore[no-unty
 def test_with_replacement_population_of_10k() -> None:
     task = get_task("digits", with_replacement=True, samples_per_client=20)
     p = task.partition(10_000, seed=0)
-    assert p.sizes == [20] * 10_000
+    assert p.sizes.tolist() == [20] * 10_000
     trainer = task.client_trainer(9_999, 10_000, seed=0)
     result = trainer.train(task.initial_arrays(0), TrainConfig(epochs=1, batch_size=20))
     assert result.num_examples == 20 and result.num_steps == 1

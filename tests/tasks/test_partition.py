@@ -5,7 +5,9 @@ from hypothesis import strategies as st
 
 from orchard.errors import ConfigError
 from orchard.tasks.partition import (
+    RaggedIndex,
     dirichlet_partition,
+    group_by_owner,
     iid_partition,
     label_skew,
     sample_with_replacement,
@@ -38,7 +40,7 @@ def test_dirichlet_uses_every_example_once_and_is_deterministic(
         return  # extreme alpha with many clients: refused with a reason, fine
     assert _disjoint_cover(p.indices, len(TRAIN))
     assert _disjoint_cover(p.test_indices, len(TEST))
-    assert p.sizes == [len(i) for i in p.indices] and min(p.sizes) >= 2
+    assert p.sizes.tolist() == [len(i) for i in p.indices] and min(p.sizes) >= 2
     q = dirichlet_partition(TRAIN, TEST, 10, n, alpha, seed)
     assert all(np.array_equal(a, b) for a, b in zip(p.indices, q.indices, strict=True))
 
@@ -105,3 +107,88 @@ def test_stratified_split_keeps_class_shares() -> None:
     assert len(np.intersect1d(tr, te)) == 0 and len(tr) + len(te) == len(TRAIN)
     for c in range(10):
         assert abs((TRAIN[te] == c).sum() - 0.2 * (c == TRAIN).sum()) <= 1
+
+
+# ---------------------------------------------------------------------- RaggedIndex
+
+
+def _reference(seed: int, n: int) -> list[np.ndarray]:
+    """A list of arrays built the plain way, some empty."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 1000, size=int(rng.integers(0, 6))) for _ in range(n)]
+
+
+@settings(max_examples=50, deadline=None)
+@given(seed=st.integers(0, 2**31), n=st.integers(0, 30))
+def test_ragged_index_behaves_like_its_list_of_arrays(seed: int, n: int) -> None:
+    ref = _reference(seed, n)
+    r = RaggedIndex.from_arrays(ref)
+    assert len(r) == n and r == ref and r == RaggedIndex.from_arrays(ref)
+    assert r.lengths.tolist() == [len(a) for a in ref]
+    for i in range(-n, n):
+        got = r[i]
+        assert got.dtype == np.int64 and np.array_equal(got, ref[i])
+    assert all(np.array_equal(a, b) for a, b in zip(r, ref, strict=True))
+    for sl in (
+        slice(None),
+        slice(2, 7),
+        slice(-3, None),
+        slice(5, 2),
+        slice(None, None, 2),
+        slice(None, None, -1),
+        slice(1, 100),
+    ):
+        part = r[sl]
+        assert isinstance(part, RaggedIndex) and part == ref[sl]
+        assert len(list(part)) == len(ref[sl])
+    with pytest.raises(IndexError):
+        r[n]
+    with pytest.raises(IndexError):
+        r[-n - 1]
+
+
+def test_ragged_index_is_compact_and_read_only() -> None:
+    r = RaggedIndex.from_arrays([np.array([3, 1, 2]), np.array([], np.int64), np.array([7])])
+    assert r.values.dtype == np.int32 and r.offsets.tolist() == [0, 3, 3, 4]
+    assert r[np.int64(2)].tolist() == [7] and r[1].shape == (0,)
+    with pytest.raises(ValueError):
+        r.values[0] = 5
+    mine = r[0]
+    mine[0] = 99  # the caller's copy, not the shared buffer
+    assert r[0].tolist() == [3, 1, 2]
+    assert r != [np.array([3, 1, 2]), np.array([]), np.array([8])]
+    assert RaggedIndex(np.array([2**31 + 5]), np.array([0, 1])).values.dtype == np.int64
+    with pytest.raises(TypeError):
+        r["0"]  # type: ignore[call-overload]
+
+
+def test_ragged_index_refuses_inconsistent_offsets() -> None:
+    for offsets in ([1, 2], [0, 3], [0, 2, 1, 2], []):
+        with pytest.raises(ValueError):
+            RaggedIndex(np.array([1, 2]), np.array(offsets, np.int64))
+
+
+def test_group_by_owner_is_flatnonzero_per_owner() -> None:
+    owner = np.array([2, 0, 2, -1, 1, 0, 5, 2])
+    groups = group_by_owner(owner, 3)
+    assert groups == [np.flatnonzero(owner == g) for g in range(3)]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda s: dirichlet_partition(TRAIN, TEST, 10, 13, 0.5, s),
+        lambda s: iid_partition(TRAIN, TEST, 10, 13, s),
+        lambda s: shard_partition(TRAIN, TEST, 10, 13, s, shards_per_client=3),
+        lambda s: sample_with_replacement(TRAIN, TEST, 10, 13, 0.5, s, 20, 5),
+    ],
+    ids=["dirichlet", "iid", "shards", "with_replacement"],
+)
+def test_partition_sizes_and_skew_match_the_per_client_arrays(make) -> None:  # type: ignore[no-untyped-def]
+    p = make(4)
+    assert p.sizes.tolist() == [len(i) for i in p.indices]
+    plain = [np.bincount(TRAIN[i], minlength=10) for i in p.indices]
+    assert p.label_skew.histograms.tolist() == [h.tolist() for h in plain]
+    from_list = label_skew(TRAIN, list(p.indices), 10)  # a plain list gives the same numbers
+    assert np.array_equal(from_list.histograms, p.label_skew.histograms)
+    assert from_list.mean_tv_distance == p.label_skew.mean_tv_distance
