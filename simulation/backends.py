@@ -13,13 +13,13 @@ its job and the engine folds uploads in simulated-time order, not completion ord
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from orchard.compression import build_codec
 from orchard.config import RunConfig
 from orchard.errors import ConfigError, OrchardError
-from orchard.simulation.clients import ClientJob, ClientOutput, run_jobs
+from orchard.simulation.clients import ClientJob, ClientOutput, PackedOutputs, run_jobs
 from orchard.tasks import Task, get_task
 from orchard.typing import NDArrays
 
@@ -75,9 +75,36 @@ def _process_init(task_name: str, task_params: dict[str, Any], cfg_json: str, po
 
 
 def _process_run(jobs: list[ClientJob], arrays: NDArrays,
-                 starts: Mapping[str, NDArrays] | None) -> list[ClientOutput]:
+                 starts: Mapping[str, NDArrays] | None) -> PackedOutputs:
     w = _WORKER
-    return run_jobs(w["task"], w["population"], w["cfg"], w["codec"], arrays, jobs, w["vectorize"], starts)
+    return PackedOutputs(run_jobs(w["task"], w["population"], w["cfg"], w["codec"], arrays, jobs, w["vectorize"],
+                                  starts))
+
+
+class _Unpacked(Future[list[ClientOutput]]):
+    """The outputs of a worker's job: its :class:`PackedOutputs`, unpacked once they arrive."""
+
+    def __init__(self, inner: Future[PackedOutputs]) -> None:
+        super().__init__()
+        self._inner = inner
+        inner.add_done_callback(self._arrived)
+
+    def _arrived(self, inner: Future[PackedOutputs]) -> None:
+        if self.cancelled():
+            return
+        try:
+            if inner.cancelled():
+                self.cancel()
+            elif (err := inner.exception()) is not None:
+                self.set_exception(err)
+            else:
+                self.set_result(inner.result().unpack())
+        except InvalidStateError:  # cancelled meanwhile by the engine: nobody waits for it
+            pass
+
+    def cancel(self) -> bool:
+        self._inner.cancel()
+        return super().cancel()
 
 
 class ProcessBackend:
@@ -99,7 +126,7 @@ class ProcessBackend:
         # Only the reconstructions these jobs start from travel with them.
         need = {j.start for j in jobs if j.start}
         sent = {k: v for k, v in starts.items() if k in need} if starts and need else None
-        return self._pool.submit(_process_run, jobs, global_arrays, sent)
+        return _Unpacked(self._pool.submit(_process_run, jobs, global_arrays, sent))
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -52,6 +52,34 @@ class ClientOutput:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+class PackedOutputs:
+    """A job list's outputs in the form that crosses a process boundary cheaply: every
+    payload in one buffer, the rest per client. Pickling a thousand 20 KB ``bytes``
+    objects one by one copied each several times over (the pickler's growing buffer,
+    then the reader's); one buffer goes through in one piece."""
+
+    __slots__ = ("rows", "blob")
+
+    def __init__(self, outputs: list[ClientOutput]) -> None:
+        self.rows = [(o.partition, o.node_id, o.header, len(o.payload), o.codec_state, o.error, o.metrics)
+                     for o in outputs]
+        self.blob = b"".join(o.payload for o in outputs)
+
+    def __getstate__(self) -> tuple[list[tuple[Any, ...]], bytes]:
+        return self.rows, self.blob
+
+    def __setstate__(self, state: tuple[list[tuple[Any, ...]], bytes]) -> None:
+        self.rows, self.blob = state
+
+    def unpack(self) -> list[ClientOutput]:
+        view, off, out = memoryview(self.blob), 0, []
+        for partition, node_id, header, size, codec_state, error, metrics in self.rows:
+            out.append(ClientOutput(partition, node_id, header, bytes(view[off:off + size]), codec_state, error,
+                                    metrics))
+            off += size
+        return out
+
+
 class MissingStartModel(OrchardError):
     """A job names a start model that was not sent with it (an engine bug, never input)."""
 

@@ -333,6 +333,33 @@ def test_ray_backend_matches_local() -> None:
         np.testing.assert_array_equal(remote.final_arrays[k], v)
 
 
+def test_process_backend_matches_local() -> None:
+    # Worker processes (spawned, each with its own task) send their outputs back packed
+    # (PackedOutputs): the same uploads, so the same model, as training in this process.
+    local = run_simulation(_sim(rounds=2, chunk_size=16))
+    remote = run_simulation(_sim(rounds=2, chunk_size=16, backend="process", workers=2))
+    assert [r["participants"] for r in remote.rounds] == [r["participants"] for r in local.rounds]
+    assert [r["bytes_up"] for r in remote.rounds] == [r["bytes_up"] for r in local.rounds]
+    for k, v in local.final_arrays.items():
+        np.testing.assert_array_equal(remote.final_arrays[k], v)
+
+
+def test_packed_outputs_round_trip() -> None:
+    import pickle
+
+    from orchard.simulation.clients import ClientOutput, PackedOutputs
+
+    outs = [ClientOutput(3, "device-3", None, b"", error="no training data"),
+            ClientOutput(5, "device-5", None, b"\x01\x02\x03", {"w": {"residual": np.ones(2)}},
+                         metrics={"train_loss": 0.5}),
+            ClientOutput(7, "device-7", None, bytes(range(256)) * 80)]
+    back = pickle.loads(pickle.dumps(PackedOutputs(outs))).unpack()
+    assert [(o.partition, o.node_id, o.payload, o.error, o.metrics) for o in back] == \
+        [(o.partition, o.node_id, o.payload, o.error, o.metrics) for o in outs]
+    assert all(type(o.payload) is bytes for o in back)
+    np.testing.assert_array_equal(back[1].codec_state["w"]["residual"], np.ones(2))
+
+
 def test_job_sizes_do_not_change_the_round() -> None:
     # The engine starts each round with small training jobs and grows them to
     # chunk_size; which clients train and what they send must not depend on that.
