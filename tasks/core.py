@@ -146,12 +146,16 @@ class SupervisedTask:
         )
 
     def client_trainer(self, partition_id: int, num_partitions: int, seed: int) -> Trainer:
-        train, test = self.client_data(partition_id, num_partitions, seed)
+        if not 0 <= partition_id < num_partitions:
+            raise ConfigError(f"partition_id must be in [0, {num_partitions}), got {partition_id}")
+        part = self.partition(num_partitions, seed)
+        train = self.train_data.subset(part.indices[partition_id])
         fixed = self._fixed_seed
         return self._trainer_factory(
             lambda: self._model(fixed),
             train,
-            test,
+            # The local test split is gathered when the trainer first evaluates.
+            lambda: self.test_data.subset(part.test_indices[partition_id]),
             trainable=self.trainable,
             seed=seed * 1_000_003 + partition_id,
         )

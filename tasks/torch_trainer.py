@@ -173,17 +173,25 @@ class TorchTrainer:
         self,
         model_factory: ModelFactory,
         train_data: TensorData,
-        test_data: TensorData,
+        test_data: TensorData | Callable[[], TensorData],
         trainable: Sequence[str] | None = None,
         seed: int = 0,
     ) -> None:
         self._factory = model_factory
         self.train_data = train_data
-        self.test_data = test_data
+        # A callable is called on first use: a client that only trains (every simulated
+        # client in a round) never gathers its local test split.
+        self._test: TensorData | Callable[[], TensorData] = test_data
         self._requested = list(trainable) if trainable is not None else None
         self.seed = seed
         # Built on first use and kept: rounds reuse the module, only the arrays change.
         self._state: tuple[nn.Module, list[str], dict[str, torch.Tensor]] | None = None
+
+    @property
+    def test_data(self) -> TensorData:
+        if not isinstance(self._test, TensorData):
+            self._test = self._test()
+        return self._test
 
     def _built(self) -> tuple[nn.Module, list[str], dict[str, torch.Tensor]]:
         if self._state is None:

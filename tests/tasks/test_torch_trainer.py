@@ -111,3 +111,14 @@ def test_evaluate_reports_local_test_split(task) -> None:  # type: ignore[no-unt
     res = trainer.evaluate(task.initial_arrays(0), TrainConfig())
     assert res.num_examples == len(trainer.test_data) > 0
     assert set(res.metrics) == {"accuracy", "loss"}
+
+
+def test_a_clients_trainer_holds_its_own_train_and_test_split(task) -> None:  # type: ignore[no-untyped-def]
+    # The test split is gathered lazily (on first use), and is the client's own.
+    for pid in (0, 3, 4):
+        trainer = task.client_trainer(pid, 5, seed=1)
+        train, test = task.client_data(pid, 5, seed=1)
+        assert torch.equal(trainer.train_data.x, train.x) and torch.equal(trainer.train_data.y, train.y)
+        assert torch.equal(trainer.test_data.x, test.x) and torch.equal(trainer.test_data.y, test.y)
+    with pytest.raises(ConfigError, match="partition_id"):
+        task.client_trainer(5, 5, seed=1)
