@@ -13,7 +13,6 @@ trainer allows it; the uploads are built one by one either way.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -92,9 +91,12 @@ def _start(starts: Mapping[str, NDArrays] | None, key: str) -> NDArrays:
 
 def _train_config(cfg: RunConfig, job: ClientJob) -> tuple[int, TrainConfig]:
     seed = train_seed(cfg.seed, job.assignment.round, job.partition)
-    tc = dataclasses.replace(cfg.train, seed=seed)
-    if job.steps is not None:
-        tc = dataclasses.replace(tc, steps=job.steps)
+    t = cfg.train
+    # dataclasses.replace, spelled out: replace() inspects the fields on every call,
+    # and a round builds one config per client.
+    tc = TrainConfig(epochs=t.epochs, steps=t.steps if job.steps is None else job.steps, batch_size=t.batch_size,
+                     learning_rate=t.learning_rate, optimizer=t.optimizer, momentum=t.momentum,
+                     weight_decay=t.weight_decay, proximal_mu=t.proximal_mu, seed=seed, extra=t.extra)
     return seed, tc
 
 

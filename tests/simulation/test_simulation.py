@@ -391,3 +391,23 @@ def test_downlink_deltas_cut_bytes_down_and_clients_train_from_their_reconstruct
     again = run_simulation(delta_cfg)
     for k, v in delta.final_arrays.items():
         np.testing.assert_array_equal(again.final_arrays[k], v)
+
+
+def test_a_jobs_train_config_is_the_runs_with_its_seed_and_steps() -> None:
+    import dataclasses
+
+    from orchard.simulation.clients import _train_config
+
+    run = _run(train={"epochs": 2, "batch_size": 7, "learning_rate": 0.3, "optimizer": "sgd", "momentum": 0.5,
+                      "weight_decay": 0.01, "proximal_mu": 0.1, "extra": {"k": 1}})
+    a = TaskAssignment(run_id="r", round=4, attempt=0, task_id="t", model_hash="h", model_bytes=0, config_json="{}",
+                       schema=(), deadline_unix=0.0, cohort_target=1, shared_seed=0)
+    seed, tc = _train_config(run, ClientJob(9, "device-9", a))
+    assert seed == train_seed(run.seed, 4, 9)
+    assert tc == dataclasses.replace(run.train, seed=seed)
+    _, tc = _train_config(run, ClientJob(9, "device-9", a, steps=3))
+    assert tc == dataclasses.replace(run.train, seed=seed, steps=3)
+    # _train_config names every field: a new one must be added there too.
+    assert [f.name for f in dataclasses.fields(TrainConfig)] == [
+        "epochs", "steps", "batch_size", "learning_rate", "optimizer", "momentum", "weight_decay", "proximal_mu",
+        "seed", "extra"]
