@@ -84,6 +84,11 @@ class Population:
         self.battery = np.where(has_battery, rng.uniform(30.0, 100.0, size), np.nan).astype(np.float32)
         self.temperature = np.array([p.ambient_c for p in self.profiles], dtype=np.float32)[self.kind]
         self.updated = np.zeros(size, dtype=np.float64)
+        # Per kind, what materialise needs of the profile (the thermal model is shared:
+        # it is frozen).
+        self._thermal = [ThermalParams(ambient_c=p.ambient_c, r_th_c_per_w=p.r_th_c_per_w, tau_s=p.tau_s)
+                         for p in self.profiles]
+        self._flops_per_s = [p.gflops * 1e9 for p in self.profiles]
 
     # ------------------------------------------------------------------ who is around
 
@@ -136,18 +141,18 @@ class Population:
 
     def materialise(self, i: int, t: float) -> LiveDevice:
         """Device ``i`` as a :class:`SimulatedDevice`, brought up to time ``t``."""
-        prof = self.profiles[self.kind[i]]
+        k = int(self.kind[i])
+        prof = self.profiles[k]
         t0 = float(self.updated[i])
-        battery = float(self.battery[i])
         params = SimulatedDeviceParams(
             capacity_wh=prof.capacity_wh,
-            battery_percent=min(max(battery, 0.0), 100.0) if prof.battery else 100.0,
+            battery_percent=min(max(float(self.battery[i]), 0.0), 100.0) if prof.battery else 100.0,
             plugged=self.plugged_at(i, t0),
             charge_power_w=prof.charge_power_w,
             idle_power_w=prof.idle_power_w,
             active_power_w=prof.active_power_w,
             seconds_per_unit=1.0,  # work is counted in seconds at full speed (see LiveDevice)
-            thermal=ThermalParams(ambient_c=prof.ambient_c, r_th_c_per_w=prof.r_th_c_per_w, tau_s=prof.tau_s),
+            thermal=self._thermal[k],
             temperature_c=float(self.temperature[i]),
             unmetered_network=prof.unmetered_network,
             idle=True,
@@ -156,12 +161,14 @@ class Population:
         dev = SimulatedDevice(params, clock)
         # Catch up piecewise: the device idles on battery or on the charger between its
         # plug changes (several per day for a device left alone for days).
-        while clock.monotonic() < t:
-            nxt = min(self._next_plug_change(i, clock.monotonic()), t)
-            clock.advance(nxt - clock.monotonic())
-            dev.set_plugged(self.plugged_at(i, clock.monotonic()))
-        seconds = self.flops_per_example / (prof.gflops * 1e9 * float(self.speed[i]))
-        return LiveDevice(int(i), self.kinds[self.kind[i]], prof, dev, clock, seconds)
+        now = t0
+        while now < t:
+            nxt = min(self._next_plug_change(i, now), t)
+            clock.advance(nxt - now)
+            now = clock.monotonic()
+            dev.set_plugged(self.plugged_at(i, now))
+        seconds = self.flops_per_example / (self._flops_per_s[k] * float(self.speed[i]))
+        return LiveDevice(int(i), self.kinds[k], prof, dev, clock, seconds)
 
     def store(self, live: LiveDevice) -> None:
         """Write a device's state back to its row (it leaves the round)."""
