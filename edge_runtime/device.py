@@ -356,11 +356,20 @@ class SimulatedDevice:
     ``extra["energy_j"]`` is the cumulative energy the device has drawn (idle and
     active), which the governor uses for the per-round energy budget (the sysfs
     provider reports the RAPL counter under the same key).
+
+    A reading taken when nothing has changed since the last one (the clock has not
+    moved, no work was done, the charger is as it was) is the last reading itself, as
+    :class:`StaticProvider` returns one state: readings are values, not to be mutated.
+    A simulator reads each device at check-in and again, at the same instant, when its
+    governor starts.
     """
 
     def __init__(self, params: SimulatedDeviceParams, clock: VirtualClock) -> None:
         self.params = params
         self.clock = clock
+        # Joules at 100 %. The params are frozen, so this is a constant of the device;
+        # it is read at every integration step (a simulator reads many devices often).
+        self._capacity_j = params.capacity_wh * 3600.0
         self._battery_j = params.battery_percent / 100.0 * self._capacity_j
         self._temp = (
             params.thermal.ambient_c if params.temperature_c is None else params.temperature_c
@@ -371,27 +380,37 @@ class SimulatedDevice:
         self.max_temperature_c = self._temp  # highest temperature ever reached
         self.min_battery_percent = params.battery_percent  # lowest charge ever reached
         self.work_done = 0.0
-
-    @property
-    def _capacity_j(self) -> float:
-        return self.params.capacity_wh * 3600.0
+        self._reading: DeviceState | None = None  # the last read(), while it still holds
 
     def _integrate(self, dt: float, power_w: float) -> None:
         if dt <= 0:
             return
+        self._reading = None
         p = self.params
         # Temperature is monotone between its start and T_ss over a constant-power
-        # interval, so the extremes are at the endpoints.
-        self._temp = thermal_step(self._temp, power_w, dt, p.thermal)
-        self.max_temperature_c = max(self.max_temperature_c, self._temp)
+        # interval, so the extremes are at the endpoints. The clamps and extremes are
+        # written out as max()/min() compute them (the first argument wins a tie or a
+        # NaN), without their call: a simulator integrates at every reading.
+        temp = self._temp = thermal_step(self._temp, power_w, dt, p.thermal)
+        if temp > self.max_temperature_c:
+            self.max_temperature_c = temp
         net_w = (p.charge_power_w if self.plugged else 0.0) - power_w
-        self._battery_j = min(max(self._battery_j + net_w * dt, 0.0), self._capacity_j)
-        self.min_battery_percent = min(self.min_battery_percent, self.battery_percent)
+        battery = self._battery_j + net_w * dt
+        if battery < 0.0:
+            battery = 0.0
+        if self._capacity_j < battery:
+            battery = self._capacity_j
+        self._battery_j = battery
+        percent = 100.0 * battery / self._capacity_j
+        if percent < self.min_battery_percent:
+            self.min_battery_percent = percent
         self._energy_j += power_w * dt
 
     def _catch_up(self) -> None:
         now = self.clock.monotonic()
-        self._integrate(now - self._t, self.params.idle_power_w)
+        dt = now - self._t
+        if dt != 0:  # no time passed (e.g. a read right after work): nothing to integrate
+            self._integrate(dt, self.params.idle_power_w)
         self._t = now
 
     @property
@@ -403,10 +422,12 @@ class SimulatedDevice:
         if units < 0:
             raise ValueError(f"work units must be >= 0, got {units}")
         self._catch_up()
-        dt = units * self.params.seconds_per_unit
-        self._integrate(dt, self.params.active_power_w)
-        self.clock.advance(dt)
-        self._t = self.clock.monotonic()
+        p = self.params
+        dt = units * p.seconds_per_unit
+        self._integrate(dt, p.active_power_w)
+        clock = self.clock
+        clock.advance(dt)
+        self._t = clock.monotonic()
         self.work_done += units
         return dt
 
@@ -416,15 +437,20 @@ class SimulatedDevice:
 
     def read(self) -> DeviceState:
         self._catch_up()
-        full = self._battery_j >= self._capacity_j
-        return DeviceState(
-            battery_percent=self.battery_percent,
+        reading = self._reading
+        if reading is not None and reading.charging is self.plugged:
+            return reading
+        p = self.params
+        battery, cap = self._battery_j, self._capacity_j
+        reading = self._reading = DeviceState(
+            battery_percent=100.0 * battery / cap,
             charging=self.plugged,  # "Full" on a charger counts as external power, as in sysfs
             temperature_c=self._temp,
-            unmetered_network=self.params.unmetered_network,
-            idle=self.params.idle,
-            extra={"energy_j": self._energy_j, "full": float(full)},
+            unmetered_network=p.unmetered_network,
+            idle=p.idle,
+            extra={"energy_j": self._energy_j, "full": 1.0 if battery >= cap else 0.0},
         )
+        return reading
 
 
 def default_provider(sysfs_root: str | os.PathLike[str] = "/sys") -> DeviceStateProvider:

@@ -43,6 +43,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from functools import lru_cache
+from typing import NamedTuple
 
 from orchard.errors import BudgetExceeded, ConfigError, OrchardError
 from orchard.typing import DeviceState, Metrics
@@ -98,10 +100,14 @@ def pause_for_duty(step_s: float, duty: float) -> float:
     return step_s * (1.0 - duty) / duty
 
 
-@dataclass(frozen=True)
-class StepSample:
+class StepSample(NamedTuple):
     """What one step (``units`` > 0) or one rest (``units`` == 0: a throttling or
-    cooling pause) cost, measured around it. None where the device did not say."""
+    cooling pause) cost, measured around it. None where the device did not say.
+
+    A named tuple, as is :class:`StepEstimate`: both are immutable records built at
+    every step, and a named tuple costs a fraction of a frozen dataclass, whose
+    ``__init__`` calls ``object.__setattr__`` once per field.
+    """
 
     units: float
     seconds: float
@@ -110,8 +116,7 @@ class StepSample:
     energy_j: float | None
 
 
-@dataclass(frozen=True)
-class StepEstimate:
+class StepEstimate(NamedTuple):
     """Predicted cost of the next step (upper bounds, safety factor applied)."""
 
     rise_c: float
@@ -124,27 +129,36 @@ class StepEstimate:
     energy_j_per_s: float = 0.0
 
 
-def _hi(cur: float | None, r: float) -> float:
-    return r if cur is None or r > cur else cur
+# The maxima below are written out (``if m is None or r > m: m = r``) rather than
+# through max() or a helper: the governor asks before every step, so they are on a
+# device's hot path, and a call costs more than the comparison. ``r > m`` keeps the
+# first of equal values, as max() does.
 
 
 def _per_unit_maxima(
     samples: Sequence[StepSample],
 ) -> tuple[float | None, float | None, float | None, float | None]:
-    """The largest rise, drop, energy and seconds per unit over ``samples``, in one pass
-    (the governor asks before every step, so this is on a device's hot path)."""
+    """The largest rise, drop, energy and seconds per unit over ``samples``, in one pass."""
     rise = drop = energy = seconds = None
     for s in samples:
         u = s.units
         if u <= 0:
             continue
-        seconds = _hi(seconds, s.seconds / u)
+        r = s.seconds / u
+        if seconds is None or r > seconds:
+            seconds = r
         if s.rise_c is not None:
-            rise = _hi(rise, s.rise_c / u)
+            r = s.rise_c / u
+            if rise is None or r > rise:
+                rise = r
         if s.drop_percent is not None:
-            drop = _hi(drop, s.drop_percent / u)
+            r = s.drop_percent / u
+            if drop is None or r > drop:
+                drop = r
         if s.energy_j is not None:
-            energy = _hi(energy, s.energy_j / u)
+            r = s.energy_j / u
+            if energy is None or r > energy:
+                energy = r
     return rise, drop, energy, seconds
 
 
@@ -157,16 +171,14 @@ def _per_second_maxima(*groups: Sequence[StepSample]) -> tuple[float | None, flo
             if t <= 0:
                 continue
             if s.drop_percent is not None:
-                drain = _hi(drain, s.drop_percent / t)
+                r = s.drop_percent / t
+                if drain is None or r > drain:
+                    drain = r
             if s.energy_j is not None:
-                power = _hi(power, s.energy_j / t)
+                r = s.energy_j / t
+                if power is None or r > power:
+                    power = r
     return drain, power
-
-
-def _last(samples: Sequence[StepSample], n: int) -> Sequence[StepSample]:
-    if len(samples) <= n:
-        return samples
-    return list(samples)[-n:]
 
 
 def estimate_next_step(
@@ -185,23 +197,38 @@ def estimate_next_step(
     any device whose idle power is below its training power).
     """
     k = pacing.safety_factor
-    recent = _last(history, pacing.history)
-    recent_rests = _last(rests, pacing.history)
-    rise, drop, energy, seconds = _per_unit_maxima(recent)
+    n = pacing.history
+    recent = history if len(history) <= n else list(history)[-n:]
+    recent_rests = rests if len(rests) <= n else list(rests)[-n:]
+    rise = drop = energy = seconds = drain = power = None
+    if recent or recent_rests:  # not before the first step
+        rise, drop, energy, seconds = _per_unit_maxima(recent)
+        drain, power = _per_second_maxima(recent, recent_rests)
     if energy is None and pacing.joules_per_unit is not None:
         energy = pacing.joules_per_unit
     prior_drop = 0.0 if charging else pacing.prior_drop_percent
-    drain, power = _per_second_maxima(recent, recent_rests)
     if drain is None:
         # Nothing measured yet: the first-step prior spread over one cooling pause.
         drain = prior_drop / pacing.cooldown_quantum_s
+    # A negative rate (cooling, charging) counts as 0. Written out as max(x, 0.0) would
+    # compute it: ``x < 0.0`` is False for -0.0 and NaN, which max() passes through too.
+    if rise is not None and rise < 0.0:
+        rise = 0.0
+    if drop is not None and drop < 0.0:
+        drop = 0.0
+    if energy is not None and energy < 0.0:
+        energy = 0.0
+    if drain < 0.0:
+        drain = 0.0
+    if not power or power < 0.0:  # None, ±0.0 or negative: max(power or 0.0, 0.0) is 0.0
+        power = 0.0
     return StepEstimate(
-        rise_c=pacing.prior_rise_c if rise is None else k * max(rise, 0.0) * next_units,
-        drop_percent=prior_drop if drop is None else k * max(drop, 0.0) * next_units,
-        energy_j=0.0 if energy is None else k * max(energy, 0.0) * next_units,
+        rise_c=pacing.prior_rise_c if rise is None else k * rise * next_units,
+        drop_percent=prior_drop if drop is None else k * drop * next_units,
+        energy_j=0.0 if energy is None else k * energy * next_units,
         seconds=0.0 if seconds is None else k * seconds * next_units,
-        drain_percent_per_s=k * max(drain, 0.0),
-        energy_j_per_s=k * max(power or 0.0, 0.0),
+        drain_percent_per_s=k * drain,
+        energy_j_per_s=k * power,
     )
 
 
@@ -219,6 +246,16 @@ class Decision:
     reasons: tuple[str, ...] = ()
 
 
+# Decisions are frozen, so equal ones can be shared: the go-ahead before every step,
+# and the stop after the last one (a simulator runs thousands of governors a round).
+_RUN = Decision(Action.RUN)
+
+
+@lru_cache(maxsize=64, typed=True)
+def _completed(max_steps: int) -> Decision:
+    return Decision(Action.STOP, StopReason.COMPLETED, f"max_steps={max_steps} done")
+
+
 def decide(
     state: DeviceState,
     policy: DevicePolicy,
@@ -230,47 +267,55 @@ def decide(
     steps_done: int,
 ) -> Decision:
     """May the next step start now? Pure: everything it needs is an argument."""
+    # Each policy value is read once, and only where it is needed: the policy is a
+    # pydantic model, whose attributes cost several times a plain object's.
     budget = policy.budget
-    if budget.max_steps is not None and steps_done >= budget.max_steps:
-        return Decision(Action.STOP, StopReason.COMPLETED, f"max_steps={budget.max_steps} done")
+    max_steps = budget.max_steps
+    if max_steps is not None and steps_done >= max_steps:
+        return _completed(max_steps)
 
     # Rules other than battery and temperature (those two get predictive handling
     # below): losing external power when it is required, the network turning metered,
     # the user picking the device up, the window closing.
     elig = evaluate(state, policy, wall_s)
-    others = [r for r in elig.reasons if r.code not in ("battery", "thermal")]
-    if others:
-        return Decision(Action.STOP, StopReason.INELIGIBLE, "; ".join(others), tuple(others))
+    if not elig.eligible:
+        others = [r for r in elig.reasons if r.code not in ("battery", "thermal")]
+        if others:
+            return Decision(Action.STOP, StopReason.INELIGIBLE, "; ".join(others), tuple(others))
 
-    floor = policy.battery_floor_percent
     b = state.battery_percent
+    drop = estimate.drop_percent
     # On a charger, a battery below the floor is fine (charging beats the floor, as in
     # eligibility) as long as it is not falling.
-    charging_up = bool(state.charging) and estimate.drop_percent <= 0.0
-    if b is not None and not charging_up and b - estimate.drop_percent < floor:
-        return Decision(
-            Action.STOP,
-            StopReason.BATTERY_FLOOR,
-            f"battery {b:.2f}% minus the next step's predicted {estimate.drop_percent:.2f}% "
-            f"would pass the floor {floor:.1f}%",
-        )
+    charging_up = bool(state.charging) and drop <= 0.0
+    if b is not None and not charging_up:
+        floor = policy.battery_floor_percent
+        if b - drop < floor:
+            return Decision(
+                Action.STOP,
+                StopReason.BATTERY_FLOOR,
+                f"battery {b:.2f}% minus the next step's predicted {drop:.2f}% "
+                f"would pass the floor {floor:.1f}%",
+            )
 
-    if budget.time_s is not None and elapsed_s + estimate.seconds > budget.time_s:
+    time_s = budget.time_s
+    if time_s is not None and elapsed_s + estimate.seconds > time_s:
         return Decision(
             Action.STOP,
             StopReason.TIME_BUDGET,
-            f"{elapsed_s:.1f} s used, next step ~{estimate.seconds:.2f} s, budget {budget.time_s:.1f} s",
+            f"{elapsed_s:.1f} s used, next step ~{estimate.seconds:.2f} s, budget {time_s:.1f} s",
         )
-    if budget.energy_j is not None and energy_used_j + estimate.energy_j > budget.energy_j:
+    energy_j = budget.energy_j
+    if energy_j is not None and energy_used_j + estimate.energy_j > energy_j:
         return Decision(
             Action.STOP,
             StopReason.ENERGY_BUDGET,
-            f"{energy_used_j:.1f} J used, next step ~{estimate.energy_j:.2f} J, budget {budget.energy_j:.1f} J",
+            f"{energy_used_j:.1f} J used, next step ~{estimate.energy_j:.2f} J, budget {energy_j:.1f} J",
         )
 
-    hard = policy.hard_ceiling_c
     t = state.temperature_c
     if t is not None:
+        hard = policy.hard_ceiling_c
         if t >= hard:
             return Decision(
                 Action.STOP,
@@ -282,7 +327,7 @@ def decide(
                 Action.COOL,
                 detail=f"{t:.2f} °C + predicted rise {estimate.rise_c:.2f} °C would pass {hard:.1f} °C",
             )
-    return Decision(Action.RUN)
+    return _RUN
 
 
 def check_rest(
@@ -325,7 +370,7 @@ def check_rest(
             StopReason.TIME_BUDGET,
             f"{elapsed_s:.1f} s used; a {rest_s:.1f} s pause and a step would pass {t_budget:.1f} s",
         )
-    return Decision(Action.RUN)
+    return _RUN
 
 
 # ----------------------------------------------------------------------- the object
@@ -376,7 +421,7 @@ class Governor:
 
     ``carry_over`` continues a round that an earlier governor stopped (the device
     resumed in its next eligible window): its steps, energy and elapsed time count
-    against this round's budget.
+    against this round's budget. The policy is fixed for the governor's lifetime.
     """
 
     def __init__(
@@ -390,15 +435,29 @@ class Governor:
         self.provider = provider
         self.policy = policy
         self.clock = clock
-        self._history: deque[StepSample] = deque(maxlen=policy.pacing.history)
-        self._rests: deque[StepSample] = deque(maxlen=policy.pacing.history)
-        self._steps = carry_over.steps_done if carry_over else 0
-        self._units = carry_over.work_units if carry_over else 0.0
-        self._prior_elapsed = carry_over.elapsed_s if carry_over else 0.0
-        self._active = carry_over.active_s if carry_over else 0.0
-        self._paused = carry_over.paused_s if carry_over else 0.0
-        self._energy = (carry_over.energy_j or 0.0) if carry_over else 0.0
-        self._energy_known = carry_over is None or carry_over.energy_j is not None
+        # The policy is a frozen pydantic model, whose attributes cost several times a
+        # plain object's: what the governor reads around every step is taken out once.
+        self._pacing = pacing = policy.pacing
+        self._max_steps = policy.budget.max_steps
+        self._hard_ceiling_c = policy.hard_ceiling_c
+        n = pacing.history
+        self._history: deque[StepSample] = deque(maxlen=n)
+        self._rests: deque[StepSample] = deque(maxlen=n)
+        self._steps = 0
+        self._units = self._prior_elapsed = self._active = self._paused = self._energy = 0.0
+        self._energy_known = True
+        self._max_t: float | None = None
+        self._min_b: float | None = None
+        if carry_over is not None:
+            self._steps = carry_over.steps_done
+            self._units = carry_over.work_units
+            self._prior_elapsed = carry_over.elapsed_s
+            self._active = carry_over.active_s
+            self._paused = carry_over.paused_s
+            self._energy = carry_over.energy_j or 0.0
+            self._energy_known = carry_over.energy_j is not None
+            self._max_t = carry_over.max_temperature_c
+            self._min_b = carry_over.min_battery_percent
         self._counter: float | None = None  # last extra["energy_j"] reading
         self._t0: float | None = None
         self._stop: Decision | None = None
@@ -406,8 +465,6 @@ class Governor:
         self._last_units = 1.0
         self._last_state: DeviceState | None = None
         self._last_read_at: float | None = None  # clock.monotonic() of _last_state
-        self._max_t: float | None = carry_over.max_temperature_c if carry_over else None
-        self._min_b: float | None = carry_over.min_battery_percent if carry_over else None
 
     # -- I/O helpers
 
@@ -420,14 +477,12 @@ class Governor:
             if self._counter is not None and counter >= self._counter:
                 self._energy += counter - self._counter
             self._counter = counter
-        if s.temperature_c is not None:
-            self._max_t = (
-                s.temperature_c if self._max_t is None else max(self._max_t, s.temperature_c)
-            )
-        if s.battery_percent is not None:
-            self._min_b = (
-                s.battery_percent if self._min_b is None else min(self._min_b, s.battery_percent)
-            )
+        # The running extremes, as max()/min() would keep them (the first of equals).
+        t, b = s.temperature_c, s.battery_percent
+        if t is not None and (self._max_t is None or t > self._max_t):
+            self._max_t = t
+        if b is not None and (self._min_b is None or b < self._min_b):
+            self._min_b = b
         self._last_state = s
         self._last_read_at = self.clock.monotonic()
         return s
@@ -442,7 +497,7 @@ class Governor:
 
     def _estimate(self, state: DeviceState) -> StepEstimate:
         return estimate_next_step(
-            self._history, self._last_units, self.policy.pacing, state.charging, self._rests
+            self._history, self._last_units, self._pacing, state.charging, self._rests
         )
 
     def _rest(self, state: DeviceState, seconds: float) -> DeviceState | Decision:
@@ -493,16 +548,16 @@ class Governor:
             return False
         if self._before is not None:
             raise GovernorUsageError("before_step called twice without after_step in between")
-        budget = self.policy.budget
-        if budget.max_steps is not None and self._steps >= budget.max_steps:
+        max_steps = self._max_steps
+        if max_steps is not None and self._steps >= max_steps:
             # Done: no reading, no estimate, and no duty-cycle pause after the last step.
-            return self._halt(Decision(Action.STOP, StopReason.COMPLETED, f"max_steps={budget.max_steps} done"))
-        pacing = self.policy.pacing
+            return self._halt(_completed(max_steps))
+        policy, pacing, clock = self.policy, self._pacing, self.clock
         if self._t0 is None:
-            self._t0 = self.clock.monotonic()
+            self._t0 = clock.monotonic()
             state = self._read()
             if (
-                self.policy.budget.energy_j is not None
+                policy.budget.energy_j is not None
                 and "energy_j" not in state.extra
                 and pacing.joules_per_unit is None
             ):
@@ -516,7 +571,7 @@ class Governor:
         if self._history:
             duty = duty_cycle(
                 state.temperature_c,
-                self.policy.hard_ceiling_c,
+                self._hard_ceiling_c,
                 pacing.throttle_band_c,
                 pacing.min_duty,
             )
@@ -531,15 +586,15 @@ class Governor:
             est = self._estimate(state)
             d = decide(
                 state,
-                self.policy,
+                policy,
                 est,
-                wall_s=self.clock.wall(),
+                wall_s=clock.wall(),
                 elapsed_s=self._elapsed(),
                 energy_used_j=self._energy,
                 steps_done=self._steps,
             )
             if d.action is Action.RUN:
-                self._before = (self.clock.monotonic(), state)
+                self._before = (clock.monotonic(), state)
                 return True
             if d.action is Action.STOP:
                 return self._halt(d)
@@ -570,12 +625,14 @@ class Governor:
         self._before = None
         counter_before = self._energy
         s1 = self._read()
-        seconds = max(self.clock.monotonic() - t_before, 0.0)
+        seconds = self.clock.monotonic() - t_before
+        if seconds < 0.0:  # never negative, as max(seconds, 0.0) (which keeps -0.0)
+            seconds = 0.0
         energy: float | None = None
         if "energy_j" in s1.extra:
             energy = self._energy - counter_before
-        elif self.policy.pacing.joules_per_unit is not None:
-            energy = work_units * self.policy.pacing.joules_per_unit
+        elif self._pacing.joules_per_unit is not None:
+            energy = work_units * self._pacing.joules_per_unit
             self._energy += energy
         else:
             self._energy_known = False
@@ -596,7 +653,7 @@ class Governor:
 
     def report(self) -> GovernorReport:
         d = self._stop
-        max_steps = self.policy.budget.max_steps
+        max_steps = self._max_steps
         resume_at = None
         if d is not None and d.reason is StopReason.INELIGIBLE and self._last_state is not None:
             resume_at = next_eligible_time(self._last_state, self.policy, self.clock.wall())

@@ -194,6 +194,31 @@ def test_simulated_device_charges_when_plugged() -> None:
         SimulatedDeviceParams(capacity_wh=0.0)
 
 
+def test_simulated_device_reuses_a_reading_only_while_it_holds() -> None:
+    # A simulator reads a device at check-in and again, at the same instant, when its
+    # governor starts: the second reading is the first. Time passing, work or a charger
+    # change must each make the next reading a fresh one.
+    clock = VirtualClock()
+    p = SimulatedDeviceParams(
+        capacity_wh=1.0, battery_percent=50.0, idle_power_w=3.6, seconds_per_unit=1.0
+    )
+    dev = SimulatedDevice(p, clock)
+    first = dev.read()
+    assert dev.read() is first
+    dev.set_plugged(True)  # same instant, on the charger now
+    assert dev.read().charging is True and dev.read().battery_percent == first.battery_percent
+    dev.plugged = False  # set directly, without set_plugged
+    assert dev.read().charging is False
+    dev.work(0)  # no work and no time: nothing changed
+    assert dev.read() == first
+    clock.sleep(10.0)  # 3.6 W for 10 s: 36 J, 1 % of 1 Wh
+    rested = dev.read()
+    assert rested.extra["energy_j"] == pytest.approx(36.0)
+    assert rested.battery_percent == pytest.approx(49.0)
+    dev.work(1)
+    assert dev.read().extra["energy_j"] > rested.extra["energy_j"]
+
+
 def test_virtual_clock_only_moves_forward() -> None:
     c = VirtualClock(wall_origin=1000.0)
     c.sleep(2.5)
