@@ -86,10 +86,14 @@ class _Unpacked(Future[list[ClientOutput]]):
 
     def __init__(self, inner: Future[PackedOutputs]) -> None:
         super().__init__()
-        self._inner = inner
+        self._inner: Future[PackedOutputs] | None = inner
         inner.add_done_callback(self._arrived)
 
     def _arrived(self, inner: Future[PackedOutputs]) -> None:
+        # The inner future keeps this callback (so this future) for good: drop the link
+        # back, or the pair is a reference cycle holding both copies of a job's outputs
+        # (~40 MB a job for the digits MLP) until a full garbage collection.
+        self._inner = None
         if self.cancelled():
             return
         try:
@@ -103,7 +107,9 @@ class _Unpacked(Future[list[ClientOutput]]):
             pass
 
     def cancel(self) -> bool:
-        self._inner.cancel()
+        inner = self._inner
+        if inner is not None:
+            inner.cancel()
         return super().cancel()
 
 
@@ -113,10 +119,11 @@ class ProcessBackend:
     builds the task once (spawned, so no torch state is shared by fork)."""
 
     def __init__(self, task_name: str, task_params: dict[str, Any], population: int, cfg: RunConfig,
-                 workers: int, vectorize: bool) -> None:
+                 workers: int, vectorize: bool, task: Task | None = None) -> None:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
+        self._here = (task, population, cfg, build_codec(cfg.codec), vectorize) if task is not None else None
         self._pool = ProcessPoolExecutor(
             max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_process_init,
             initargs=(task_name, dict(task_params), cfg.model_dump_json(), population, vectorize))
@@ -127,6 +134,21 @@ class ProcessBackend:
         need = {j.start for j in jobs if j.start}
         sent = {k: v for k, v in starts.items() if k in need} if starts and need else None
         return _Unpacked(self._pool.submit(_process_run, jobs, global_arrays, sent))
+
+    def run_here(self, jobs: list[ClientJob], global_arrays: NDArrays,
+                 starts: Mapping[str, NDArrays] | None = None) -> list[ClientOutput]:
+        """Run jobs in the calling process (the engine, while it would wait on a worker)."""
+        if self._here is None:
+            raise BackendError("this process backend was built without the task; it cannot run jobs here")
+        import torch
+
+        task, population, cfg, codec, vectorize = self._here
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)  # as in a worker: the workers have the other cores
+        try:
+            return run_jobs(task, population, cfg, codec, global_arrays, jobs, vectorize, starts)
+        finally:
+            torch.set_num_threads(threads)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -194,5 +216,5 @@ def make_backend(kind: str, task: Task, task_name: str, task_params: dict[str, A
     if kind == "local":
         return LocalBackend(task, population, cfg, workers, vectorize)
     if kind == "process":
-        return ProcessBackend(task_name, task_params, population, cfg, workers, vectorize)
+        return ProcessBackend(task_name, task_params, population, cfg, workers, vectorize, task)
     raise ConfigError(f"unknown backend {kind!r}; expected 'local', 'process' or 'ray'")

@@ -69,6 +69,8 @@ from orchard.updates import encode_partial, pack
 from orchard.wire import sha256_hex
 
 _FIRST_CHUNK = 64  # clients in the first training job of a round (see Engine._process)
+_HELP_BATCH = 64  # clients the engine trains at a time while it waits on a worker
+_HELD_HERE_MAX = 1024  # at most this many clients trained by the engine and not yet folded
 _TOKEN = "simulated"  # every simulated node presents the same (unchecked) credential
 
 
@@ -441,7 +443,9 @@ class Engine:
             if leaf.cr is not None and leaf.waiting == 0:
                 self._schedule_quiet_close(leaf, events, seq)
         self._defer_expected_late(arrivals)
-        pending: deque[tuple[list[Arrival], Future[list[ClientOutput]]]] = deque()
+        # Training in finish-time order: arrivals, their outputs (from a worker, or
+        # trained here: how many).
+        pending: deque[tuple[list[Arrival], Future[list[ClientOutput]], bool, int]] = deque()
         outputs: dict[int, ClientOutput] = {}
         cursor = 0
         # The first jobs are small and grow to chunk_size: folding starts as soon as the
@@ -449,30 +453,52 @@ class Engine:
         # chunk of 1,024 digits clients is ~0.3 s the engine would otherwise sit idle).
         # Which clients train, and their results, do not depend on the job sizes.
         limit = min(self.chunk_size, _FIRST_CHUNK)
+        # With worker processes, the engine trains small batches itself while the next
+        # worker job it needs is not done (it would only wait), and holds their outputs
+        # until their turn; `in_flight` counts the workers' jobs, `unfolded` the
+        # clients trained here and not folded yet.
+        run_here = getattr(self.backend, "run_here", None)
+        in_flight = unfolded = 0
 
-        def refill() -> int:
-            nonlocal cursor, limit
-            while len(pending) < self.workers and cursor < len(arrivals):
-                batch: list[Arrival] = []
+        def take(size: int) -> list[Arrival]:
+            nonlocal cursor
+            batch: list[Arrival] = []
+            while cursor < len(arrivals) and len(batch) < size:
+                a = arrivals[cursor]
+                cursor += 1
+                if a.leaf.cr is not None and not a.leaf.cr.closed:
+                    batch.append(a)
+                else:
+                    stats.late += 1
+                    a.leaf.waiting -= 1
+                    a.leaf.working.discard(a.node_id)
+            return batch
+
+        def refill() -> None:
+            nonlocal limit, in_flight
+            while in_flight < self.workers and cursor < len(arrivals):
                 size, limit = limit, min(self.chunk_size, 2 * limit)
-                while cursor < len(arrivals) and len(batch) < size:
-                    a = arrivals[cursor]
-                    cursor += 1
-                    if a.leaf.cr is not None and not a.leaf.cr.closed:
-                        batch.append(a)
-                    else:
-                        stats.late += 1
-                        a.leaf.waiting -= 1
-                        a.leaf.working.discard(a.node_id)
+                batch = take(size)
                 if batch:
                     jobs = [self._job(a) for a in batch if not a.deferred]
                     if jobs:
-                        fut = self.backend.submit(jobs, arrays, starts or None)
+                        pending.append((batch, self.backend.submit(jobs, arrays, starts or None), True, 0))
+                        in_flight += 1
                     else:
-                        fut = Future()
-                        fut.set_result([])
-                    pending.append((batch, fut))
-            return cursor
+                        pending.append((batch, _done([]), False, 0))
+
+        def help_while_waiting() -> None:
+            nonlocal unfolded
+            fut = pending[0][1]
+            while (run_here is not None and not fut.done() and cursor < len(arrivals)
+                   and unfolded < _HELD_HERE_MAX):
+                batch = take(_HELP_BATCH)
+                if not batch:
+                    continue
+                jobs = [self._job(a) for a in batch if not a.deferred]
+                pending.append((batch, _done(run_here(jobs, arrays, starts or None) if jobs else []), False,
+                                len(jobs)))
+                unfolded += len(jobs)
 
         def root_done() -> bool:
             return self.root.cr is not None and self.root.cr.closed
@@ -488,9 +514,12 @@ class Engine:
                 self.time.advance_to(when)
                 self._event(kind, obj, events, seq, stats)
                 continue
-            batch, fut = pending.popleft()
+            help_while_waiting()
+            batch, fut, by_worker, here = pending.popleft()
             for o in fut.result():
                 outputs[o.partition] = o
+            in_flight -= by_worker
+            unfolded -= here
             refill()
             for a in batch:
                 # Deadlines and partials due before this arrival come first.
@@ -514,7 +543,7 @@ class Engine:
                     outputs[a.partition] = o
                 self._arrive(a, outputs.pop(a.partition), events, seq, stats)
             outputs.clear()
-        for _, fut in pending:
+        for _, fut, _, _ in pending:
             fut.cancel()
 
     def _job(self, a: Arrival) -> ClientJob:
@@ -657,6 +686,12 @@ class Engine:
     def shutdown(self) -> None:
         for t in self.tiers():
             t.coord.shutdown()
+
+
+def _done(outputs: list[ClientOutput]) -> Future[list[ClientOutput]]:
+    fut: Future[list[ClientOutput]] = Future()
+    fut.set_result(outputs)
+    return fut
 
 
 def _box_state() -> DeviceState:

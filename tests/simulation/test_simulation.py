@@ -344,6 +344,51 @@ def test_process_backend_matches_local() -> None:
         np.testing.assert_array_equal(remote.final_arrays[k], v)
 
 
+def test_engine_trains_while_it_waits_on_a_slow_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A backend whose worker is slow (each job takes 50 ms, on a thread) and that can run
+    # jobs in the engine's process: the engine trains the next clients itself while it
+    # waits, and the round's uploads -- so the model -- are the same.
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    import orchard.simulation.runner as runner
+    from orchard.simulation.backends import LocalBackend
+
+    class SlowWorker(LocalBackend):
+        def __init__(self, *a: object) -> None:
+            super().__init__(*a)
+            self.here = 0
+
+        def submit(self, jobs, global_arrays, starts=None):  # type: ignore[no-untyped-def]
+            fut: Future = Future()
+
+            def work() -> None:
+                time.sleep(0.05)
+                fut.set_result(self._run(jobs, global_arrays, starts))
+
+            threading.Thread(target=work).start()
+            return fut
+
+        def run_here(self, jobs, global_arrays, starts=None):  # type: ignore[no-untyped-def]
+            self.here += len(jobs)
+            return self._run(jobs, global_arrays, starts)
+
+    made: list[SlowWorker] = []
+
+    def make(kind, task, task_name, task_params, population, cfg, workers, vectorize):  # type: ignore[no-untyped-def]
+        made.append(SlowWorker(task, population, cfg, 1, vectorize))
+        return made[-1]
+
+    plain = run_simulation(_sim(rounds=2, chunk_size=8))
+    monkeypatch.setattr(runner, "make_backend", make)
+    helped = run_simulation(_sim(rounds=2, chunk_size=8))
+    assert made[0].here > 0
+    assert [r["trained"] for r in helped.rounds] == [r["trained"] for r in plain.rounds]
+    for k, v in plain.final_arrays.items():
+        np.testing.assert_array_equal(helped.final_arrays[k], v)
+
+
 def test_packed_outputs_round_trip() -> None:
     import pickle
 
@@ -358,6 +403,29 @@ def test_packed_outputs_round_trip() -> None:
         [(o.partition, o.node_id, o.payload, o.error, o.metrics) for o in outs]
     assert all(type(o.payload) is bytes for o in back)
     np.testing.assert_array_equal(back[1].codec_state["w"]["residual"], np.ones(2))
+
+
+def test_a_finished_worker_job_is_freed_without_the_garbage_collector() -> None:
+    # The packed outputs must not be kept alive by a reference cycle between the
+    # worker's future and the unpacking one (~40 MB a job until a full collection).
+    import gc
+    import weakref
+    from concurrent.futures import Future
+
+    from orchard.simulation.backends import _Unpacked
+    from orchard.simulation.clients import ClientOutput, PackedOutputs
+
+    gc.disable()
+    try:
+        inner: Future = Future()
+        outer = _Unpacked(inner)
+        alive = weakref.ref(inner)
+        inner.set_result(PackedOutputs([ClientOutput(1, "device-1", None, b"x" * 100)]))
+        del inner
+        assert alive() is None
+        assert outer.result()[0].payload == b"x" * 100
+    finally:
+        gc.enable()
 
 
 def test_job_sizes_do_not_change_the_round() -> None:
