@@ -20,7 +20,7 @@ throughput ratio.
 
 Flower's simulation engine is the reference peer (benchmarks/flower_peer.py): a
 ServerApp with FedAvg and a ClientApp doing the same local training, through
-``flwr.simulation.run_simulation`` on Ray with ``--workers`` Ray CPUs, in its own process
+``flwr.simulation.run_simulation`` on Ray with one Ray CPU per core, in its own process
 tree, ``--flower-per-round`` SuperNodes all training in every round, one warm-up round
 and the same measured rounds. Its clients per second and seconds per round are timed
 inside the strategy (start-up excluded); its RSS is a sampled sum over the driver and
@@ -63,7 +63,7 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
                     train={"epochs": 1, "batch_size": 10, "learning_rate": 0.1, "optimizer": "sgd"})
     cfg = SimulationConfig(clients=population, clients_per_round=clients_per_round, rounds=rounds + 1,
                            aggregators=aggregators, vectorize=vectorize, governor=governor, workers=workers,
-                           backend=backend, chunk_size=1024, evaluate_every=0, progress=False, run=run)
+                           backend=backend, chunk_size=512, evaluate_every=0, progress=False, run=run)
     t0 = time.perf_counter()
     report = run_simulation(cfg)
     measured = report.rounds[1:]
@@ -159,9 +159,11 @@ def main() -> None:
     ap.add_argument("--baseline-per-round", type=int, default=500,
                     help="clients per round of the per-client baseline (0: no baseline)")
     ap.add_argument("--no-governor", action="store_true", help="device time from work alone, no pacing")
-    # Two worker processes on a 2-core host: clients train and encode there while the
-    # engine process checks in, paces and folds (the round's critical path).
-    ap.add_argument("--workers", type=int, default=2)
+    # One worker process on a 2-core host: clients train and encode there while the
+    # engine process checks in, paces and folds, and trains the next clients itself
+    # whenever it would wait on the worker. A second worker adds a process's memory
+    # (torch alone is ~300 MiB) for little: the engine's check-in is the serial part.
+    ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--backend", choices=["local", "process"], default="process",
                     help="where clients train: worker processes, or this process (threads if workers > 1)")
     ap.add_argument("--quick", action="store_true", help="1,000 clients per round only, one measured round")
@@ -198,7 +200,9 @@ def main() -> None:
         rows.append(base)
     comparisons = []
     if not a.no_flower:
-        flower = _flower(a.flower_per_round, rounds, ray_cpus=a.workers, timeout_s=a.flower_timeout)
+        # Flower gets every core of the host as Ray CPUs (Orchard's engine and worker use both too).
+        flower = _flower(a.flower_per_round, rounds, ray_cpus=max(a.workers, os.cpu_count() or 1),
+                         timeout_s=a.flower_timeout)
         if "clients_per_second" in flower and a.flower_per_round not in per_round:
             # Like for like: Orchard at the clients per round Flower ran.
             rows.append(vectorized_case(a.flower_per_round))

@@ -108,7 +108,7 @@ class SimulationConfig(_Strict):
     backend: Literal["local", "process", "ray"] = "local"
     workers: int = Field(1, ge=1)  # concurrent training jobs
     vectorize: bool = True  # train small models many clients at a time (torch.func.vmap)
-    chunk_size: int = Field(1024, ge=1)  # clients per training job: what is materialised at once
+    chunk_size: int = Field(512, ge=1)  # clients per training job: what is materialised at once
     governor: bool = True  # pace training with the edge runtime's governor on each device
     out: Path | None = None
     devices: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_MIX))
