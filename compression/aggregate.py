@@ -31,11 +31,11 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from orchard.compression.base import Codec, check_seed, check_shape
+from orchard.compression.base import BaseCodec, Codec, check_seed, check_shape
 from orchard.compression.errors import NonFiniteError
 from orchard.compression.update import check_names, tensor_seed
 from orchard.compression.wire import EncodedTensor
@@ -46,19 +46,28 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 UINT32_MAX = int(np.iinfo(np.uint32).max)
 
 _BLOCK = 1 << 15  # elements per step of a weighted add: a 256 KiB float64 scratch per thread
+_SMALL = 1 << 12  # elements: a weighted add this small takes a float64 copy (32 KiB at most)
 _scratch = threading.local()
 
 
 def add_weighted(acc: np.ndarray, x: np.ndarray, weight: float) -> None:
     """``acc += weight * x`` into a contiguous float64 ``acc`` (``x`` of any real float
     dtype, as many elements): each product formed in float64, as the accumulator of the
-    decode path forms it, without a float64 temporary the size of ``x`` -- the products
-    go through one small scratch buffer per thread, a block at a time."""
+    decode path forms it, without a float64 temporary the size of a large ``x`` -- the
+    products go through one small scratch buffer per thread, a block at a time. (Up to
+    ``_SMALL`` elements, where a tier's per-upload cost is the calls, not the work, ``x``
+    is copied to float64 and multiplied in place: the same products, fewer steps.)"""
     if not acc.flags.c_contiguous:  # reshape would copy, and the sum would be lost
         raise ValueError("add_weighted needs a contiguous accumulator")
-    a, v = acc.reshape(-1), x.reshape(-1)
+    a = acc if acc.ndim == 1 else acc.reshape(-1)
+    v = x if x.ndim == 1 else x.reshape(-1)
     if weight == 1.0:
-        np.add(a, v, out=a)
+        np.add(a, v, a)
+        return
+    if a.size <= _SMALL:
+        t = v.astype(np.float64)
+        np.multiply(t, weight, t)
+        np.add(a, t, a)
         return
     buf = getattr(_scratch, "buf", None)
     if buf is None:
@@ -81,17 +90,30 @@ def check_weight(weight: float) -> float:
 @dataclass(frozen=True)
 class CheckedPayload:
     """A parsed payload that passed :meth:`PayloadSum.check`: a bound on its values, and
-    its coordinates -- or, for a codec without them, what it decodes to."""
+    its coordinates -- or, for a codec without them, what it decodes to. ``codes`` is
+    derived from the coordinates, once: the most its integer coordinates can add to a
+    sum (0 for float coordinates)."""
 
     enc: EncodedTensor
     bound: float
     coords: np.ndarray | None = None
     decoded: np.ndarray | None = None
+    codes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def codes(self) -> int:
-        """The most its integer coordinates can add to a sum (0 for float coordinates)."""
-        return _code_bound(self.coords, 1)
+    def __init__(
+        self,
+        enc: EncodedTensor,
+        bound: float,
+        coords: np.ndarray | None = None,
+        decoded: np.ndarray | None = None,
+    ) -> None:
+        # One per tensor per upload: the instance dict written directly, as Field's.
+        d = self.__dict__
+        d["enc"] = enc
+        d["bound"] = bound
+        d["coords"] = coords
+        d["decoded"] = decoded
+        d["codes"] = 0 if coords is None or coords.dtype.kind == "f" else _code_bound(coords, 1)
 
 
 class PayloadSum:
@@ -101,6 +123,8 @@ class PayloadSum:
         self.codec = codec
         self.shape = check_shape(shape)
         self.shared_seed = check_seed(shared_seed)
+        # A codec outside BaseCodec (error feedback wraps one) is asked three times.
+        self._parse = codec.parse_for_sum if isinstance(codec, BaseCodec) else self._parse_for_sum
         self._reset()
 
     def _reset(self) -> None:
@@ -115,17 +139,21 @@ class PayloadSum:
     def check(self, payload: bytes | bytearray | memoryview) -> CheckedPayload:
         """Parse and check one payload as decode would, without decoding it where the codec
         can: CodecError if it is malformed, :class:`NonFiniteError` if it carries NaN or Inf."""
-        enc = self.codec.parse(payload, self.shape)
-        bound = self.codec.bound(enc, 1, self.shared_seed)
+        enc, bound, coords = self._parse(payload, self.shape, self.shared_seed)
         if not math.isfinite(bound):
             raise NonFiniteError(
                 f"{self.codec.name} payload for shape {self.shape} holds NaN or Inf values"
             )
-        coords = self.codec.coordinates(enc, self.shared_seed)
         if coords is not None:
             return CheckedPayload(enc, bound, coords)
         # No coordinates: decode here, where checks run (beside each other), not in add.
         return CheckedPayload(enc, bound, decoded=self.codec.decode_parsed(enc, 1, self.shared_seed))
+
+    def _parse_for_sum(
+        self, payload: bytes | bytearray | memoryview, shape: tuple[int, ...], shared_seed: int
+    ) -> tuple[EncodedTensor, float, np.ndarray | None]:
+        enc = self.codec.parse(payload, shape)  # type: ignore[arg-type]
+        return enc, self.codec.bound(enc, 1, shared_seed), self.codec.coordinates(enc, shared_seed)
 
     def accumulate(self, payload: bytes | bytearray | memoryview, weight: float = 1.0) -> None:
         """Check one payload and fold it in with ``weight``; a bad one raises CodecError and
@@ -151,20 +179,36 @@ class PayloadSum:
         (positive, finite; exactly 1 for integer codes) and the overflow guards. Returns
         the weight as a float."""
         w = check_weight(weight)
-        if w != 1.0 and checked.codes:
+        self._admit(checked, w)
+        return w
+
+    def _admit(self, checked: CheckedPayload, w: float) -> None:
+        """:meth:`admit` for a weight that passed :func:`check_weight`."""
+        codes = checked.codes
+        if w != 1.0 and codes:
             raise CodecError(
                 f"{self.codec.name}: integer codes add exactly only unweighted, got weight "
                 f"{w:g}; decode such payloads to weight them"
             )
-        self.guard(w * checked.bound, checked.codes)
-        return w
+        bound = w * checked.bound
+        if self.bound + bound > FLOAT32_MAX or self.code_bound + codes > UINT32_MAX:
+            self.guard(bound, codes)  # says which
 
     def add(self, checked: CheckedPayload, weight: float = 1.0) -> None:
         """Fold in ``weight`` times a payload that passed :meth:`check` (this sum's or
         another's of this shape)."""
-        w = self.admit(checked, weight)
-        if checked.coords is not None:
-            self._add_coords(checked.coords, w, 1, checked.codes)
+        self._add_admitted(checked, self.admit(checked, weight))
+
+    def _add_admitted(self, checked: CheckedPayload, w: float) -> None:
+        """:meth:`add`, for a summand and float weight that :meth:`admit` just let through
+        (nothing changed between the two): it refuses nothing."""
+        coords = checked.coords
+        if coords is not None:
+            if self.coords is not None and coords.dtype.kind == "f":  # the usual case, flat
+                add_weighted(self.coords, coords, w)
+                self.compressed_count += 1
+            else:
+                self._add_coords(coords, w, 1, checked.codes)
         else:
             decoded = checked.decoded
             if decoded is None:
@@ -276,7 +320,8 @@ class UpdateSum:
         self, payloads: Mapping[str, bytes | bytearray | memoryview]
     ) -> dict[str, CheckedPayload]:
         """Check every tensor's payload; names must match exactly (UpdateMismatchError)."""
-        check_names(payloads, self.sums, "payloads")
+        if payloads.keys() != self.sums.keys():  # as sets: the usual case is one comparison
+            check_names(payloads, self.sums, "payloads")
         out = {}
         for name, acc in self.sums.items():
             try:
@@ -287,15 +332,18 @@ class UpdateSum:
 
     def add(self, checked: Mapping[str, CheckedPayload], weight: float = 1.0) -> None:
         """Fold in ``weight`` times a whole checked update."""
-        check_names(checked, self.sums, "checked payloads")
+        if checked.keys() != self.sums.keys():
+            check_names(checked, self.sums, "checked payloads")
         w = check_weight(weight)
         for name, acc in self.sums.items():  # every refusal before any tensor changes
             try:
-                acc.admit(checked[name], w)
+                acc._admit(checked[name], w)
             except CodecError as err:
                 raise type(err)(f"tensor {name!r}: {err}") from None
+        # Each sum admitted its summand just above, and nothing has changed since (add is
+        # serialised by the caller): fold without asking again.
         for name, acc in self.sums.items():
-            acc.add(checked[name], w)
+            acc._add_admitted(checked[name], w)
         self.count += 1
         self.weight += w
 

@@ -104,10 +104,24 @@ class Codec(Protocol):
 
 
 def peak(x: np.ndarray) -> float:
-    """max |x| in two reductions (no |x| temporary); NaN when x holds a NaN, 0 when empty."""
-    if not x.size:
+    """max |x|; NaN when x holds a NaN, 0 when empty. A large array takes two reductions
+    and no |x| temporary; a small float one (at most ``_SMALL`` elements) takes |x| and
+    its argmax, which is cheaper there. Both give max |x| exactly."""
+    n = x.size
+    if not n:
         return 0.0
-    return float(np.maximum(x.max(), -x.min()))
+    if n <= _SMALL and x.dtype.kind == "f":  # (|x| of a signed int minimum would wrap)
+        # A tier checks thousands of small tensors: a reduction's setup costs more than
+        # the work there, argmax's does not. argmax finds the first NaN when there is one.
+        a = np.abs(x)
+        return float(a.item(a.argmax()))
+    # The ufuncs' reduce directly (ndarray.max adds a Python wrapper). Both reductions
+    # propagate NaN, so max() of the two floats never drops one.
+    return max(float(_max(x, axis=None)), -float(_min(x, axis=None)))
+
+
+_max, _min = np.maximum.reduce, np.minimum.reduce
+_SMALL = 1 << 14  # elements: a 64 KiB float32 temporary at most
 
 
 def as_float32(x: object) -> np.ndarray:
@@ -270,6 +284,16 @@ class BaseCodec(ABC):
     ) -> EncodedTensor:
         """The payload for ``shape`` (and ``shared_seed``) whose coordinates are ``coords``."""
         raise CodecError(f"{self.name} payloads do not add coordinate-wise")
+
+    def parse_for_sum(
+        self, payload: bytes, shape: tuple[int, ...], shared_seed: int = 0
+    ) -> tuple[EncodedTensor, float, np.ndarray | None]:
+        """What a sum checks of one payload, with the same errors, in this order: the
+        parsed payload (:meth:`parse`), the bound on its decode (:meth:`bound`, one
+        summand) and its coordinates (:meth:`coordinates`). Codecs whose bound and
+        coordinates come from the fields they just parsed override it to read them once."""
+        enc = self.parse(payload, shape)
+        return enc, self.bound(enc, 1, shared_seed), self.coordinates(enc, shared_seed)
 
     def bound(self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0) -> float:
         """Check ``enc`` as :meth:`decode_parsed` would and bound what it decodes to.

@@ -18,12 +18,13 @@ from orchard.compression.base import (
     State,
     as_float32,
     check_seed,
+    check_shape,
     expect_field,
     expect_fields,
     numel,
     peak,
 )
-from orchard.compression.wire import CODEC_IDS, EncodedTensor, Field
+from orchard.compression.wire import CODEC_IDS, EncodedTensor, Field, framed_values, raw_head
 from orchard.errors import CodecError
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)
@@ -72,7 +73,18 @@ def _from_bfloat16(bits: np.ndarray) -> np.ndarray:
 
 
 class CastCodec(BaseCodec):
-    """Send every element in a wire dtype; decode casts back to float32."""
+    """Send every element in a wire dtype; decode casts back to float32.
+
+    A cast's payload is a header that depends only on the shape (and the codec), then
+    the values. The header is built once per shape and kept (``_heads``, at most 1024
+    shapes): :meth:`encode` writes it ahead of the values, and :meth:`parse` takes a
+    payload that starts with exactly those bytes, and has exactly the values' length, as
+    the header plus a view of its values -- what the general parser would return for it
+    -- and hands every other payload to the general parser, which says what is wrong.
+    :meth:`parse_for_sum` does the same and then reads those values once, for both the
+    bound and the coordinates. ``_heads`` is a memo that several threads may fill at
+    once (checks run in a pool): every writer of a key writes the same value, and a
+    dict item is set whole, so readers never see a partial one."""
 
     def __init__(
         self,
@@ -85,7 +97,12 @@ class CastCodec(BaseCodec):
         self.name = name
         self.codec_id = CODEC_IDS[name]
         self._wire_dtype = wire_dtype
-        self._heads: dict[tuple[tuple[int, ...], str], bytes] = {}  # (shape, wire dtype) -> header
+        self._native = np.dtype(wire_dtype)  # what _values accepts (expect_field's dtype)
+        self._wire = (
+            self._native.newbyteorder("<") if self._native.byteorder == ">" else self._native
+        )
+        # shape -> (the checked shape, its header (raw_head), its element count)
+        self._heads: dict[tuple[int, ...], tuple[tuple[int, ...], bytes, int]] = {}
         self._to_wire = to_wire
         self._from_wire = from_wire
         self.algebra = Algebra(
@@ -114,18 +131,53 @@ class CastCodec(BaseCodec):
         check_seed(shared_seed)
         x32 = as_float32(x)
         values = np.ascontiguousarray(self._to_wire(x32.reshape(-1)))
-        if values.dtype.byteorder == ">":  # not native little-endian: the general path
+        if values.dtype != self._wire:  # not little-endian (a big-endian host): the general path
             return self.encode_parsed(x32, rng, state, shared_seed)[0].to_bytes(), None
-        key = (x32.shape, values.dtype.str)
-        head = self._heads.get(key)
-        if head is None:
-            full = self.header(x32.shape, [Field(values)]).to_bytes()
-            head = full[: len(full) - values.nbytes]
-            if len(self._heads) < 1024:
-                self._heads[key] = head
-        return head + memoryview(values).cast("B"), None  # type: ignore[arg-type]
+        return self._frame(x32.shape)[1] + memoryview(values).cast("B"), None  # type: ignore[arg-type]
+
+    def _frame(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], bytes, int]:
+        """``shape`` checked (CodecError if it is not a shape), the header of every payload
+        of that shape (``raw_head``) and its element count; kept per shape. A shape equal
+        to a kept one is that shape, as for check_shape's own cache."""
+        try:
+            hit = self._heads.get(shape) if type(shape) is tuple else None
+        except TypeError:  # unhashable elements: check_shape says what is wrong
+            hit = None
+        if hit is None:
+            dims = check_shape(shape)
+            hit = self._heads.get(dims)
+            if hit is None:
+                n = numel(dims)
+                hit = (dims, raw_head(self.codec_id, self.version, dims, self._wire, n), n)
+                if len(self._heads) < 1024:
+                    self._heads[dims] = hit
+        return hit
+
+    def parse(self, payload: bytes, shape: tuple[int, ...]) -> EncodedTensor:
+        """:meth:`BaseCodec.parse`, and the same result, taking a payload framed exactly as
+        this codec frames ``shape`` without parsing its header field by field."""
+        return self._parse(payload, shape)[0]
+
+    def _parse(
+        self, payload: bytes, shape: tuple[int, ...]
+    ) -> tuple[EncodedTensor, np.ndarray | None]:
+        """The parsed payload, and its values when it is framed exactly as this codec frames
+        ``shape`` (then they are its one field, of the layout :meth:`_values` accepts)."""
+        try:
+            dims, head, count = self._heads[shape]
+        except (KeyError, TypeError):  # not kept yet, or not a shape: _frame checks it
+            dims, head, count = self._frame(shape)
+        values = framed_values(payload, head, self._wire, count)
+        if values is None:  # any other payload: the general parser names what is wrong
+            return super().parse(payload, dims), None
+        return EncodedTensor(self.codec_id, self.version, dims, (Field(values),)), values
 
     def _values(self, enc: EncodedTensor) -> np.ndarray:
+        fields = enc.fields
+        if len(fields) == 1:  # the one well-formed layout, checked inline
+            f = fields[0]
+            if not f.bits and f.data.dtype == self._native and f.data.size == numel(enc.shape):
+                return f.data
         (f,) = expect_fields(enc, 1, "values")
         return expect_field(enc, f, "values", count=numel(enc.shape), dtype=self._wire_dtype)
 
@@ -136,6 +188,14 @@ class CastCodec(BaseCodec):
 
     def bound(self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0) -> float:
         return peak(self._from_wire(self._values(enc)))
+
+    def parse_for_sum(
+        self, payload: bytes, shape: tuple[int, ...], shared_seed: int = 0
+    ) -> tuple[EncodedTensor, float, np.ndarray | None]:
+        enc, values = self._parse(payload, shape)
+        if values is None:
+            values = self._values(enc)  # as bound and coordinates check it
+        return enc, peak(self._from_wire(values)), values if self.algebra.linear else None
 
     def add(self, a: EncodedTensor, b: EncodedTensor) -> EncodedTensor | None:
         if not self.algebra.linear:

@@ -65,12 +65,22 @@ _NFIELDS = struct.Struct("<B")
 _FIELD = struct.Struct("<BBI")
 
 
+# Field and EncodedTensor are frozen, and a tier makes one of each per tensor per upload:
+# their __init__ writes the instance dict directly instead of calling object.__setattr__
+# per field as the generated one does (half their cost). Same fields, same defaults.
+
+
 @dataclass(frozen=True)
 class Field:
     """One 1-D array of a payload. ``bits > 0``: unsigned ints packed at that width."""
 
     data: np.ndarray
     bits: int = 0
+
+    def __init__(self, data: np.ndarray, bits: int = 0) -> None:
+        d = self.__dict__
+        d["data"] = data
+        d["bits"] = bits
 
     def describe(self) -> str:
         kind = f"{self.bits}-bit packed" if self.bits else str(self.data.dtype)
@@ -86,19 +96,47 @@ class EncodedTensor:
     shape: tuple[int, ...]
     fields: tuple[Field, ...]
 
+    def __init__(
+        self, codec_id: int, codec_version: int, shape: tuple[int, ...], fields: tuple[Field, ...]
+    ) -> None:
+        d = self.__dict__
+        d["codec_id"] = codec_id
+        d["codec_version"] = codec_version
+        d["shape"] = shape
+        d["fields"] = fields
+
     @property
     def codec_name(self) -> str:
         return CODEC_NAMES.get(self.codec_id, f"<unknown codec id {self.codec_id}>")
 
     def to_bytes(self) -> bytes:
         parts: list[bytes | memoryview] = [
-            _HEAD.pack(MAGIC, WIRE_VERSION, self.codec_id, self.codec_version, len(self.shape)),
-            struct.pack(f"<{len(self.shape)}I", *self.shape),
-            _NFIELDS.pack(len(self.fields)),
+            _frame(self.codec_id, self.codec_version, self.shape, len(self.fields))
         ]
         for f in self.fields:
             parts += _field_bytes(f)
         return b"".join(parts)
+
+
+def _frame(codec_id: int, codec_version: int, shape: tuple[int, ...], nfields: int) -> bytes:
+    """Magic, versions, codec id, shape and field count: a payload's first bytes."""
+    return (
+        _HEAD.pack(MAGIC, WIRE_VERSION, codec_id, codec_version, len(shape))
+        + struct.pack(f"<{len(shape)}I", *shape)
+        + _NFIELDS.pack(nfields)
+    )
+
+
+def _raw_kind(dtype: np.dtype) -> tuple[int, np.dtype]:
+    """A raw field's wire kind and its little-endian dtype."""
+    dt = dtype.newbyteorder("<") if dtype.byteorder == ">" else dtype
+    kind = _KIND_OF.get(np.dtype(dt))
+    if kind is None:
+        raise MalformedPayloadError(
+            f"field dtype {dtype} has no wire kind; expected one of "
+            f"{sorted(str(d) for d in _KIND_OF)}"
+        )
+    return kind, dt
 
 
 def _field_bytes(f: Field) -> list[bytes | memoryview]:
@@ -108,16 +146,45 @@ def _field_bytes(f: Field) -> list[bytes | memoryview]:
         )
     if f.bits:
         return [_FIELD.pack(PACKED, f.bits, f.data.size), pack_uint(f.data, f.bits)]
-    dt = f.data.dtype.newbyteorder("<") if f.data.dtype.byteorder == ">" else f.data.dtype
-    kind = _KIND_OF.get(np.dtype(dt))
-    if kind is None:
-        raise MalformedPayloadError(
-            f"field dtype {f.data.dtype} has no wire kind; expected one of "
-            f"{sorted(str(d) for d in _KIND_OF)}"
-        )
+    kind, dt = _raw_kind(f.data.dtype)
     # A memoryview, not .tobytes(): bytes.join then copies the data once, not twice.
     data = np.ascontiguousarray(f.data, dtype=dt)
     return [_FIELD.pack(kind, 0, f.data.size), memoryview(data).cast("B")]  # type: ignore[arg-type]
+
+
+def raw_head(
+    codec_id: int, codec_version: int, shape: tuple[int, ...], dtype: np.dtype, count: int
+) -> bytes:
+    """The bytes before the values of a payload whose one field is ``count`` raw elements of
+    ``dtype``: what :meth:`EncodedTensor.to_bytes` writes ahead of them (dense casts send
+    this header, the same for every payload of a shape, and then the values)."""
+    if not 0 <= count <= MAX_COUNT:
+        raise MalformedPayloadError(f"a field holds 0..{MAX_COUNT} elements, got {count}")
+    kind, _ = _raw_kind(np.dtype(dtype))
+    return _frame(codec_id, codec_version, shape, 1) + _FIELD.pack(kind, 0, count)
+
+
+def framed_values(
+    payload: bytes | bytearray | memoryview, head: bytes, dtype: np.dtype, count: int
+) -> np.ndarray | None:
+    """The values of a payload that is exactly ``head`` (:func:`raw_head` for ``dtype`` and
+    ``count``) followed by ``count`` elements of little-endian ``dtype``, as a view of the
+    payload (read-only when it is); None for any other payload.
+
+    For such a payload, :func:`parse_payload` returns the header ``head`` describes with
+    these values as its one field: every byte it checks is compared here, and the length
+    is exact. Anything else -- a byte of the header changed, a short or long payload, an
+    object that is not a byte buffer -- gets None, and the caller parses it with
+    :func:`parse_payload`, which names what is wrong."""
+    if isinstance(payload, memoryview):  # a tensor's slice of an update (orchard.updates.split)
+        if payload.ndim != 1 or payload.format != "B" or not payload.c_contiguous:
+            return None
+    elif type(payload) is not bytes and type(payload) is not bytearray:
+        return None
+    n = len(head)
+    if len(payload) != n + count * dtype.itemsize or payload[:n] != head:
+        return None
+    return np.frombuffer(payload, dtype, count, n)
 
 
 _BUFFERS = (bytes, bytearray, memoryview)
@@ -129,7 +196,9 @@ def parse_payload(payload: bytes | bytearray | memoryview) -> EncodedTensor:
         raise MalformedPayloadError(f"a payload must be bytes, got {type(payload).__name__}")
     buf = memoryview(payload)
     if buf.format != "B" or buf.ndim != 1 or not buf.c_contiguous:
-        buf = buf.cast("B")  # the common case (bytes, a slice of them) is a byte view already
+        # The common case (bytes, a slice of them) is a byte view already; only a
+        # contiguous view casts, so a strided one is copied first.
+        buf = (buf if buf.c_contiguous else memoryview(buf.tobytes())).cast("B")
     n = len(buf)
     if n < _HEAD.size:
         raise MalformedPayloadError(
