@@ -187,7 +187,7 @@ class CompressedCohort:
         if self.merged:  # the outcome was read: nothing may join the sum after that
             raise RoundClosedError("the round's outcome was already read; late uploads are refused")
         self.sums.add(up.parts, h.weight)  # refuses before it changes anything
-        self.metrics.merge(MetricSums(dict(h.metric_sums), dict(h.metric_weights)))
+        self.metrics.merge(MetricSums(h.metric_sums, h.metric_weights))  # merge only reads them
 
     def partial(self) -> Partial:
         """The decoded weighted sum (float64) with the weights' sum. Drains the compressed
@@ -548,14 +548,8 @@ class Coordinator:
             raise UpdateSchemaError("this round uses secure aggregation: send the update masked, through SecAgg")
         if h.kind != want_kind:
             raise UpdateSchemaError(f"a {c.role.value} must upload {want_kind.name}, got {h.kind.name}")
-        names = [s.name for s in t.schema]
-        if [s.name for s in h.schema] != names:
-            raise UpdateSchemaError(f"update names {[s.name for s in h.schema][:5]} do not match the round's {names[:5]}")
-        for got, want in zip(h.schema, t.schema, strict=True):
-            if tuple(got.shape) != tuple(want.shape):
-                raise UpdateSchemaError(f"tensor {want.name!r} declared shape {got.shape}, expected {want.shape}")
-            if got.dtype != want.dtype:
-                raise UpdateSchemaError(f"tensor {want.name!r} declared dtype {got.dtype!r}, expected {want.dtype!r}")
+        if h.schema != t.schema:  # equal specs pass every check below: compare them one by one only when not
+            self._check_schema(h.schema, t.schema)
         if len(h.payload_sizes) != len(t.schema):
             raise UpdateSchemaError(f"{len(h.payload_sizes)} payload sizes for {len(t.schema)} tensors")
         if h.total_bytes > self.cfg.max_upload_bytes:
@@ -576,11 +570,24 @@ class Coordinator:
                 raise UpdateSchemaError(f"a client update counts 1, header says {h.count}")
             if not (math.isfinite(h.weight) and h.weight > 0):
                 raise UpdateSchemaError(f"update weight must be positive and finite, got {h.weight}")
-        for k, v in itertools.chain(h.metric_sums.items(), h.metric_weights.items()):
-            if not math.isfinite(v):
-                raise UpdateSchemaError(f"metric {k!r} is not finite ({v})")
+        for metrics in (h.metric_sums, h.metric_weights):
+            for k, v in metrics.items():
+                if not math.isfinite(v):
+                    raise UpdateSchemaError(f"metric {k!r} is not finite ({v})")
         a.in_flight = True
         return UploadSlot(h, cr, a)
+
+    @staticmethod
+    def _check_schema(got_schema: tuple[TensorSpec, ...], schema: tuple[TensorSpec, ...]) -> None:
+        """An upload's declared tensors against the round's: names, shapes, dtypes."""
+        names = [s.name for s in schema]
+        if [s.name for s in got_schema] != names:
+            raise UpdateSchemaError(f"update names {[s.name for s in got_schema][:5]} do not match the round's {names[:5]}")
+        for got, want in zip(got_schema, schema, strict=True):
+            if tuple(got.shape) != tuple(want.shape):
+                raise UpdateSchemaError(f"tensor {want.name!r} declared shape {got.shape}, expected {want.shape}")
+            if got.dtype != want.dtype:
+                raise UpdateSchemaError(f"tensor {want.name!r} declared dtype {got.dtype!r}, expected {want.dtype!r}")
 
     def abort_upload(self, slot: UploadSlot, reason: str) -> None:
         slot.assignment.in_flight = False
@@ -662,9 +669,10 @@ class Coordinator:
         h, cr, a = slot.header, slot.cohort, slot.assignment
         a.in_flight = False
         cr.settle(a, delivered=True)
+        n = h.total_bytes
         self.counters["uploads_accepted"] += 1
-        self.counters["bytes_up"] += h.total_bytes
-        cr.bytes_up += h.total_bytes + (h.bytes_up if h.kind is UploadKind.PARTIAL_SUM else 0)
+        self.counters["bytes_up"] += n
+        cr.bytes_up += n + (h.bytes_up if h.kind is UploadKind.PARTIAL_SUM else 0)
         if h.kind is UploadKind.PARTIAL_SUM:
             cr.bytes_down += h.bytes_down
             for k, v in h.tier_participants.items():

@@ -360,6 +360,42 @@ def test_bad_payloads_are_refused_by_name_and_leave_the_sum_untouched(name: str)
     assert tier.cr.compressed is not None and tier.cr.compressed.count == 3
 
 
+@pytest.mark.parametrize("change, match", [
+    ("name", r"update names \['w', 'x', 'k'\] do not match the round's \['w', 'b', 'k'\]"),
+    ("missing", r"update names \['w', 'b'\] do not match"),
+    ("shape", r"tensor 'b' declared shape \(31,\), expected \(30,\)"),
+    ("dtype", r"tensor 'b' declared dtype 'float16', expected 'float32'"),
+])
+def test_a_header_whose_schema_differs_is_refused_by_tensor_before_any_payload(change: str, match: str) -> None:
+    """An upload's declared schema is compared with the round's (one comparison when they
+    are equal); a difference is named tensor by tensor, nothing is folded, and the client
+    may send its update again with the right header."""
+    tier = Tier(_cfg(CODECS["float32"], n=2), 2)
+    deltas = _updates(2, seed=4)
+    h, p = tier.upload(0, deltas[0], 3.0)
+    specs = list(h.schema)
+    b = specs[1]
+    if change == "name":
+        specs[1] = TensorSpec("x", b.shape, b.dtype)
+    elif change == "missing":
+        specs = specs[:2]
+    elif change == "shape":
+        specs[1] = TensorSpec(b.name, (31,), b.dtype)
+    else:
+        specs[1] = TensorSpec(b.name, b.shape, "float16")
+    with pytest.raises(UpdateSchemaError, match=match):
+        tier.submit(dataclasses.replace(h, schema=tuple(specs)), p)
+    assert tier.cr.compressed is not None and tier.cr.compressed.count == 0
+    assert not tier.cr.assignments[tier.nodes[0]].in_flight
+    tier.submit(dataclasses.replace(h, schema=tuple(TensorSpec(s.name, list(s.shape), s.dtype) for s in h.schema)), p)
+    tier.submit(*tier.upload(1, deltas[1], 0.5))
+    sums = tier.coord.outcome(tier.cr).partial.sums
+    for k in SHAPES:  # the weighted sum in float64, in arrival order, rounded to float32 once
+        want = 3.0 * deltas[0][k].astype(np.float64)
+        want += 0.5 * deltas[1][k].astype(np.float64)
+        np.testing.assert_array_equal(sums[k], want.astype(np.float32))
+
+
 def test_a_bad_payload_on_the_decode_path_is_refused_the_same_way() -> None:
     """The same bad inputs, compression off: the same error types (the guarantees match)."""
     on, off = Tier(_cfg(CODECS["float32"], "auto", n=12), 12), Tier(_cfg(CODECS["float32"], "off", n=12), 12)
