@@ -1,7 +1,9 @@
 """A small GPT-style decoder-only transformer (Radford et al., 2019; nanoGPT layout).
 
-Shapes: ``idx`` is (B, T) int64 token ids with T <= ``seq_len``; ``GPT.forward`` returns
-logits (B, T, vocab_size). Blocks are pre-LN::
+Shapes: ``idx`` is (B, T) int64 token ids with T <= ``seq_len``; ``GPT.forward(idx)``
+returns logits (B, T, vocab_size), and ``GPT.forward(idx, targets)`` the mean
+next-token cross-entropy against (B, T) ``targets`` (see :func:`lm_loss`). Blocks are
+pre-LN::
 
     x = x + attn(ln_1(x))     # causal self-attention, scaled_dot_product_attention
     x = x + mlp(ln_2(x))      # d_model -> 4 d_model -> d_model, GELU
@@ -83,6 +85,18 @@ class GPTConfig:
         return cls(**data)
 
 
+def lm_loss(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the LM head's logits ``h @ weight.T`` against ``targets``.
+
+    The logits are upcast to float32 for the softmax. Written as one function so that
+    :meth:`GPT.compile` can compile it whole: the upcast, log-softmax and loss then fuse
+    and the float32 (B, T, vocab) logits are never written out, which matters on a GPU,
+    where that tensor is the largest one the step touches.
+    """
+    logits = F.linear(h, weight)
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -146,6 +160,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # tied
+        self._lm_loss = lm_loss  # replaced by its compiled form in compile()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -162,7 +177,19 @@ class GPT(nn.Module):
             else:  # LayerNorm weight
                 nn.init.ones_(p)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """Compile each block and the loss head with ``torch.compile`` (``args`` and
+        ``kwargs`` go to it).
+
+        Per block rather than the whole model: a block is the unit FSDP2 shards and
+        activation checkpointing recomputes, and all blocks share one compiled graph.
+        The embeddings and the final norm stay eager.
+        """
+        for block in self.blocks:
+            block.compile(*args, **kwargs)
+        self._lm_loss = torch.compile(lm_loss, *args, **kwargs)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         t = idx.shape[1]
         if t > self.config.seq_len:
             raise ValueError(f"sequence of length {t} exceeds seq_len {self.config.seq_len}")
@@ -173,7 +200,10 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        return self.lm_head(self.ln_f(x))
+        h = self.ln_f(x)
+        if targets is None:
+            return self.lm_head(h)
+        return self._lm_loss(h, self.lm_head.weight, targets)
 
     @classmethod
     def lora_target_modules(cls) -> list[str]:

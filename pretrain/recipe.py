@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from torch import nn
@@ -136,8 +135,7 @@ def build(cfg: PretrainConfig, env: DistEnv) -> Components:
     gpt.activation_checkpointing = cfg.activation_checkpointing
     flops = gpt.flops_per_token()
     if cfg.compile:
-        for block in gpt.blocks:  # per block: the unit FSDP2 shards and checkpointing recomputes
-            block.compile()
+        gpt.compile()  # each block, and the loss head
     model = distributed.wrap(gpt, cfg.strategy, env)
     # Dropout draws differ per rank; a resumed run restores this state from its checkpoint.
     torch.manual_seed(cfg.seed + 1 + env.rank)
@@ -179,8 +177,8 @@ def _grad_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextMan
 
 
 def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(x)
-    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+    # Through the wrapper's forward (DDP and FSDP2 hook it), with the GPT's own loss head.
+    return model(x, y)
 
 
 def train_step(c: Components, batch: Batch) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Two gloo processes (world size 2) on one machine, rendezvous on 127.0.0.1 at a free port.
 
 One spawn runs several recipes in sequence (process start-up dominates the cost):
-an uninterrupted DDP run, the same run stopped and resumed, and FSDP2's first steps.
+an uninterrupted DDP run, the same run stopped and resumed, and FSDP2's first steps,
+eager and compiled.
 """
 
 from __future__ import annotations
@@ -59,6 +60,15 @@ def _configs(root: Path) -> dict[str, dict]:
             "strategy": "fsdp",
             "stop_after": 5,
         },
+        # FSDP2 over compiled blocks and loss head, with activation checkpointing.
+        "fsdp_compiled": {
+            **base,
+            "output_dir": str(root / "fsdp_compiled"),
+            "strategy": "fsdp",
+            "compile": True,
+            "activation_checkpointing": True,
+            "stop_after": 5,
+        },
     }
 
 
@@ -105,8 +115,9 @@ def test_gradient_accumulation_matches_one_big_batch(results) -> None:
     torch.testing.assert_close(torch.tensor(accum), torch.tensor(ddp), atol=1e-5, rtol=0)
 
 
-def test_fsdp2_matches_ddp_first_steps(results) -> None:
-    fsdp = results["fsdp_head"]["losses"]
+@pytest.mark.parametrize("name", ["fsdp_head", "fsdp_compiled"])
+def test_fsdp2_matches_ddp_first_steps(results, name) -> None:
+    fsdp = results[name]["losses"]
     ddp = results["ddp_full"]["losses"][: len(fsdp)]
     assert len(fsdp) == 5
     torch.testing.assert_close(torch.tensor(fsdp), torch.tensor(ddp), atol=1e-4, rtol=0)

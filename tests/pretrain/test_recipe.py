@@ -132,3 +132,31 @@ def test_exported_base_model_loads_back_and_matches_onnx(tmp_path, tiny_config) 
 def test_load_base_model_names_what_is_missing(tmp_path) -> None:
     with pytest.raises(BaseModelError, match="config.json"):
         load_base_model(tmp_path)
+
+
+def test_gpt_loss_head_is_cross_entropy_of_its_logits() -> None:
+    from orchard.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=11, seq_len=8, n_layer=1, n_head=2, d_model=16))
+    x, y = torch.randint(0, 11, (3, 8)), torch.randint(0, 11, (3, 8))
+    want = F.cross_entropy(model(x).view(-1, 11), y.view(-1))
+    assert torch.equal(model(x, y), want)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    # One micro-batch shape for both, so the second case reuses the first's kernels.
+    [{"batch_size": 4}, {"activation_checkpointing": True, "grad_accum": 2, "batch_size": 4}],
+    ids=["plain", "ckpt-accum"],
+)
+def test_compiled_run_follows_the_eager_losses(tmp_path, tiny_config, extra) -> None:
+    """``compile = true`` (each block and the loss head through inductor) trains the same
+    model as eager execution, to float rounding, and still exports and resumes."""
+    eager = run(tiny_config(tmp_path / "eager", steps=10, log_every=1, **extra))
+    compiled = run(tiny_config(tmp_path / "compiled", steps=10, log_every=1, compile=True, **extra))
+    assert compiled.finished and len(compiled.losses) == 10
+    torch.testing.assert_close(
+        torch.tensor(compiled.losses), torch.tensor(eager.losses), atol=1e-4, rtol=0
+    )
+    assert compiled.val_loss == pytest.approx(eager.val_loss, abs=1e-4)
