@@ -175,31 +175,36 @@ class FleetLink:
         if hit is not None:
             self._models.move_to_end(model_hash)
             return hit[0]
-        blob: bytes | None = None
+        got: tuple[bytes, str] | None = None  # the blob and its sha256, checked
         if apply_delta is not None and self._models:
             base_blob, base_hash = next(reversed(self._models.values()))
             try:
-                blob = await self._pull_via_delta(model_hash, base_blob, base_hash, apply_delta)
+                got = await self._pull_via_delta(model_hash, base_blob, base_hash, apply_delta)
             except IntegrityError as err:
                 log.warning("model delta refused (%s); pulling the full model", err)
-        if blob is None:
-            blob, head = await self._stream(model_hash, "")
+        if got is None:
+            full, head = await self._stream(model_hash, "")
             if head.delta_from:
                 raise IntegrityError("the server sent a delta to a pull that offered no base")
-            if wire.sha256_hex(blob) != model_hash:
+            if wire.sha256_hex(full) != model_hash:
                 raise IntegrityError("model blob does not match its sha256; refusing it")
-        self._models[model_hash] = (blob, wire.sha256_hex(blob))
+            got = (full, model_hash)
+        blob = got[0]
+        # Hashed once: a model is as large as anything a device handles.
+        self._models[model_hash] = got
         while len(self._models) > self.cfg.model_cache_entries:
             self._models.popitem(last=False)
         return blob
 
     async def _pull_via_delta(self, model_hash: str, base_blob: bytes, base_hash: str,
-                              apply_delta: DeltaApplier) -> bytes:
+                              apply_delta: DeltaApplier) -> tuple[bytes, str]:
+        """The model rebuilt from a delta against ``base_blob`` (or the full model, when the
+        server chose to send it), with its checked sha256."""
         got, head = await self._stream(model_hash, base_hash)
         if not head.delta_from:  # the server chose the full model
             if wire.sha256_hex(got) != model_hash:
                 raise IntegrityError("model blob does not match its sha256")
-            return got
+            return got, model_hash
         if head.delta_from != base_hash or head.target_hash != model_hash:
             raise IntegrityError(f"delta from {head.delta_from[:12]} to {head.target_hash[:12]}, asked from "
                                  f"{base_hash[:12]} to {model_hash[:12]}")
@@ -212,7 +217,7 @@ class FleetLink:
             raise IntegrityError(f"model delta does not decode: {type(err).__name__}: {err}") from None
         if wire.sha256_hex(result) != head.result_sha256:
             raise IntegrityError("model rebuilt from the delta does not match the hash the server stated")
-        return result
+        return result, head.result_sha256
 
     async def _stream(self, model_hash: str, have_hash: str) -> tuple[bytes, pb.Chunk]:
         """One PullModel reply, resumed after breaks: its bytes and its first chunk's header."""
