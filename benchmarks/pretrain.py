@@ -217,8 +217,16 @@ def main() -> None:
         )
 
     with tempfile.TemporaryDirectory() as tmp:
-        loops = compare_loops(args, Path(tmp))
-        resume = resume_check(args, Path(tmp))
+        try:
+            loops = compare_loops(args, Path(tmp))
+            resume = resume_check(args, Path(tmp))
+        except torch.OutOfMemoryError:
+            console.print(
+                f"[red]out of device memory at batch size {args.batch_size}[/red] (two copies "
+                "of the model and their optimizer states are resident): run again with a "
+                "smaller --batch-size"
+            )
+            raise SystemExit(1) from None
     result = {
         "device": args.device,
         "precision": args.precision,
