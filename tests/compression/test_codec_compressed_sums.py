@@ -147,20 +147,32 @@ def test_the_compressed_sum_is_a_payload_that_decodes_to_the_sum(name: str, xs: 
     np.testing.assert_allclose(together, apart, rtol=1e-5, atol=1e-5 * scale)
 
 
+def _sums_in_three_orders(
+    name: str, xs: list[np.ndarray], weights: list[float] | None, rng: np.random.Generator
+) -> list[np.ndarray]:
+    """The (weighted) sum of ``xs``' payloads, accumulated forwards, backwards and shuffled."""
+    payloads = _encode(name, xs)
+    codec = build_codec(SPECS[name])
+    n = len(xs)
+    results = []
+    for order in (range(n), reversed(range(n)), rng.permutation(n)):
+        acc = PayloadSum(codec, (30, 20), 11)
+        for i in order:
+            if weights is None:
+                acc.accumulate(payloads[i])
+            else:
+                acc.accumulate(payloads[i], weights[i])
+        results.append(acc.result())
+    return results
+
+
 @pytest.mark.parametrize("name", ["float32", "randk", "qsgd8-fixed", "randk+qsgd-fixed", "powersgd"])
 def test_a_sum_does_not_depend_on_the_order_of_its_payloads(name: str) -> None:
     """Integer codes add exactly; float values and decoded tensors add in float64 and are
     rounded once: any order gives the same float32 result, as a float64 accumulator does."""
     rng = np.random.default_rng(4)
     xs = [(rng.standard_normal((30, 20)) * 10.0 ** rng.integers(-3, 3)).astype(np.float32) for _ in range(40)]
-    payloads = _encode(name, xs)
-    codec = build_codec(SPECS[name])
-    results = []
-    for order in (range(40), reversed(range(40)), rng.permutation(40)):
-        acc = PayloadSum(codec, (30, 20), 11)
-        for i in order:
-            acc.accumulate(payloads[i])
-        results.append(acc.result())
+    results = _sums_in_three_orders(name, xs, None, rng)
     for r in results[1:]:
         np.testing.assert_array_equal(r, results[0])
 
@@ -276,14 +288,7 @@ def test_a_weighted_sum_does_not_depend_on_the_order_of_its_payloads(name: str) 
     rng = np.random.default_rng(8)
     xs = [(rng.standard_normal((30, 20)) * 10.0 ** rng.integers(-3, 3)).astype(np.float32) for _ in range(30)]
     weights = [float(w) for w in rng.integers(1, 5000, 30)]
-    payloads = _encode(name, xs)
-    codec = build_codec(SPECS[name])
-    results = []
-    for order in (range(30), reversed(range(30)), rng.permutation(30)):
-        acc = PayloadSum(codec, (30, 20), 11)
-        for i in order:
-            acc.accumulate(payloads[i], weights[i])
-        results.append(acc.result())
+    results = _sums_in_three_orders(name, xs, weights, rng)
     for r in results[1:]:
         np.testing.assert_allclose(r, results[0], rtol=2e-7, atol=0)
 
