@@ -19,6 +19,7 @@ from orchard.aggregation.fedavg import (
     prescale_factor,
     weighted_metric_means,
 )
+from orchard.aggregation.step import FEDNOVA_TAU, fednova_rescale, server_step
 
 
 def __getattr__(name: str):  # PEP 562: torch is imported only by whoever needs a server optimizer
@@ -30,6 +31,7 @@ def __getattr__(name: str):  # PEP 562: torch is imported only by whoever needs 
 
 
 __all__ = [
+    "FEDNOVA_TAU",
     "Accumulator",
     "MetricSums",
     "Partial",
@@ -38,7 +40,9 @@ __all__ = [
     "build_server_optimizer",
     "capped_weight",
     "finalize",
+    "fednova_rescale",
     "merge",
     "prescale_factor",
+    "server_step",
     "weighted_metric_means",
 ]

@@ -248,7 +248,7 @@ def _tier_fold(codec: dict[str, object], mode: str, weighting: str, uploads: int
                            config_json=task.config_json, schema=schema, deadline_unix=task.deadline_unix,
                            cohort_target=1, shared_seed=task.shared_seed)
         res = TrainResult(arrays={}, weight=weight, num_examples=int(weight), num_steps=10)
-        pool.append(build_upload(t, cfg, build, "pool", delta, res, seed=i, states=None)[:2])
+        pool.append(build_upload(t, cfg, cfg.train, build, "pool", delta, res, seed=i, states=None)[:2])
 
     def fold() -> tuple[RoundOutcome, bool, float]:
         coord = Coordinator("tier", ServerConfig(node_timeout_s=3600, max_upload_bytes=1 << 30),

@@ -132,7 +132,7 @@ async def _one_client(i: int, target: str, connection: int, base: np.ndarray, t:
         cfg = RunConfig.model_validate_json(got.config_json)
         delta = {TENSOR: base * np.float32(scale_of(i))}
         result = TrainResult(arrays={}, weight=1.0, num_examples=1, num_steps=1)
-        header, payload, _ = build_upload(got, cfg, build_codec(cfg.codec), link.node_id, delta, result,
+        header, payload, _ = build_upload(got, cfg, cfg.train, build_codec(cfg.codec), link.node_id, delta, result,
                                           seed=i, states=None)
         t["push_start"] = time.time()
         await link.push_update(header, payload)

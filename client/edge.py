@@ -1,5 +1,5 @@
 """What makes a client an edge client: its device, its budget policy and its clock
-(ARCHITECTURE section 4), and the client half of FedNova.
+(ARCHITECTURE section 4).
 
 :class:`EdgeGovernance` is handed to :class:`~orchard.client.runtime.ClientRuntime`. The
 runtime then reports the device's state at check-in, waits until the device is
@@ -8,33 +8,20 @@ eligible before it polls for work, trains every task under a fresh
 and sends what was done when the governor stops early. A device that stopped at its
 thermal ceiling or battery floor waits for a margin past it before polling again, so
 it resumes in its next eligible window instead of stopping again at once.
-
-FedNova (Wang et al., 2020; :mod:`orchard.edge_runtime.fednova`) with
-``cohort.weighting = "fednova"``: the client sends ``d_i = Delta_i / a_i`` with its data
-weight ``p_i`` and reports ``a_i`` as the metric ``fednova_tau`` under the same weight.
-Tiers fold both into ordinary weighted sums (linear, so tiers, codecs and secure
-aggregation are unaffected); the root's mean update is ``sum p_i d_i`` and its metric
-mean ``tau_eff = sum p_i a_i``, and the root multiplies the two (eq. 6).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from orchard.edge_runtime.clock import Clock, RealClock
 from orchard.edge_runtime.device import DeviceStateProvider
-from orchard.edge_runtime.fednova import norm_a, normalise
 from orchard.edge_runtime.governed import GovernedResult, SerializedDevice, governed_train
 from orchard.edge_runtime.governor import Governor, GovernorReport, StopReason, wait_until_eligible
 from orchard.edge_runtime.policy import DevicePolicy, EligibilityDecision
 from orchard.errors import ConfigError
-from orchard.messages import UploadHeader
-from orchard.trainer import TrainConfig, Trainer, TrainResult
+from orchard.trainer import TrainConfig, Trainer
 from orchard.typing import DeviceState, NDArrays
-
-FEDNOVA = "fednova"
-FEDNOVA_TAU = "fednova_tau"  # metric: a_i, weighted like the update
 
 
 @dataclass
@@ -99,39 +86,3 @@ class EdgeGovernance:
     def train(self, trainer: Trainer, arrays: NDArrays, config: TrainConfig) -> GovernedResult:
         return governed_train(trainer, arrays, config, self.governor(),
                               load=self.device if self.simulated else None)
-
-
-# ------------------------------------------------------------------------------ FedNova
-
-
-def fednova_tau(result: TrainResult, config: TrainConfig) -> float:
-    """``a_i = ||a_i||_1`` for the local steps of ``result``.
-
-    Exact for SGD with heavy-ball momentum (the paper's cases). Adam and FedProx's
-    proximal term change ``a_i`` in ways the paper does not reduce to the step count;
-    for them the plain-SGD value (the steps) is used, as FedNova implementations do.
-    """
-    momentum = config.momentum if config.optimizer.lower() == "sgd" else 0.0
-    return norm_a(result.num_steps, momentum)
-
-
-def fednova_update(delta: NDArrays, result: TrainResult, config: TrainConfig) -> tuple[NDArrays, TrainResult, float]:
-    """Client side: ``(d_i, result weighted by data, a_i)``.
-
-    The weight is the data weight ``p_i`` (a run a governor stopped early is *not*
-    down-weighted: dividing by ``a_i`` already accounts for the fewer steps).
-    """
-    momentum = config.momentum if config.optimizer.lower() == "sgd" else 0.0
-    tau = fednova_tau(result, config)
-    weight = result.weight if result.planned_weight is None else result.planned_weight
-    return normalise(delta, result.num_steps, momentum), dataclasses.replace(result, weight=weight), tau
-
-
-def with_fednova_tau(header: UploadHeader, tau: float) -> UploadHeader:
-    """Report ``a_i`` as a metric weighted like the update itself (not by examples), so
-    the cohort's metric mean is ``sum p_i a_i / sum p_i = tau_eff``."""
-    return dataclasses.replace(
-        header,
-        metric_sums={**header.metric_sums, FEDNOVA_TAU: tau * header.weight},
-        metric_weights={**header.metric_weights, FEDNOVA_TAU: header.weight},
-    )

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from orchard import wire
-from orchard.client.edge import FEDNOVA, EdgeGovernance, fednova_update, with_fednova_tau
+from orchard.client.edge import EdgeGovernance
 from orchard.client.update import build_upload, delta_of, train_seed
 from orchard.compression import apply_model_delta, build_codec
 from orchard.compression.update import states_from_bytes, states_to_bytes
@@ -199,14 +199,9 @@ class ClientRuntime:
 
     def _encode(self, t: TaskAssignment, cfg: RunConfig, train_cfg: TrainConfig, delta: NDArrays,
                 result: TrainResult, seed: int) -> tuple[UploadHeader, bytes]:
-        tau: float | None = None
-        if cfg.cohort.weighting == FEDNOVA:
-            delta, result, tau = fednova_update(delta, result, train_cfg)
         states = self._codec_state.get(t.run_id) or self._load_state(t.run_id)
-        header, payload, new_states = build_upload(t, cfg, build_codec(cfg.codec), self.link.node_id, delta,
-                                                   result, seed, states)
-        if tau is not None:
-            header = with_fednova_tau(header, tau)
+        header, payload, new_states = build_upload(t, cfg, train_cfg, build_codec(cfg.codec), self.link.node_id,
+                                                   delta, result, seed, states)
         if new_states:
             self._codec_state[t.run_id] = new_states
         return header, payload

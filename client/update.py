@@ -1,26 +1,38 @@
-"""From a trainer's result to an upload: delta, weight, codec, header.
+"""From a trainer's result to an upload: delta, weighting, codec, header.
 
-Shared by the client runtime and the simulator so that both send exactly the same
-bytes for the same inputs; nothing here touches the network. The delta is encoded as
-it is: its weight travels in the header and is applied by the tier, whether it decodes
-the update or sums payloads in the compressed domain (secure aggregation pre-scales
-the values it masks itself: ``orchard.client.secure``).
+The one upload builder: the client runtime and the simulator both call
+:func:`build_upload`, so both send exactly the same bytes for the same inputs, under
+every weighting; nothing here touches the network. The delta is encoded as it is: its
+weight travels in the header and is applied by the tier, whether it decodes the update
+or sums payloads in the compressed domain (secure aggregation pre-scales the values it
+masks itself: ``orchard.client.secure``).
+
+FedNova (Wang et al., 2020; :mod:`orchard.edge_runtime.fednova`) with
+``cohort.weighting = "fednova"``: the client sends ``d_i = Delta_i / a_i`` with its data
+weight ``p_i`` and reports ``a_i`` as the metric ``fednova_tau`` under the same weight.
+Tiers fold both into ordinary weighted sums (linear, so tiers, codecs and secure
+aggregation are unaffected); the root's mean update is ``sum p_i d_i`` and its metric
+mean ``tau_eff = sum p_i a_i``, and the root multiplies the two (eq. 6,
+``orchard.aggregation.server_step``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, cast
 
 import numpy as np
 
 from orchard import wire
+from orchard.aggregation import FEDNOVA_TAU
 from orchard.compression import Codec, encode_update
 from orchard.config import RunConfig
+from orchard.edge_runtime.fednova import norm_a, normalise
 from orchard.errors import UpdateSchemaError
 from orchard.messages import TaskAssignment, UploadHeader, UploadKind
 from orchard.seeds import derive_seed
-from orchard.trainer import TrainResult
-from orchard.typing import NDArrays
+from orchard.trainer import TrainConfig, TrainResult
+from orchard.typing import NDArrays, Weighting
 from orchard.updates import pack
 
 
@@ -52,12 +64,45 @@ def upload_rng(seed: int) -> np.random.Generator:
     return cast(np.random.Generator, _LazyGenerator([seed, 0xC0DEC]))
 
 
-def weight_of(result: TrainResult, weighting: str) -> float:
-    if weighting == "steps":
+def weight_of(result: TrainResult, weighting: Weighting) -> float:
+    if weighting is Weighting.STEPS:
         return float(result.num_steps)
-    if weighting == "uniform":
+    if weighting is Weighting.UNIFORM:
         return 1.0
     return float(result.weight)
+
+
+def fednova_tau(result: TrainResult, config: TrainConfig) -> float:
+    """``a_i = ||a_i||_1`` for the local steps of ``result``.
+
+    Exact for SGD with heavy-ball momentum (the paper's cases). Adam and FedProx's
+    proximal term change ``a_i`` in ways the paper does not reduce to the step count;
+    for them the plain-SGD value (the steps) is used, as FedNova implementations do.
+    """
+    momentum = config.momentum if config.optimizer.lower() == "sgd" else 0.0
+    return norm_a(result.num_steps, momentum)
+
+
+def fednova_update(delta: NDArrays, result: TrainResult, config: TrainConfig) -> tuple[NDArrays, TrainResult, float]:
+    """Client side: ``(d_i, result weighted by data, a_i)``.
+
+    The weight is the data weight ``p_i`` (a run a governor stopped early is *not*
+    down-weighted: dividing by ``a_i`` already accounts for the fewer steps).
+    """
+    momentum = config.momentum if config.optimizer.lower() == "sgd" else 0.0
+    tau = fednova_tau(result, config)
+    weight = result.weight if result.planned_weight is None else result.planned_weight
+    return normalise(delta, result.num_steps, momentum), dataclasses.replace(result, weight=weight), tau
+
+
+def with_fednova_tau(header: UploadHeader, tau: float) -> UploadHeader:
+    """Report ``a_i`` as a metric weighted like the update itself (not by examples), so
+    the cohort's metric mean is ``sum p_i a_i / sum p_i = tau_eff``."""
+    return dataclasses.replace(
+        header,
+        metric_sums={**header.metric_sums, FEDNOVA_TAU: tau * header.weight},
+        metric_weights={**header.metric_weights, FEDNOVA_TAU: header.weight},
+    )
 
 
 def delta_of(t: TaskAssignment, global_arrays: NDArrays, result: TrainResult) -> NDArrays:
@@ -77,12 +122,17 @@ def delta_of(t: TaskAssignment, global_arrays: NDArrays, result: TrainResult) ->
     return out
 
 
-def build_upload(t: TaskAssignment, cfg: RunConfig, codec: Codec, node_id: str, delta: NDArrays,
-                 result: TrainResult, seed: int,
+def build_upload(t: TaskAssignment, cfg: RunConfig, train_cfg: TrainConfig, codec: Codec, node_id: str,
+                 delta: NDArrays, result: TrainResult, seed: int,
                  states: dict[str, Any] | None) -> tuple[UploadHeader, bytes, dict[str, Any]]:
-    """Encode ``delta`` with the run's codec (unscaled: the header carries the weight);
-    returns header, payload and new codec state."""
-    w = weight_of(result, cfg.cohort.weighting)
+    """Apply the run's weighting to ``delta`` (FedNova normalises it), encode it with the
+    run's codec (unscaled: the header carries the weight); returns header, payload and
+    the new codec state. ``train_cfg`` is the config the update was trained with."""
+    weighting = cfg.cohort.weighting
+    tau: float | None = None
+    if weighting is Weighting.FEDNOVA:
+        delta, result, tau = fednova_update(delta, result, train_cfg)
+    w = weight_of(result, weighting)
     payloads, new_states = encode_update(codec, delta, upload_rng(seed), states, t.shared_seed)
     payload, sizes = pack([payloads[s.name] for s in t.schema])
     metric_w = float(max(result.num_examples, 1))
@@ -93,4 +143,6 @@ def build_upload(t: TaskAssignment, cfg: RunConfig, codec: Codec, node_id: str, 
         payload_sha256=wire.sha256_hex(payload), weight=w, count=1, num_examples=result.num_examples,
         num_steps=result.num_steps, metric_sums={k: v * metric_w for k, v in metrics.items()},
         metric_weights={k: metric_w for k in metrics})
+    if tau is not None:
+        header = with_fednova_tau(header, tau)
     return header, payload, new_states

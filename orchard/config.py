@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from orchard.errors import ConfigError
 from orchard.trainer import TrainConfig
+from orchard.typing import Weighting
 
 
 class _Strict(BaseModel):
@@ -77,7 +78,7 @@ class CohortConfig(_Strict):
     # "fednova": FedNova (Wang et al., 2020): clients send their delta divided by their
     # local step count, weighted by data; the root rescales the mean by the cohort's
     # mean step count (orchard.client.edge, orchard.edge_runtime.fednova).
-    weighting: Literal["examples", "steps", "uniform", "fednova"] = "examples"
+    weighting: Weighting = Weighting.EXAMPLES
 
 
 class EligibilityConfig(_Strict):

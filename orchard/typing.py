@@ -28,6 +28,22 @@ class Role(StrEnum):
     AGGREGATOR = "aggregator"
 
 
+class Weighting(StrEnum):
+    """How a client's update is weighted in the cohort's sum (``cohort.weighting``).
+
+    EXAMPLES   w = examples trained on (FedAvg)
+    STEPS      w = local steps done
+    UNIFORM    w = 1
+    FEDNOVA    FedNova (Wang et al., 2020): the client sends ``Delta_i / a_i`` weighted by
+               its data and reports ``a_i``; the root rescales the mean (eq. 6)
+    """
+
+    EXAMPLES = "examples"
+    STEPS = "steps"
+    UNIFORM = "uniform"
+    FEDNOVA = "fednova"
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     """Name, shape and dtype of one tensor in an update or a model."""

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from orchard import wire
-from orchard.aggregation import finalize
+from orchard.aggregation import server_step
 from orchard.aggregation.server_opt import ServerOptimizer
 from orchard.config import RunConfig, ServerConfig, ServerOptimizerConfig, base_model_dir
 from orchard.errors import ConfigError, RoundClosedError, StoreError, UpdateSchemaError
@@ -38,18 +38,6 @@ def warm_up() -> None:
     """Build one optimizer at start: torch imports its compiler stack on first use (seconds),
     which would otherwise land inside the first round."""
     ServerOptimizer(ServerOptimizerConfig(), {"w": np.zeros(1, np.float32)}).step({"w": np.zeros(1, np.float32)})
-
-
-def fednova_rescale(mean: NDArrays, metrics: dict[str, float]) -> NDArrays:
-    """FedNova's root step (Wang et al., 2020, eq. 6): clients sent ``d_i = Delta_i / a_i``
-    weighted by ``p_i`` and ``a_i`` as the metric ``fednova_tau`` under the same weights,
-    so ``mean = sum p_i d_i`` and the metric mean is ``tau_eff``; the update is their
-    product. Only the root multiplies: every tier below folds plain weighted sums."""
-    tau_eff = metrics.get("fednova_tau")
-    if tau_eff is None or not math.isfinite(tau_eff) or tau_eff < 0:
-        raise UpdateSchemaError(f"weighting 'fednova' needs the metric 'fednova_tau' from every client; "
-                                f"the cohort reported {tau_eff!r}")
-    return {k: np.multiply(v, tau_eff, dtype=np.float64).astype(np.float32) for k, v in mean.items()}
 
 
 @dataclass
@@ -240,10 +228,7 @@ class RootRunner:
             log.warning("round %d attempt %d failed: %s", rnd, attempt, record["reason"])
             return False
         loop = asyncio.get_running_loop()
-        mean, metrics = finalize(out.partial)
-        if cfg.cohort.weighting == "fednova":
-            mean = fednova_rescale(mean, metrics)
-        new_arrays = await loop.run_in_executor(None, run.optimizer.step, mean)
+        new_arrays, metrics = await loop.run_in_executor(None, server_step, out.partial, cfg, run.optimizer)
         blob = await loop.run_in_executor(None, wire.arrays_to_blob, new_arrays)
         path = self._ckpt_path(run.run_id, rnd)
         opt_path = path.with_suffix(".optim.pt")

@@ -128,7 +128,7 @@ def run_jobs(task: Task, population: int, cfg: RunConfig, codec: Codec, global_a
                 results[i] = f"{type(err).__name__}: {err}"
     del trainers
     out = []
-    for job, (seed, _), start, res in zip(jobs, seeds_cfgs, models, results, strict=True):
+    for job, (seed, tc), start, res in zip(jobs, seeds_cfgs, models, results, strict=True):
         if not isinstance(res, TrainResult):
             out.append(ClientOutput(job.partition, job.node_id, None, error=str(res)))
             continue
@@ -137,7 +137,7 @@ def run_jobs(task: Task, population: int, cfg: RunConfig, codec: Codec, global_a
             continue
         try:
             delta = delta_of(job.assignment, start, res)
-            header, payload, states = build_upload(job.assignment, cfg, codec, job.node_id, delta, res, seed,
+            header, payload, states = build_upload(job.assignment, cfg, tc, codec, job.node_id, delta, res, seed,
                                                    job.codec_state)
         except OrchardError as err:
             out.append(ClientOutput(job.partition, job.node_id, None, error=f"{type(err).__name__}: {err}"))

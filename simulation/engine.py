@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from orchard import wire
-from orchard.aggregation import Partial, ServerOptimizer, finalize
+from orchard.aggregation import Partial, ServerOptimizer, server_step
 from orchard.compression import build_codec, encode_update
 from orchard.config import RunConfig, ServerConfig
 from orchard.edge_runtime.governor import Governor, run_governed
@@ -251,8 +251,7 @@ class Engine:
             record["ok"] = False
             record["reason"] = f"{partial.count} of the {need} updates needed arrived; round retried"
             return record
-        mean, metrics = finalize(partial)
-        record["new_arrays"] = optimizer.step(mean)
+        record["new_arrays"], metrics = server_step(partial, cfg, optimizer)
         record["train_metrics"] = metrics
         record["ok"] = True
         return record

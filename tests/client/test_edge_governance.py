@@ -7,14 +7,16 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from orchard.aggregation import Accumulator, MetricSums, finalize, merge
-from orchard.client.edge import (
+from orchard.aggregation import (
     FEDNOVA_TAU,
-    EdgeGovernance,
-    fednova_tau,
-    fednova_update,
-    with_fednova_tau,
+    Accumulator,
+    MetricSums,
+    fednova_rescale,
+    finalize,
+    merge,
 )
+from orchard.client.edge import EdgeGovernance
+from orchard.client.update import fednova_tau, fednova_update, with_fednova_tau
 from orchard.config import EligibilityConfig
 from orchard.edge_runtime import fednova
 from orchard.edge_runtime.clock import VirtualClock
@@ -23,7 +25,6 @@ from orchard.edge_runtime.governor import GovernorReport, StopReason
 from orchard.edge_runtime.policy import DevicePolicy, PacingConfig
 from orchard.errors import ConfigError, UpdateSchemaError
 from orchard.messages import UploadHeader, UploadKind
-from orchard.server.root import fednova_rescale
 from orchard.trainer import TrainConfig, TrainResult
 from orchard.typing import DeviceState, NDArrays, schema_of
 

@@ -70,7 +70,7 @@ def test_stochastic_codecs_encode_as_with_an_eager_generator(codec: dict[str, An
     c = build_codec(cfg.codec)
     delta = _delta(1)
     result = TrainResult(arrays={}, weight=10.0, num_examples=10, num_steps=2)
-    _, payload, _ = build_upload(_task(cfg), cfg, c, "n", delta, result, seed=5, states=None)
+    _, payload, _ = build_upload(_task(cfg), cfg, cfg.train, c, "n", delta, result, seed=5, states=None)
     eager, _ = encode_update(c, delta, np.random.default_rng([5, 0xC0DEC]), None, 99)
     assert payload == b"".join(eager[s.name] for s in SCHEMA)
 
@@ -82,7 +82,7 @@ def test_an_upload_carries_the_plain_update_and_its_weight(weighting: str) -> No
     c = build_codec(cfg.codec)
     delta = _delta(2)
     result = TrainResult(arrays={}, weight=5000.0, num_examples=5000, num_steps=7)
-    h, payload, _ = build_upload(_task(cfg), cfg, c, "n", delta, result, seed=0, states=None)
+    h, payload, _ = build_upload(_task(cfg), cfg, cfg.train, c, "n", delta, result, seed=0, states=None)
     assert h.weight == {"examples": 5000.0, "steps": 7.0, "uniform": 1.0}[weighting]
     got = decode_update(c, dict(zip(SHAPES, split(payload, h.payload_sizes), strict=True)), SHAPES, 1, 99)
     for k in SHAPES:

@@ -21,7 +21,6 @@ import pytest
 
 from orchard import wire
 from orchard.aggregation import finalize
-from orchard.client.edge import fednova_update, with_fednova_tau
 from orchard.client.update import build_upload
 from orchard.compression import build_codec, decode_update, encode_update
 from orchard.config import CodecSpec, CohortConfig, RunConfig, SecureAggregationConfig, ServerConfig
@@ -99,11 +98,9 @@ class Tier:
         node = self.nodes[i]
         result = TrainResult(arrays={}, weight=weight, num_examples=max(1, int(weight)), num_steps=steps,
                              metrics={"train_loss": float(i)})
-        tau = None
-        if self.cfg.cohort.weighting == "fednova":
-            delta, result, tau = fednova_update(delta, result, self.cfg.train)
-        h, p, _ = build_upload(self.tasks[node], self.cfg, self.codec, node, delta, result, seed=i, states=None)
-        return (h if tau is None else with_fednova_tau(h, tau)), p
+        h, p, _ = build_upload(self.tasks[node], self.cfg, self.cfg.train, self.codec, node, delta, result, seed=i,
+                               states=None)
+        return h, p
 
     def submit(self, h: UploadHeader, p: bytes) -> None:
         self.coord.submit_local(h.node_id, h, p)
@@ -272,7 +269,7 @@ def test_fednova_sums_in_the_compressed_domain_and_gives_the_same_step(name: str
     """FedNova's tiers fold sum_i p_i d_i with p_i the header's weight, and the metric
     fednova_tau from the header: the compressed path folds exactly that, so the root's
     step (mean update times tau_eff) is the decode path's."""
-    from orchard.server.root import fednova_rescale
+    from orchard.aggregation import fednova_rescale
 
     deltas = _updates(6, seed=21)
     weights, steps = [40.0, 7.0, 2500.0, 90.0, 12.0, 300.0], [5, 1, 20, 8, 3, 11]
