@@ -9,7 +9,7 @@ over the codec's, both measured in this run. The tensor is a 2-D matrix (so Powe
 factorises it) of Gaussian values, seeded.
 
 ``--tier``: one tier folds N client uploads (default 1000) of a ~1M-parameter model
-through ``Coordinator.submit_local`` -- the header checks, sha256, decode or parse,
+through ``Coordinator.upload_now`` -- the header checks, sha256, decode or parse,
 finite-value checks and fold that every upload costs -- and then reads the round's
 outcome, once decoding every update into the float64 accumulator
 (``compressed_aggregation = "off"``) and once with "auto", for float32 and randk 1%
@@ -226,8 +226,9 @@ def _tier_fold(codec: dict[str, object], mode: str, weighting: str, uploads: int
     from orchard.client.update import build_upload
     from orchard.config import CohortConfig, RunConfig, ServerConfig
     from orchard.messages import TaskAssignment
-    from orchard.server.coordinator import Coordinator, RoundOutcome, RoundTask
+    from orchard.server.coordinator import Coordinator
     from orchard.server.decoding import ClientUpdateDecoder
+    from orchard.server.round import RoundOutcome, RoundTask
     from orchard.trainer import TrainResult
     from orchard.typing import DeviceState, Role, TensorSpec
     from orchard.wire import sha256_hex
@@ -252,18 +253,18 @@ def _tier_fold(codec: dict[str, object], mode: str, weighting: str, uploads: int
 
     def fold() -> tuple[RoundOutcome, bool, float]:
         coord = Coordinator("tier", ServerConfig(node_timeout_s=3600, max_upload_bytes=1 << 30),
-                            np.random.default_rng(0), ClientUpdateDecoder())
+                            np.random.default_rng(0), ClientUpdateDecoder(), inline=True)
         nodes = [f"client-{i}" for i in range(uploads)]
         for n in nodes:
             coord.join(n, Role.CLIENT, "token", DeviceState())
         cr = coord.open_round(task)
-        assigned = {n: coord._try_assign(n) for n in nodes}
+        assigned = {n: coord.assign(n) for n in nodes}
         headers = [dataclasses.replace(pool[i % TIER_POOL][0], node_id=n, task_id=assigned[n].task_id)  # type: ignore[union-attr]
                    for i, n in enumerate(nodes)]
         gc.collect()
         t0 = time.perf_counter()
         for i, (n, h) in enumerate(zip(nodes, headers, strict=True)):
-            coord.submit_local(n, h, pool[i % TIER_POOL][1])
+            coord.upload_now(n, h, pool[i % TIER_POOL][1])
         out = coord.outcome(cr)
         seconds = time.perf_counter() - t0
         coord.shutdown()

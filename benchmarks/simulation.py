@@ -32,6 +32,14 @@ or Ray the row says so instead of making a number up.
 
     python benchmarks/simulation.py [--quick] [--json PATH] [--rounds 2] [--population 100000]
         [--flower-per-round 1000] [--no-flower] [--baseline-per-round 500 (0: none)]
+
+Against an earlier commit (``--against REV``): the vectorised case at each ``--per-round``
+runs alternately on the code at REV (exported with ``git archive`` and imported in place
+of this checkout's) and on this checkout, ``--repeat`` times each, in one invocation; the
+table prints both and their ratio (this checkout / REV, medians), the regression check
+for a change that should not cost throughput.
+
+    python benchmarks/simulation.py --against d387a09 --per-round 10000 [--repeat 3] [--json PATH]
 """
 
 from __future__ import annotations
@@ -70,7 +78,10 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
     secs = sum(r["seconds"] for r in measured)
     cpu = sum(r["cpu_seconds"] for r in measured)
     trained = sum(r["trained"] for r in measured)
+    import orchard.simulation.engine as engine_module
+
     return {
+        "code": str(Path(engine_module.__file__).resolve().parents[1]),  # which checkout ran
         "path": "vectorized" if vectorize else "per-client",
         "clients_per_round": clients_per_round,
         "population": population,
@@ -137,9 +148,45 @@ def _flower(per_round: int, rounds: int, ray_cpus: int, timeout_s: float) -> dic
         return json.loads(out_path.read_text())
 
 
-def _spawn(args: dict[str, Any]) -> dict[str, Any]:
+# Imported first by every process of an old revision's case (PYTHONPATH): drops this
+# checkout's editable-install finder, so that `orchard` resolves to the exported revision.
+_SITECUSTOMIZE = """import sys
+sys.meta_path[:] = [f for f in sys.meta_path if not getattr(f, "__module__", "").startswith("__editable__")]
+"""
+
+
+@contextlib.contextmanager
+def _revision(rev: str) -> Any:
+    """An importable copy of the code at ``rev``: yields (environment, commit)."""
+    import shutil
+    import tomllib
+
+    repo = Path(__file__).resolve().parents[1]
+    commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", f"{rev}^{{commit}}"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    tmp = Path(tempfile.mkdtemp(prefix="orchard-rev-"))
+    try:
+        src, pkg = tmp / "src", tmp / "pkg"
+        src.mkdir()
+        archive = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", commit],
+                                 capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True)
+        # The one import package as pyproject maps it: orchard/ plus its subpackage folders.
+        dirs = tomllib.loads((src / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+        shutil.copytree(src / dirs.get("orchard", "orchard"), pkg / "orchard")
+        for name, folder in dirs.items():
+            if name.startswith("orchard."):
+                (pkg / "orchard" / name.split(".", 1)[1]).symlink_to(src / folder, target_is_directory=True)
+        (pkg / "sitecustomize.py").write_text(_SITECUSTOMIZE)
+        yield {"PYTHONPATH": str(pkg)}, commit
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _spawn(args: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--case", json.dumps(args)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    out = subprocess.run(cmd, capture_output=True, text=True, check=False,
+                         env=None if env is None else {**os.environ, **env})
     if out.returncode != 0:
         return {"path": "vectorized" if args["vectorize"] else "per-client", "status": "failed",
                 "clients_per_round": args["clients_per_round"], "error": out.stderr[-2000:]}
@@ -148,6 +195,55 @@ def _spawn(args: dict[str, Any]) -> dict[str, Any]:
 
 def _fmt(v: Any, width: int, digits: int) -> str:
     return f"{v:>{width}.{digits}f}" if isinstance(v, int | float) else f"{'-':>{width}}"
+
+
+def _against(a: argparse.Namespace) -> None:
+    """This checkout against ``a.against``, case by case, alternating, in one invocation."""
+    import statistics
+
+    governor = not a.no_governor
+    load_before = os.getloadavg()
+    head = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "HEAD"],
+                          capture_output=True, text=True, check=False).stdout.strip()
+    rows = []
+    with _revision(a.against) as (env, commit):
+        for n in a.per_round:
+            args = dict(clients_per_round=n, population=a.population, aggregators=max(1, n // 250),
+                        rounds=a.rounds, vectorize=True, governor=governor, workers=a.workers, backend=a.backend)
+            runs: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
+            for _ in range(a.repeat):
+                runs["old"].append(_spawn(args, env))
+                runs["new"].append(_spawn(args))
+            for side in ("old", "new"):
+                bad = [r for r in runs[side] if "clients_per_second" not in r]
+                if bad:
+                    raise SystemExit(f"the {side} code failed at {n} per round:\n{bad[0].get('error', '')}")
+            med = {k: statistics.median(r["clients_per_second"] for r in v) for k, v in runs.items()}
+            cpu = {k: statistics.median(r["cpu_clients_per_second"] for r in v) for k, v in runs.items()}
+            rows.append({"clients_per_round": n, "old": runs["old"], "new": runs["new"],
+                         "old_clients_per_second": med["old"], "new_clients_per_second": med["new"],
+                         "ratio": round(med["new"] / med["old"], 3),
+                         "old_cpu_clients_per_second": cpu["old"], "new_cpu_clients_per_second": cpu["new"],
+                         "cpu_ratio": round(cpu["new"] / cpu["old"], 3)})
+    load_after = os.getloadavg()
+    print(f"this checkout ({head[:10]}) against {a.against} ({commit[:10]}), vectorised digits MLP, "
+          f"{a.repeat} runs each, alternating; medians")
+    print(f"{'per round':>9} {'old cl/s':>9} {'new cl/s':>9} {'new/old':>8} {'old cpu':>8} {'new cpu':>8} "
+          f"{'cpu n/o':>8}  all runs (old | new)")
+    for r in rows:
+        runs_txt = (" ".join(f"{x['clients_per_second']:.0f}" for x in r["old"]) + " | "
+                    + " ".join(f"{x['clients_per_second']:.0f}" for x in r["new"]))
+        print(f"{r['clients_per_round']:>9} {r['old_clients_per_second']:>9.0f} {r['new_clients_per_second']:>9.0f} "
+              f"{r['ratio']:>8.3f} {r['old_cpu_clients_per_second']:>8.0f} {r['new_cpu_clients_per_second']:>8.0f} "
+              f"{r['cpu_ratio']:>8.3f}  {runs_txt}")
+    print(f"population {a.population}, governor {'on' if governor else 'off'}, workers {a.workers} "
+          f"({a.backend} backend); load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
+    if a.json_path:
+        with open(a.json_path, "w") as f:
+            json.dump({"against": a.against, "against_commit": commit, "head": head, "cases": rows,
+                       "population": a.population, "governor": governor, "workers": a.workers,
+                       "backend": a.backend, "repeat": a.repeat,
+                       "load_average": {"before": list(load_before), "after": list(load_after)}}, f, indent=2)
 
 
 def main() -> None:
@@ -172,10 +268,16 @@ def main() -> None:
                          "the same size if --per-round has none")
     ap.add_argument("--no-flower", action="store_true", help="skip the Flower case")
     ap.add_argument("--flower-timeout", type=float, default=900.0, help="seconds before the Flower case is stopped")
+    ap.add_argument("--against", default=None, metavar="REV",
+                    help="compare this checkout with the code at git revision REV, alternating runs")
+    ap.add_argument("--repeat", type=int, default=3, help="with --against: runs of each side per case")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.case:
         print(json.dumps(_case(**json.loads(a.case))))
+        return
+    if a.against:
+        _against(a)
         return
     per_round = [1000] if a.quick else a.per_round
     rounds = 1 if a.quick else a.rounds

@@ -37,6 +37,45 @@ def masked_vector(cfg: RunConfig, codec: Codec, t: TaskAssignment, header: Uploa
     return quantize(flat * prescale_factor(header.weight, sa.weight_scale), sa.clip, sa.bits, rng)
 
 
+class SecureParticipant:
+    """A client's side of one SecAgg+ session, with no transport: it answers the
+    broadcasts it is handed. The client runtime drives it over ``Fleet.SecAgg``; the
+    simulator drives the same object against an in-process tier."""
+
+    def __init__(self, node_id: str, entropy: bytes) -> None:
+        self.client = SecAggClient(node_id, entropy=entropy)
+        self.answered: set[int] = set()
+        self.sent_input = False
+
+    def wants_input(self, stage_index: int, broadcast: bytes) -> bool:
+        """Whether this broadcast asks for the masked input (the update must be ready)."""
+        return bool(broadcast) and stage_index not in self.answered and stage_of(stage_index) is Stage.MASKED_INPUT
+
+    def answer(self, stage_index: int, broadcast: bytes,
+               masked: tuple[UploadHeader, np.ndarray] | None = None) -> tuple[bytes, UploadHeader | None] | None:
+        """The message (and, with the masked input, its header) that answers ``broadcast``;
+        None when there is nothing to answer now: no broadcast, answered already, or the
+        masked input asked for and ``masked`` (header, field vector) not given."""
+        if not broadcast or stage_index in self.answered:
+            return None
+        header = vector = None
+        if stage_of(stage_index) is Stage.MASKED_INPUT:
+            if masked is None:
+                return None
+            header, vector = masked
+            self.sent_input = True
+        message = self.client.respond(decode(broadcast), vector).to_bytes()
+        self.answered.add(stage_index)
+        return message, header
+
+
+def masked_input(cfg: RunConfig, codec: Codec, t: TaskAssignment, header: UploadHeader, payload: bytes,
+                 seed: int) -> tuple[UploadHeader, np.ndarray]:
+    """What a client posts at the masked-input stage for an update trained with ``seed``:
+    its header (in the clear) and its field vector (quantised with its own stream)."""
+    return header, masked_vector(cfg, codec, t, header, payload, np.random.default_rng([seed, 0x5EC]))
+
+
 async def secure_session(link: FleetLink, t: TaskAssignment, cfg: RunConfig, codec: Codec,
                          upload: asyncio.Future[tuple[UploadHeader, bytes]], seed: int) -> None:
     """Run this client's SecAgg+ stages for task ``t``.
@@ -44,26 +83,22 @@ async def secure_session(link: FleetLink, t: TaskAssignment, cfg: RunConfig, cod
     Started when the task arrives, so the key stages overlap training; ``upload`` is
     resolved with the encoded update (header, payload) once training is done, and only
     its masked form leaves the device."""
-    client = SecAggClient(link.node_id, entropy=secrets.token_bytes(32))
-    answered: set[int] = set()
-    sent_input = False
+    me = SecureParticipant(link.node_id, entropy=secrets.token_bytes(32))
     reply = await link.secagg(t)
     while True:
         if reply.aborted:
             raise SecAggAbort(f"the cohort's secure aggregation aborted: {reply.aborted}")
         if reply.done:
             break
-        if not reply.broadcast or reply.stage in answered:
+        masked = None
+        if me.wants_input(reply.stage, reply.broadcast):
+            update, payload = await upload
+            masked = masked_input(cfg, codec, t, update, payload, seed)
+        got = me.answer(reply.stage, reply.broadcast, masked)
+        if got is None:
             reply = await link.secagg(t)
             continue
-        stage = stage_of(reply.stage)
-        vector = header = None
-        if stage is Stage.MASKED_INPUT:
-            header, payload = await upload
-            vector = masked_vector(cfg, codec, t, header, payload, np.random.default_rng([seed, 0x5EC]))
-            sent_input = True
-        message = client.respond(decode(reply.broadcast), vector).to_bytes()
-        answered.add(reply.stage)
-        reply = await link.secagg(t, reply.stage, message, header)
-    if not sent_input:
+        message, sent_header = got
+        reply = await link.secagg(t, reply.stage, message, sent_header)
+    if not me.sent_input:
         raise SecAggAbort("the cohort's sum was formed without this client's update (dropped from the session)")

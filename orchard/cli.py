@@ -629,12 +629,12 @@ def tokens_issue(data_dir: Annotated[Path, typer.Option("--data-dir")],
                  count: Annotated[int, typer.Option("--count")] = 1,
                  label: Annotated[str, typer.Option("--label")] = "") -> None:
     """Issue enrollment tokens (stored hashed in the root's store; printed once)."""
-    from orchard.server.store import Store
+    from orchard.server.store import SQLiteStore
 
     if role not in ("client", "aggregator"):
         _fail(OrchardError(f"--role must be client or aggregator, got {role!r}"))
     data_dir.mkdir(parents=True, exist_ok=True)
-    st = Store(data_dir / "orchard.db")
+    st = SQLiteStore(data_dir / "orchard.db")
     try:
         for _ in range(count):
             out.print(st.issue_token(role, label), highlight=False)

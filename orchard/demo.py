@@ -96,7 +96,7 @@ def _wait_for(pred: Any, what: str, procs: Procs, timeout: float) -> Any:
 
 def run_demo(spec: DemoSpec, console: Console | None = None) -> dict[str, Any]:
     from orchard.ops import ControlClient
-    from orchard.server.store import Store
+    from orchard.server.store import SQLiteStore
     from orchard.server.tls import init_certs
     from orchard.tasks import get_task
 
@@ -124,7 +124,7 @@ def run_demo(spec: DemoSpec, console: Console | None = None) -> dict[str, Any]:
         ca = paths.ca_cert
         tls = ["--tls-dir", str(out / "tls")]
     root_dir.mkdir(parents=True)
-    store = Store(root_dir / "orchard.db")
+    store = SQLiteStore(root_dir / "orchard.db")
     agg_tokens = [store.issue_token("aggregator", f"demo-agg-{i}") for i in range(spec.aggregators)]
     client_tokens = [store.issue_token("client", f"demo-client-{i}") for i in range(spec.clients)]
     store.close()

@@ -8,6 +8,7 @@ protos into domain objects, so protobuf types never reach the round logic or the
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator, Mapping
 
 import numpy as np
@@ -43,16 +44,27 @@ def sha256_hex(data: bytes | bytearray | memoryview) -> str:
 
 
 def arrays_to_blob(arrays: NDArrays) -> bytes:
-    """Serialise named arrays as safetensors (order and dtypes preserved)."""
+    """Serialise named arrays as safetensors. The bytes do not depend on the order of
+    ``arrays`` (safetensors lays tensors out by dtype and name), so equal models have
+    equal hashes however they were built."""
     return st_save({k: np.ascontiguousarray(v) for k, v in arrays.items()})
 
 
 def blob_to_arrays(blob: bytes) -> NDArrays:
+    """The named arrays of a blob, in the order of their data in the file.
+
+    That order is the model's canonical order: it is the round's schema order at every
+    tier and client, and it is the same however the blob was built. (safetensors itself
+    hands tensors back in no fixed order.)"""
+    blob = bytes(blob)
     try:
-        loaded = st_load(bytes(blob))
+        loaded = st_load(blob)
+        n = int.from_bytes(blob[:8], "little")
+        header = json.loads(blob[8:8 + n])
     except (SafetensorError, ValueError, OSError) as err:
         raise UpdateSchemaError(f"model blob is not a valid safetensors file: {err}") from None
-    return dict(loaded)
+    offsets = {k: v["data_offsets"][0] for k, v in header.items() if k in loaded}
+    return {k: loaded[k] for k in sorted(loaded, key=lambda k: (offsets.get(k, 0), k))}
 
 
 def payloads_to_blob(payloads: Mapping[str, bytes]) -> bytes:

@@ -11,13 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from orchard.config import RunConfig
 from orchard.errors import AuthError, OrchardError
 from orchard.link import FleetLink, UploadRefused
-from orchard.messages import PARTIAL_CODEC, Idle, TaskAssignment, UploadHeader, UploadKind
-from orchard.server.coordinator import Coordinator, RoundOutcome, RoundTask
-from orchard.updates import encode_partial
-from orchard.wire import sha256_hex
+from orchard.messages import Idle, TaskAssignment
+from orchard.server.coordinator import Coordinator
+from orchard.server.round import RoundOutcome, partial_upload, task_from_assignment
 
 log = logging.getLogger("orchard.server.aggregator")
 
@@ -54,10 +52,7 @@ class UpstreamLink:
 
     async def _serve(self, t: TaskAssignment) -> None:
         blob = await self.link.pull_model(t.model_hash)
-        cfg = RunConfig.model_validate_json(t.config_json)
-        task = RoundTask(run_id=t.run_id, round=t.round, attempt=t.attempt, config=cfg, config_json=t.config_json,
-                         model_blob=blob, model_hash=t.model_hash, schema=t.schema, deadline_unix=t.deadline_unix,
-                         target=max(1, t.cohort_target), shared_seed=t.shared_seed)
+        task = task_from_assignment(t, blob)
         cr = self.coord.open_round(task)
         log.info("round %d: target %d, selected %d", t.round, task.target, len(cr.assignments))
         beat = asyncio.create_task(self._heartbeats(t, cr))
@@ -76,17 +71,9 @@ class UpstreamLink:
                 return
 
     async def _push(self, t: TaskAssignment, out: RoundOutcome) -> None:
-        p = out.partial
-        payload, sizes = encode_partial(p.sums)
-        header = UploadHeader(
-            node_id=self.link.node_id, run_id=t.run_id, round=t.round, attempt=t.attempt, task_id=t.task_id,
-            kind=UploadKind.PARTIAL_SUM, schema=t.schema, payload_sizes=sizes, codec=PARTIAL_CODEC,
-            payload_sha256=sha256_hex(payload), weight=p.weight, count=p.count,
-            metric_sums=dict(p.metrics.sums), metric_weights=dict(p.metrics.weights),
-            bytes_up=out.bytes_up, bytes_down=out.bytes_down,
-            tier_participants=out.tier_participants)
+        header, payload = partial_upload(t, self.link.node_id, out)
         try:
             await self.link.push_update(header, payload)
-            log.info("round %d: pushed partial of %d updates upstream", t.round, p.count)
+            log.info("round %d: pushed partial of %d updates upstream", t.round, out.partial.count)
         except UploadRefused as err:
             log.warning("round %d: upstream refused the partial: %s", t.round, err)

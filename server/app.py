@@ -33,7 +33,7 @@ from orchard.server.auth import (
 from orchard.server.coordinator import Coordinator
 from orchard.server.decoding import ClientUpdateDecoder
 from orchard.server.servicer import FleetServicer
-from orchard.server.store import Store, hash_token
+from orchard.server.store import SQLiteStore, Store, hash_token
 from orchard.server.tls import TlsPaths, init_certs, server_credentials
 from orchard.typing import Role
 from orchard.v1 import orchard_pb2_grpc as pbg
@@ -130,7 +130,7 @@ async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     cfg = (server_cfg or ServerConfig()).model_copy(update={"host": host, "port": port})
-    store = Store(data_dir / "orchard.db")
+    store = SQLiteStore(data_dir / "orchard.db")
     coord = Coordinator("root", cfg, np.random.default_rng(seed), ClientUpdateDecoder())
     runner = RootRunner(coord, store, data_dir, cfg, start_grace_s=start_grace_s, base_model=base_model)
     auth: Authenticator

@@ -10,16 +10,12 @@ Per round a coordinator:
      ``ceil(share * over_selection)``, so stragglers do not hold the round);
   2. hands out task assignments when selected children long-poll;
   3. checks each upload's header against the round before reading a byte of payload
-     (round, attempt, selection, duplicates, schema, sizes, weight), then checks the
-     payload (sha256, decode -- or, summing in the compressed domain, parse -- and
-     finite values) before anything is folded;
-  4. folds accepted uploads into one float64 accumulator (O(model) memory), one fold
-     at a time. When the run sums in the compressed domain (a linear codec, no secure
-     aggregation; integer codes only under uniform weighting: ``sums_compressed``),
-     direct clients' payloads are added without decoding, each times its header's
-     weight, into one ``PayloadSum`` per tensor instead (``CompressedCohort``), decoded
-     once into the accumulator when the round's outcome is read; partials from below
-     and secure cohorts' sums always go to the accumulator;
+     (``orchard.server.admission``: round, attempt, selection, duplicates, schema,
+     sizes, weight), then checks the payload (sha256, decode -- or, summing in the
+     compressed domain, parse -- and finite values) before anything is folded;
+  4. folds accepted uploads into its round's sums (``orchard.server.cohort``: one
+     float64 accumulator, O(model) memory, or the compressed-domain sum, or the secure
+     cohort's unmasked sum), one fold at a time;
   5. closes when the target is reached, when every selected child has delivered or
      dropped, or at the deadline, and returns a ``RoundOutcome``.
 
@@ -27,6 +23,12 @@ Concurrency: everything here runs on the server's asyncio loop. State is mutated
 between awaits, so no lock guards it; CPU-heavy decode and fold run in executors and
 their results are applied back on the loop. Nothing here awaits a network send while
 round state is half-updated.
+
+In-process use (the simulator, tests). A coordinator built with ``inline=True`` runs
+decode and fold on the caller's thread: the same coroutines then finish without ever
+suspending, and :meth:`Coordinator.upload_now` and :meth:`Coordinator.secagg_now` drive
+them to the end synchronously. The simulator is one more transport over this class,
+not a second implementation of it.
 """
 
 from __future__ import annotations
@@ -37,62 +39,42 @@ import itertools
 import math
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import numpy as np
 
-from orchard.aggregation import Accumulator, MetricSums, Partial
-from orchard.compression import (
-    CheckedPayload,
-    NonFiniteError,
-    UpdateSum,
-    build_codec,
-    sums_compressed,
-)
+from orchard.aggregation import MetricSums, Partial
+from orchard.compression import sums_compressed
 from orchard.config import RunConfig, ServerConfig
 from orchard.errors import (
-    CodecError,
-    DuplicateUploadError,
     IntegrityError,
-    NotSelectedError,
     OrchardError,
     RoundClosedError,
     SecAggError,
     UnknownNodeError,
     UpdateSchemaError,
 )
-from orchard.messages import PARTIAL_CODEC, Idle, TaskAssignment, UploadHeader, UploadKind
+from orchard.messages import Idle, TaskAssignment, UploadHeader, UploadKind
 from orchard.secure_agg import Stage
 from orchard.secure_agg.stages import stage_index as stage_index_of
 from orchard.secure_agg.stages import stage_of
+from orchard.server.admission import admit_header, check_assignment, check_round
+from orchard.server.cohort import Assignment, CheckedUpload, CohortRound, CompressedCohort
 from orchard.server.downlink import DownlinkCache, ModelReply, full_reply
-from orchard.server.secagg import SecureCohort, new_cohort
+from orchard.server.round import RoundOutcome, RoundTask
+from orchard.server.secagg import new_cohort
 from orchard.server.selection import allocate, device_eligible, over_select
-from orchard.typing import DeviceState, NDArrays, Role, TensorSpec
-from orchard.updates import decode_partial, split
+from orchard.typing import DeviceState, NDArrays, Role
+from orchard.updates import decode_partial
 from orchard.wire import sha256_hex
 
+T = TypeVar("T")
+
 # Decodes a client's payload into a float32 delta (codec-specific; see orchard.server.decoding).
-ClientDecoder = Callable[[UploadHeader, bytes, "RoundTask"], NDArrays]
-
-
-@dataclass
-class RoundTask:
-    """What a tier is asked to do for one round (from the run at the root, from upstream below)."""
-
-    run_id: str
-    round: int
-    attempt: int
-    config: RunConfig
-    config_json: str
-    model_blob: bytes
-    model_hash: str
-    schema: tuple[TensorSpec, ...]
-    deadline_unix: float
-    target: int
-    shared_seed: int
+ClientDecoder = Callable[[UploadHeader, bytes, RoundTask], NDArrays]
 
 
 @dataclass
@@ -107,169 +89,53 @@ class Child:
 
 
 @dataclass
-class Assignment:
-    node_id: str
-    task_id: str
-    target: int  # updates expected from this child (1 for a client)
-    handed_out: bool = False
-    in_flight: bool = False
-    delivered: bool = False
-    dropped: bool = False
-
-
-@dataclass
-class RoundOutcome:
-    task: RoundTask
-    partial: Partial
-    selected: int
-    dropped: int
-    bytes_up: int
-    bytes_down: int
-    tier_participants: dict[str, int]
-    reason: str
-    seconds: float
-    rejected: dict[str, int]
-
-
-@dataclass(frozen=True)
-class CheckedUpload:
-    """A direct client's upload, parsed and checked, ready to join the compressed sum."""
-
-    parts: dict[str, CheckedPayload]
-
-
-class CompressedCohort:
-    """A round's direct-client updates summed in the compressed domain.
-
-    Used when the run's config says so (``sums_compressed``). Every client sent its
-    plain update ``x_i`` with its weight ``w_i`` in the clear; the payloads add without
-    decoding (one ``PayloadSum`` per tensor), each times ``w_i``, so the cohort's
-    partial is their decoded weighted sum ``sum_i w_i x_i`` with weight ``sum_i w_i``:
-    what the accumulator of the decode path holds. Integer codes (qsgd with a fixed
-    scale) add only unweighted; such a run comes here only under uniform weighting, and
-    an upload whose header weight is not 1 is refused. ``check`` only reads and runs in
-    the decode pool; ``fold`` runs in the fold pool, one at a time, like the
-    accumulator's fold."""
-
-    def __init__(self, task: RoundTask) -> None:
-        self.codec = build_codec(task.config.codec)
-        self.unit_weights = not self.codec.algebra.weighted_sums  # integer codes: every weight is 1
-        self.shapes = {s.name: tuple(s.shape) for s in task.schema}
-        self.sums = UpdateSum(self.codec, self.shapes, task.shared_seed)
-        self.metrics = MetricSums()
-        self.merged = False  # folded into the round's accumulator (at most once)
-
-    @property
-    def count(self) -> int:
-        return self.sums.count
-
-    @property
-    def weight(self) -> float:
-        return self.sums.weight
-
-    def check(self, h: UploadHeader, payload: bytes | bytearray) -> CheckedUpload:
-        """Parse every tensor's payload and check it as decoding would: the codec's layout
-        and shape (CodecError), finite values (UpdateSchemaError). Nothing is summed."""
-        if self.unit_weights and h.weight != 1.0:
-            raise UpdateSchemaError(f"this round weighs every update 1 (uniform weighting), "
-                                    f"the header says {h.weight}")
-        try:
-            parts = dict(zip(self.shapes, split(payload, h.payload_sizes), strict=True))
-            return CheckedUpload(self.sums.check(parts))
-        except NonFiniteError as err:
-            raise UpdateSchemaError(f"{err}; refusing the update") from None
-        except (CodecError, UpdateSchemaError):
-            raise
-        except (ValueError, IndexError, TypeError) as err:  # a codec bug must not crash the tier
-            raise CodecError(f"payload could not be parsed with codec {self.codec.name!r}: {err}") from None
-
-    def fold(self, h: UploadHeader, up: CheckedUpload) -> None:
-        if self.merged:  # the outcome was read: nothing may join the sum after that
-            raise RoundClosedError("the round's outcome was already read; late uploads are refused")
-        self.sums.add(up.parts, h.weight)  # refuses before it changes anything
-        self.metrics.merge(MetricSums(h.metric_sums, h.metric_weights))  # merge only reads them
-
-    def partial(self) -> Partial:
-        """The decoded weighted sum (float64) with the weights' sum. Drains the compressed
-        sums tensor by tensor, so this runs once."""
-        sums = dict(self.sums.drain())
-        return Partial(sums=sums, weight=self.weight, count=self.count, metrics=self.metrics)
-
-
-class CohortRound:
-    """State of one open round at one tier."""
-
-    def __init__(self, task: RoundTask, now: float) -> None:
-        self.task = task
-        self.started = now
-        self.acc = Accumulator(list(task.schema))
-        # Direct clients' weighted sum in the compressed domain, when the run takes that
-        # path (None: every client update is decoded, then accumulated).
-        self.compressed: CompressedCohort | None = None
-        # The secure cohort's unmasked sum, waiting to be folded with the round's outcome:
-        # the loop thread must not add into the accumulator while the fold pool does.
-        self.secure_sum: Partial | None = None
-        self.assignments: dict[str, Assignment] = {}
-        self.client_quota = 0  # how many direct clients may be selected in total
-        self.closed = False
-        self.close_reason = ""
-        self.closed_event = asyncio.Event()
-        self.bytes_up = 0
-        self.bytes_down = 0
-        self.tier_participants: dict[str, int] = {}
-        self.rejected: dict[str, int] = {}
-        self.reserved = 0  # updates (counts) folded or being folded: never above target for clients
-        self.open = 0  # assignments neither delivered nor dropped
-        self.clients_selected = 0
-        self.secure: SecureCohort | None = None  # SecAgg+ session over the direct clients, if on
-
-    @property
-    def received(self) -> int:
-        c, s = self.compressed, self.secure_sum
-        pending = (c.count if c is not None and not c.merged else 0) + (s.count if s is not None else 0)
-        return self.acc.count + pending
-
-    def fold_aside(self) -> None:
-        """Fold the sums kept aside (the compressed sum, the secure cohort's) into the
-        accumulator, once, after the last fold."""
-        c = self.compressed
-        if c is not None and not c.merged:
-            if c.count:
-                self.acc.merge(c.partial(), owned=True)
-            c.merged = True
-        if self.secure_sum is not None:
-            self.acc.merge(self.secure_sum)
-            self.secure_sum = None
-
-    def pending(self) -> list[Assignment]:
-        return [a for a in self.assignments.values() if not (a.delivered or a.dropped)]
-
-    def add(self, a: Assignment, is_client: bool) -> None:
-        self.assignments[a.node_id] = a
-        self.open += 1
-        self.clients_selected += int(is_client)
-
-    def settle(self, a: Assignment, delivered: bool) -> None:
-        """Mark an assignment delivered or dropped, once. Counts are kept incrementally so that
-        closing checks stay O(1) per upload, not O(cohort)."""
-        if a.delivered or a.dropped:
-            return
-        a.delivered, a.dropped = delivered, not delivered
-        self.open -= 1
-
-
-@dataclass
 class UploadSlot:
     header: UploadHeader
     cohort: CohortRound
     assignment: Assignment
 
 
+@dataclass(frozen=True)
+class SecAggReply:
+    """What a node learns from one secure-aggregation exchange."""
+
+    stage: int  # the session's current stage index
+    broadcast: bytes  # the broadcast this node must answer, or b""
+    done: bool
+    aborted: str  # why the session aborted, or ""
+
+
+class _Ready:
+    """An awaitable that is already done: an inline coordinator's offloaded work."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self.value
+        yield  # a generator that returns at once: awaiting it never suspends
+
+
+def run_inline(coro: Coroutine[Any, Any, T]) -> T:
+    """Drive a coroutine of an inline coordinator to its end on this thread. It must not
+    suspend (an inline coordinator's offloaded work is already done when awaited)."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+    coro.close()
+    raise RuntimeError("an in-process coordinator call had to wait; only inline coordinators run in-process")
+
+
 class Coordinator:
     def __init__(self, name: str, cfg: ServerConfig, rng: np.random.Generator,
                  client_decoder: ClientDecoder, monotonic: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, inline: bool = False) -> None:
         self.name = name
+        # inline: decode and fold on the caller's thread (in-process use, see the module doc).
+        self.inline = inline
         self.cfg = cfg
         self.rng = rng
         self._decode_client = client_decoder
@@ -350,6 +216,12 @@ class Coordinator:
             if self.current is None or nid not in self.current.assignments:
                 del self.children[nid]
 
+    def leave(self, node_id: str) -> None:
+        """A node goes away now (a simulated device at the end of its round; a client that
+        says goodbye). An assignment it holds in the open round stays, and is dropped by
+        the sweep like any silent node's."""
+        self.children.pop(node_id, None)
+
     # ------------------------------------------------------------------ rounds
 
     def open_round(self, task: RoundTask) -> CohortRound:
@@ -416,10 +288,6 @@ class Coordinator:
         cr.add(a, self.children[node_id].role is Role.CLIENT)
         return a
 
-    @staticmethod
-    def _selected_clients(cr: CohortRound) -> int:
-        return cr.clients_selected
-
     def _task_for(self, cr: CohortRound, a: Assignment) -> TaskAssignment:
         c = self.children[a.node_id]
         deadline = cr.task.deadline_unix
@@ -438,7 +306,7 @@ class Coordinator:
         self.touch(node_id, device, pool_size, pool_eligible)
         deadline = self._mono() + max(0.0, min(wait_s, self.cfg.long_poll_s))
         while True:
-            got = self._try_assign(node_id)
+            got = self.assign(node_id)
             if got is not None:
                 return got
             remaining = deadline - self._mono()
@@ -460,7 +328,9 @@ class Coordinator:
                 return "not eligible: " + "; ".join(why)
         return "not selected for this round"
 
-    def _try_assign(self, node_id: str) -> TaskAssignment | None:
+    def assign(self, node_id: str) -> TaskAssignment | None:
+        """This node's task in the open round, if it is selected (or may fill in an unused
+        slot); None otherwise. What ``poll`` answers without waiting."""
         cr = self.current
         if cr is None or cr.closed:
             return None
@@ -469,7 +339,7 @@ class Coordinator:
             c = self.children[node_id]
             # Fill-in: a client that arrived after selection may take an unused quota slot.
             if (c.role is Role.CLIENT and not cr.task.config.secure_aggregation.enabled
-                    and self._selected_clients(cr) < cr.client_quota
+                    and cr.clients_selected < cr.client_quota
                     and cr.received < cr.task.target
                     and device_eligible(c.device, cr.task.config.eligibility)[0]):
                 a = self._assign(cr, node_id, 1)
@@ -515,79 +385,53 @@ class Coordinator:
                     task_id: str) -> tuple[CohortRound, Assignment]:
         """The open round and this node's assignment in it, or the reason there is none."""
         cr = self.current
-        if cr is None:
-            raise RoundClosedError("no round is open at this tier; this upload is stale")
-        t = cr.task
-        if (run_id, rnd, attempt) != (t.run_id, t.round, t.attempt):
-            when = "stale" if (run_id == t.run_id and (rnd, attempt) < (t.round, t.attempt)) else "unknown or future"
-            raise RoundClosedError(
-                f"upload for run {run_id!r} round {rnd} attempt {attempt} is {when}; "
-                f"the open round is {t.run_id!r} round {t.round} attempt {t.attempt}")
-        if cr.closed:
-            raise RoundClosedError(f"round {t.round} closed ({cr.close_reason}); late uploads are refused")
+        t = check_round(cr.task if cr is not None else None, cr is not None and cr.closed,
+                        cr.close_reason if cr is not None else "", run_id, rnd, attempt)
+        assert cr is not None  # check_round refuses when no round is open
         a = cr.assignments.get(node_id)
-        if a is None or a.task_id != task_id:
-            raise NotSelectedError(f"node {node_id!r} holds no assignment {task_id!r} in round {t.round}")
+        check_assignment(a, node_id, task_id, t.round)
+        assert a is not None
         return cr, a
 
     def begin_upload(self, node_id: str, h: UploadHeader) -> UploadSlot:
-        """Check an upload's header against the open round. Nothing is reserved unless it passes."""
+        """Check an upload's header against the open round (``admit_header``) and reserve
+        the caller's slot. Nothing is reserved unless it passes."""
         c = self.child(node_id)
         if h.node_id != node_id:
             raise UpdateSchemaError(f"header names node {h.node_id!r} but the caller is {node_id!r}")
         cr, a = self._assignment(node_id, h.run_id, h.round, h.attempt, h.task_id)
-        t = cr.task
-        if a.delivered:
-            raise DuplicateUploadError(f"node {node_id!r} already delivered its update for round {t.round}")
-        if a.in_flight:
-            raise DuplicateUploadError(f"an upload from {node_id!r} for round {t.round} is already in progress")
-        if a.dropped:
-            raise RoundClosedError(f"node {node_id!r} was dropped from round {t.round} after missing heartbeats")
-        want_kind = UploadKind.PARTIAL_SUM if c.role is Role.AGGREGATOR else UploadKind.CLIENT_UPDATE
-        if want_kind is UploadKind.CLIENT_UPDATE and t.config.secure_aggregation.enabled:
-            raise UpdateSchemaError("this round uses secure aggregation: send the update masked, through SecAgg")
-        if h.kind != want_kind:
-            raise UpdateSchemaError(f"a {c.role.value} must upload {want_kind.name}, got {h.kind.name}")
-        if h.schema != t.schema:  # equal specs pass every check below: compare them one by one only when not
-            self._check_schema(h.schema, t.schema)
-        if len(h.payload_sizes) != len(t.schema):
-            raise UpdateSchemaError(f"{len(h.payload_sizes)} payload sizes for {len(t.schema)} tensors")
-        if h.total_bytes > self.cfg.max_upload_bytes:
-            from orchard.errors import PayloadTooLargeError
-
-            raise PayloadTooLargeError(f"upload declares {h.total_bytes} bytes; the limit is {self.cfg.max_upload_bytes}")
-        if want_kind is UploadKind.PARTIAL_SUM:
-            if h.codec != PARTIAL_CODEC:
-                raise UpdateSchemaError(f"partial sums travel as {PARTIAL_CODEC!r}, got codec {h.codec!r}")
-            if not (0 <= h.count <= a.target * 10 + 10**6):
-                raise UpdateSchemaError(f"partial count {h.count} is out of range")
-            if h.count > 0 and not (math.isfinite(h.weight) and h.weight > 0):
-                raise UpdateSchemaError(f"partial weight must be positive and finite, got {h.weight}")
-        else:
-            if h.codec != t.config.codec.name:
-                raise UpdateSchemaError(f"update encoded with {h.codec!r}; this round uses {t.config.codec.name!r}")
-            if h.count != 1:
-                raise UpdateSchemaError(f"a client update counts 1, header says {h.count}")
-            if not (math.isfinite(h.weight) and h.weight > 0):
-                raise UpdateSchemaError(f"update weight must be positive and finite, got {h.weight}")
-        for metrics in (h.metric_sums, h.metric_weights):
-            for k, v in metrics.items():
-                if not math.isfinite(v):
-                    raise UpdateSchemaError(f"metric {k!r} is not finite ({v})")
+        admit_header(h, node_id, c.role, cr.task, a, self.cfg.max_upload_bytes)
         a.in_flight = True
         return UploadSlot(h, cr, a)
 
-    @staticmethod
-    def _check_schema(got_schema: tuple[TensorSpec, ...], schema: tuple[TensorSpec, ...]) -> None:
-        """An upload's declared tensors against the round's: names, shapes, dtypes."""
-        names = [s.name for s in schema]
-        if [s.name for s in got_schema] != names:
-            raise UpdateSchemaError(f"update names {[s.name for s in got_schema][:5]} do not match the round's {names[:5]}")
-        for got, want in zip(got_schema, schema, strict=True):
-            if tuple(got.shape) != tuple(want.shape):
-                raise UpdateSchemaError(f"tensor {want.name!r} declared shape {got.shape}, expected {want.shape}")
-            if got.dtype != want.dtype:
-                raise UpdateSchemaError(f"tensor {want.name!r} declared dtype {got.dtype!r}, expected {want.dtype!r}")
+    @contextlib.contextmanager
+    def upload(self, node_id: str, h: UploadHeader) -> Iterator[UploadSlot]:
+        """One upload, from its header to its fold: admits the header and reserves the
+        caller's slot on entry; if the body raises (a bad payload, a broken stream), the
+        slot is released and the refusal counted, so the node may try again."""
+        try:
+            slot = self.begin_upload(node_id, h)
+        except OrchardError as err:
+            self.reject(err)
+            raise
+        try:
+            yield slot
+        except OrchardError as err:
+            self.abort_upload(slot, type(err).__name__)
+            raise
+        except BaseException:
+            self.abort_upload(slot, "stream broken")
+            raise
+
+    def upload_now(self, node_id: str, h: UploadHeader, payload: bytes) -> None:
+        """An in-process upload on an inline coordinator: the gRPC path's admission,
+        integrity check, decode and fold, run to the end on the caller's thread."""
+        if not self.inline:
+            raise RuntimeError("upload_now needs an inline coordinator (Coordinator(..., inline=True))")
+        with self.upload(node_id, h) as slot:
+            if sha256_hex(payload) != h.payload_sha256 or len(payload) != h.total_bytes:
+                raise IntegrityError("payload does not match its declared size and sha256")
+            run_inline(self.complete_upload(slot, payload))
 
     def abort_upload(self, slot: UploadSlot, reason: str) -> None:
         slot.assignment.in_flight = False
@@ -614,13 +458,12 @@ class Coordinator:
     async def complete_upload(self, slot: UploadSlot, payload: bytes) -> None:
         """Decode, check, and fold a fully received, hash-checked payload."""
         h, cr, a = slot.header, slot.cohort, slot.assignment
-        loop = asyncio.get_running_loop()
         try:
-            arrays = await loop.run_in_executor(self._decode_pool, self._decode, slot, payload)
+            arrays = await self._offload(self._decode_pool, self._decode, slot, payload)
             self._reserve_fold(cr, h)
             try:
                 if h.count > 0:
-                    await loop.run_in_executor(self._fold_pool, self._fold, cr, h, arrays)
+                    await self._offload(self._fold_pool, self._fold, cr, h, arrays)
             except BaseException:
                 cr.reserved -= h.count
                 raise
@@ -628,6 +471,12 @@ class Coordinator:
             a.in_flight = False
             raise
         self._delivered(slot)
+
+    def _offload(self, pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
+        """CPU work in ``pool`` off the event loop; on the caller's thread when inline."""
+        if self.inline:
+            return _Ready(fn(*args))
+        return asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 
     def _reserve_fold(self, cr: CohortRound, h: UploadHeader) -> None:
         """The last check before a fold, on the loop thread. A fold reserves its count here,
@@ -640,30 +489,6 @@ class Coordinator:
             raise RoundClosedError(f"round {cr.task.round} already has its {cr.task.target} updates; "
                                    "late uploads are refused")
         cr.reserved += h.count
-
-    def submit_local(self, node_id: str, h: UploadHeader, payload: bytes) -> None:
-        """In-process upload (the simulator): the same checks, decode and fold as over gRPC,
-        run synchronously on the caller's thread. Not for use while gRPC uploads are folding."""
-        try:
-            slot = self.begin_upload(node_id, h)
-        except OrchardError as err:
-            self.reject(err)
-            raise
-        try:
-            if sha256_hex(payload) != h.payload_sha256 or len(payload) != h.total_bytes:
-                raise IntegrityError("payload does not match its declared size and sha256")
-            arrays = self._decode(slot, payload)
-            self._reserve_fold(slot.cohort, h)
-            try:
-                if h.count > 0:
-                    self._fold(slot.cohort, h, arrays)
-            except BaseException:
-                slot.cohort.reserved -= h.count
-                raise
-        except OrchardError as err:
-            self.abort_upload(slot, type(err).__name__)
-            raise
-        self._delivered(slot)
 
     def _delivered(self, slot: UploadSlot) -> None:
         h, cr, a = slot.header, slot.cohort, slot.assignment
@@ -699,12 +524,34 @@ class Coordinator:
 
     async def secagg_exchange(self, node_id: str, run_id: str, rnd: int, attempt: int, task_id: str,
                               stage_index: int, message: bytes, header: UploadHeader | None,
-                              wait_s: float) -> tuple[int, bytes, bool, str]:
-        """Take one stage message (if any), then long-poll for this node's next broadcast.
+                              wait_s: float) -> SecAggReply:
+        """Take one stage message (if any), then long-poll up to ``wait_s`` for this node's
+        next broadcast."""
+        cr = self._secagg_post(node_id, run_id, rnd, attempt, task_id, stage_index, message, header)
+        end = self._mono() + max(0.0, min(wait_s, self.cfg.long_poll_s))
+        while True:
+            reply = self._secagg_reply(cr, node_id)
+            if reply.broadcast or reply.done or reply.aborted:
+                return reply
+            remaining = end - self._mono()
+            if remaining <= 0 or cr.closed:
+                return reply
+            ev = self._watch()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ev.wait(), timeout=remaining)
+            self.touch(node_id)
 
-        Returns (current stage index, broadcast or b"", done, abort reason)."""
+    def secagg_now(self, node_id: str, run_id: str, rnd: int, attempt: int, task_id: str, stage_index: int,
+                   message: bytes, header: UploadHeader | None) -> SecAggReply:
+        """``secagg_exchange`` without the wait, for in-process callers: post the message
+        (if any) and return what this node must answer now."""
+        cr = self._secagg_post(node_id, run_id, rnd, attempt, task_id, stage_index, message, header)
+        return self._secagg_reply(cr, node_id)
+
+    def _secagg_post(self, node_id: str, run_id: str, rnd: int, attempt: int, task_id: str, stage_index: int,
+                     message: bytes, header: UploadHeader | None) -> CohortRound:
         self.touch(node_id)
-        cr, a = self._assignment(node_id, run_id, rnd, attempt, task_id)
+        cr, _ = self._assignment(node_id, run_id, rnd, attempt, task_id)
         sc = cr.secure
         if sc is None:
             raise SecAggError(f"round {rnd} runs no secure aggregation for {node_id!r}")
@@ -716,20 +563,15 @@ class Coordinator:
             sc.receive(node_id, stage_of(stage_index), message, header)
             self._secure_progress(cr)
             self._notify()
-        end = self._mono() + max(0.0, min(wait_s, self.cfg.long_poll_s))
-        while True:
-            if sc.finished:
-                return stage_index_of(sc.stage), b"", sc.stage is Stage.DONE, sc.abort_reason
-            b = sc.broadcast(node_id)
-            if b:
-                return stage_index_of(sc.stage), b, False, ""
-            remaining = end - self._mono()
-            if remaining <= 0 or cr.closed:
-                return stage_index_of(sc.stage), b"", False, ""
-            ev = self._watch()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(ev.wait(), timeout=remaining)
-            self.touch(node_id)
+        return cr
+
+    @staticmethod
+    def _secagg_reply(cr: CohortRound, node_id: str) -> SecAggReply:
+        sc = cr.secure
+        assert sc is not None  # _secagg_post refuses a round without a session
+        if sc.finished:
+            return SecAggReply(stage_index_of(sc.stage), b"", sc.stage is Stage.DONE, sc.abort_reason)
+        return SecAggReply(stage_index_of(sc.stage), sc.broadcast(node_id), False, "")
 
     def _secure_progress(self, cr: CohortRound) -> None:
         """Move the session's stages on; fold the cohort's sum once it is unmasked."""

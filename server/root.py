@@ -27,9 +27,10 @@ from orchard.aggregation import server_step
 from orchard.aggregation.server_opt import ServerOptimizer
 from orchard.config import RunConfig, ServerConfig, ServerOptimizerConfig, base_model_dir
 from orchard.errors import ConfigError, RoundClosedError, StoreError, UpdateSchemaError
-from orchard.server.coordinator import Coordinator, RoundOutcome, RoundTask
+from orchard.server.coordinator import Coordinator
+from orchard.server.round import RoundRecord, RoundStatus, root_task
 from orchard.server.store import Store, atomic_write
-from orchard.typing import NDArrays, schema_of
+from orchard.typing import NDArrays
 
 log = logging.getLogger("orchard.server.root")
 
@@ -206,26 +207,24 @@ class RootRunner:
         if run.stop_requested:
             return False
         started = time.time()
-        seed = int(np.random.default_rng([cfg.seed, rnd, attempt]).integers(0, 2**63 - 1))
-        task = RoundTask(run_id=run.run_id, round=rnd, attempt=attempt, config=cfg, config_json=run.config_json,
-                         model_blob=run.blob, model_hash=run.blob_hash, schema=tuple(schema_of(run.arrays)),
-                         deadline_unix=started + cfg.cohort.deadline_s, target=cfg.cohort.target,
-                         shared_seed=seed)
+        task = root_task(run.run_id, rnd, attempt, cfg, run.config_json, run.arrays, run.blob, run.blob_hash,
+                         started)
         cr = self.coord.open_round(task)
         run.current = {"round": rnd, "attempt": attempt, "phase": "training", "cohort": cr}
         self.store.record_round(run.run_id, rnd, attempt, "running", started, None,
                                 {"selected": len(cr.assignments)})
         out = await self.coord.wait_round(cr)
         need = math.ceil(cfg.cohort.target * cfg.cohort.min_fraction)
-        record = self._record(out)
         if run.stop_requested and out.partial.count < need:
-            self.store.record_round(run.run_id, rnd, attempt, "stopped", started, time.time(), record)
+            record = RoundRecord.from_outcome(out, RoundStatus.STOPPED)
+            self.store.record_round(run.run_id, rnd, attempt, "stopped", started, time.time(), record.as_dict())
             return False
         if out.partial.count < need:
-            record["reason"] = (f"{out.partial.count} of the {need} updates needed arrived "
-                                f"({out.reason}); global model unchanged, round retried")
-            self.store.record_round(run.run_id, rnd, attempt, "failed", started, time.time(), record)
-            log.warning("round %d attempt %d failed: %s", rnd, attempt, record["reason"])
+            record = RoundRecord.from_outcome(out, RoundStatus.FAILED)
+            record.reason = (f"{out.partial.count} of the {need} updates needed arrived "
+                             f"({out.reason}); global model unchanged, round retried")
+            self.store.record_round(run.run_id, rnd, attempt, "failed", started, time.time(), record.as_dict())
+            log.warning("round %d attempt %d failed: %s", rnd, attempt, record.reason)
             return False
         loop = asyncio.get_running_loop()
         new_arrays, metrics = await loop.run_in_executor(None, server_step, out.partial, cfg, run.optimizer)
@@ -236,20 +235,14 @@ class RootRunner:
         await loop.run_in_executor(None, atomic_write, path, blob)
         await loop.run_in_executor(None, atomic_write, opt_path, opt_bytes)
         h = wire.sha256_hex(blob)
-        record["metrics"] = metrics
-        self.store.complete_round(run.run_id, rnd, attempt, started, record, str(path), h, str(opt_path))
+        record = RoundRecord.from_outcome(out, RoundStatus.COMPLETED)
+        record.metrics = metrics
+        self.store.complete_round(run.run_id, rnd, attempt, started, record.as_dict(), str(path), h,
+                                  str(opt_path))
         run.arrays, run.blob, run.blob_hash, run.completed_rounds = new_arrays, blob, h, rnd
         log.info("round %d done: %d updates, metrics %s", rnd, out.partial.count,
                  {k: round(v, 4) for k, v in metrics.items()})
         return True
-
-    @staticmethod
-    def _record(out: RoundOutcome) -> dict[str, Any]:
-        return {"participants": out.partial.count, "selected": out.selected, "dropped": out.dropped,
-                "tier_participants": out.tier_participants, "bytes_up": out.bytes_up,
-                "bytes_down": out.bytes_down, "seconds": round(out.seconds, 3), "closed_because": out.reason,
-                "rejected": out.rejected, "weight": out.partial.weight,
-                "metrics": out.partial.metrics.means()}
 
     # ------------------------------------------------------------------ status
 

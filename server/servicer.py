@@ -187,13 +187,9 @@ class FleetServicer(pbg.FleetServicer):
             raise UpdateSchemaError("an upload stream must start with its header")
         header = wire.header_from_proto(first.header)
         await self._caller(context, header.node_id)
-        try:
-            slot = self.coord.begin_upload(header.node_id, header)
-        except OrchardError as err:
-            self.coord.reject(err)
-            raise
-        try:
-            # Staged uploads are bounded: a tier never holds more than max_inflight_uploads payloads.
+        # The upload context admits the header, reserves the slot and releases it on any failure.
+        # Staged uploads are bounded: a tier never holds more than max_inflight_uploads payloads.
+        with self.coord.upload(header.node_id, header) as slot:
             async with self.coord.upload_slots:
                 asm = wire.ChunkAssembler(header.total_bytes, header.payload_sha256, self.coord.cfg.max_upload_bytes)
                 async for part in request_iterator:
@@ -202,22 +198,16 @@ class FleetServicer(pbg.FleetServicer):
                     asm.add(part.data)
                 payload = asm.finish()
                 await self.coord.complete_upload(slot, payload)
-        except OrchardError as err:
-            self.coord.abort_upload(slot, type(err).__name__)
-            raise
-        except BaseException:
-            self.coord.abort_upload(slot, "stream broken")
-            raise
         return pb.UploadReply(accepted=True)
 
     @mapped
     async def SecAgg(self, request: pb.SecAggRequest, context: grpc.aio.ServicerContext) -> pb.SecAggReply:
         await self._caller(context, request.node_id)
         header = wire.header_from_proto(request.header) if request.HasField("header") else None
-        stage, broadcast, done, aborted = await self.coord.secagg_exchange(
+        r = await self.coord.secagg_exchange(
             request.node_id, request.run_id, request.round, request.attempt, request.task_id, request.stage,
             request.message, header, request.wait_s)
-        return pb.SecAggReply(stage=stage, broadcast=broadcast, done=done, aborted=aborted)
+        return pb.SecAggReply(stage=r.stage, broadcast=r.broadcast, done=r.done, aborted=r.aborted)
 
     @mapped
     async def VerifyToken(self, request: pb.VerifyTokenRequest, context: grpc.aio.ServicerContext) -> pb.VerifyTokenReply:

@@ -1,4 +1,10 @@
-"""The root's durable state: runs, rounds, nodes, tokens and the checkpoint index (SQLite).
+"""The root's state: runs, rounds, nodes, tokens and the checkpoint index.
+
+:class:`Store` is the interface the root, the CLI and the demo use. Two implementations
+keep it: :class:`SQLiteStore`, the durable one every server runs on, and
+:class:`MemoryStore`, the same behaviour in dicts, for tests and in-process runs where
+nothing has to survive the process. One test suite (``tests/server/test_store.py``)
+runs against both.
 
 Checkpoints themselves are safetensors files written atomically (temp file, fsync,
 rename, fsync of the folder) *before* the index row that names them is committed, so a
@@ -6,7 +12,7 @@ crash at any point leaves either the previous completed round or the new one, ne
 row pointing at a partial file. A restarted root resumes from the last indexed round.
 
 The store is used from the server's event loop only; each method is one short
-transaction. ``path=":memory:"`` gives the same store without a file (tests, simulator).
+transaction.
 """
 
 from __future__ import annotations
@@ -17,9 +23,9 @@ import os
 import secrets
 import sqlite3
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from orchard.errors import StoreError
 
@@ -71,7 +77,36 @@ class CheckpointRow:
     optimizer_path: str
 
 
-class Store:
+class Store(Protocol):
+    """What the root keeps. Rounds are kept as their records (``RoundRecord.as_dict()``)."""
+
+    def close(self) -> None: ...
+    def get_meta(self, key: str) -> str | None: ...
+    def set_meta(self, key: str, value: str) -> None: ...
+    def issue_token(self, role: str, label: str = "") -> str: ...
+    def token_role(self, token_hash: str) -> str | None: ...
+    def revoke_token(self, token_hash: str) -> bool: ...
+    def upsert_node(self, node_id: str, role: str, token_hash: str, capabilities: dict[str, str]) -> None: ...
+    def node_token(self, node_id: str) -> str | None: ...
+    def create_run(self, run_id: str, config_json: str) -> None: ...
+    def set_run_status(self, run_id: str, status: str, error: str = "") -> None: ...
+    def get_run(self, run_id: str) -> RunRow | None: ...
+    def latest_run(self) -> RunRow | None: ...
+    def active_runs(self) -> list[RunRow]: ...
+    def record_round(self, run_id: str, rnd: int, attempt: int, status: str, started: float,
+                     finished: float | None, record: dict[str, Any]) -> None: ...
+    def attempts(self, run_id: str, rnd: int) -> int: ...
+    def interrupt_open_rounds(self, run_id: str) -> int: ...
+    def rounds(self, run_id: str) -> list[dict[str, Any]]: ...
+    def complete_round(self, run_id: str, rnd: int, attempt: int, started: float, record: dict[str, Any],
+                       ckpt_path: str, ckpt_sha256: str, optimizer_path: str) -> None: ...
+    def index_checkpoint(self, run_id: str, rnd: int, path: str, sha256: str, optimizer_path: str = "") -> None: ...
+    def checkpoint(self, run_id: str, rnd: int | None = None) -> CheckpointRow | None: ...
+
+
+class SQLiteStore:
+    """The durable store: one SQLite file in the root's data dir (WAL, synchronous=FULL)."""
+
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
         try:
@@ -214,6 +249,117 @@ class Store:
             row = self._db.execute("SELECT run_id, round, path, sha256, optimizer_path FROM checkpoints "
                                    "WHERE run_id=? AND round=?", (run_id, rnd)).fetchone()
         return None if row is None else CheckpointRow(*row)
+
+
+class MemoryStore:
+    """The store's behaviour in dicts: nothing survives the process."""
+
+    def __init__(self) -> None:
+        self._meta: dict[str, str] = {"schema_version": str(SCHEMA_VERSION)}
+        self._tokens: dict[str, tuple[str, bool]] = {}  # hash -> (role, revoked)
+        self._nodes: dict[str, tuple[str, str, dict[str, str]]] = {}  # id -> (role, token hash, capabilities)
+        self._runs: dict[str, RunRow] = {}  # in creation order
+        # (run, round, attempt) -> (status, started, finished, record)
+        self._rounds: dict[tuple[str, int, int], tuple[str, float, float | None, dict[str, Any]]] = {}
+        self._checkpoints: dict[tuple[str, int], CheckpointRow] = {}
+
+    def close(self) -> None:
+        pass
+
+    def get_meta(self, key: str) -> str | None:
+        return self._meta.get(key)
+
+    def set_meta(self, key: str, value: str) -> None:
+        self._meta[key] = value
+
+    def issue_token(self, role: str, label: str = "") -> str:
+        tok = new_token()
+        self._tokens[hash_token(tok)] = (role, False)
+        return tok
+
+    def token_role(self, token_hash: str) -> str | None:
+        got = self._tokens.get(token_hash)
+        return None if got is None or got[1] else got[0]
+
+    def revoke_token(self, token_hash: str) -> bool:
+        got = self._tokens.get(token_hash)
+        if got is None:
+            return False
+        self._tokens[token_hash] = (got[0], True)
+        return True
+
+    def upsert_node(self, node_id: str, role: str, token_hash: str, capabilities: dict[str, str]) -> None:
+        self._nodes[node_id] = (role, token_hash, dict(capabilities))
+
+    def node_token(self, node_id: str) -> str | None:
+        got = self._nodes.get(node_id)
+        return None if got is None else got[1]
+
+    def create_run(self, run_id: str, config_json: str) -> None:
+        if run_id in self._runs:
+            raise StoreError(f"run {run_id!r} exists already")
+        now = time.time()
+        self._runs[run_id] = RunRow(run_id, config_json, "running", now, now, 0, "")
+
+    def _update_run(self, run_id: str, **fields: Any) -> None:
+        row = self._runs.get(run_id)
+        if row is not None:
+            self._runs[run_id] = replace(row, updated=time.time(), **fields)
+
+    def set_run_status(self, run_id: str, status: str, error: str = "") -> None:
+        self._update_run(run_id, status=status, error=error)
+
+    def get_run(self, run_id: str) -> RunRow | None:
+        return self._runs.get(run_id)
+
+    def latest_run(self) -> RunRow | None:
+        return next(reversed(self._runs.values()), None)
+
+    def active_runs(self) -> list[RunRow]:
+        return [r for r in self._runs.values() if r.status == "running"]
+
+    def record_round(self, run_id: str, rnd: int, attempt: int, status: str, started: float,
+                     finished: float | None, record: dict[str, Any]) -> None:
+        prev = self._rounds.get((run_id, rnd, attempt))
+        # As SQLite's upsert: a round keeps the time it started.
+        self._rounds[(run_id, rnd, attempt)] = (status, prev[1] if prev else started, finished,
+                                                json.loads(json.dumps(record)))
+
+    def attempts(self, run_id: str, rnd: int) -> int:
+        return sum(1 for (r, n, _) in self._rounds if (r, n) == (run_id, rnd))
+
+    def interrupt_open_rounds(self, run_id: str) -> int:
+        now, n = time.time(), 0
+        for key, (status, started, _, rec) in list(self._rounds.items()):
+            if key[0] == run_id and status == "running":
+                self._rounds[key] = ("interrupted", started, now, rec)
+                n += 1
+        return n
+
+    def rounds(self, run_id: str) -> list[dict[str, Any]]:
+        out = []
+        for (r, rnd, attempt), (status, started, finished, rec) in sorted(self._rounds.items()):
+            if r == run_id:
+                d = json.loads(json.dumps(rec))
+                d.update(round=rnd, attempt=attempt, status=status, started=started, finished=finished)
+                out.append(d)
+        return out
+
+    def complete_round(self, run_id: str, rnd: int, attempt: int, started: float, record: dict[str, Any],
+                       ckpt_path: str, ckpt_sha256: str, optimizer_path: str) -> None:
+        rec = json.loads(json.dumps(record))  # refuses what SQLite's json.dumps would, before any change
+        self._checkpoints[(run_id, rnd)] = CheckpointRow(run_id, rnd, ckpt_path, ckpt_sha256, optimizer_path)
+        self._rounds[(run_id, rnd, attempt)] = ("completed", started, time.time(), rec)
+        self._update_run(run_id, completed_rounds=rnd)
+
+    def index_checkpoint(self, run_id: str, rnd: int, path: str, sha256: str, optimizer_path: str = "") -> None:
+        self._checkpoints[(run_id, rnd)] = CheckpointRow(run_id, rnd, path, sha256, optimizer_path)
+
+    def checkpoint(self, run_id: str, rnd: int | None = None) -> CheckpointRow | None:
+        if rnd is not None:
+            return self._checkpoints.get((run_id, rnd))
+        rows = [c for (r, _), c in self._checkpoints.items() if r == run_id]
+        return max(rows, key=lambda c: c.round, default=None)
 
 
 def atomic_write(path: Path, data: bytes) -> None:

@@ -6,10 +6,11 @@ report = run_simulation(SimulationConfig(clients=10_000, clients_per_round=1_000
 print(report.rounds[-1]["accuracy"], report.clients_per_second)
 ```
 
-Every tier is a real :class:`orchard.server.coordinator.Coordinator`; clients train
-with the task's trainer, encode with ``client.update.build_upload`` and upload through
-``Coordinator.submit_local``; the root finalizes and steps the server optimizer as
-``server.root`` does. Devices (speed, availability, battery, heat) come from
+The simulator is a backend of the one round engine: every tier is a real
+:class:`orchard.server.coordinator.Coordinator` (built ``inline``); clients train with
+the task's trainer, encode with ``client.update.build_upload`` and upload through
+``Coordinator.upload_now`` (or post masked inputs with ``secagg_now``); the root closes
+each round with ``orchard.aggregation.server_step``, as ``server.root`` does. Devices (speed, availability, battery, heat) come from
 ``orchard.edge_runtime``'s simulated device, policy and governor, on a virtual clock.
 See :mod:`orchard.simulation.engine` for one round step by step.
 """

@@ -1,5 +1,15 @@
 """The round engine of a simulation: real tiers, virtual time, simulated devices.
 
+The simulator is an execution backend of the one round engine, not a second
+implementation of it. Every tier is a real :class:`orchard.server.coordinator.Coordinator`
+built ``inline`` (decode and fold on this thread, no event loop); every client builds
+its upload with the client's own ``build_upload`` and answers secure aggregation with the
+client's own :class:`~orchard.client.secure.SecureParticipant`; the root closes the round
+with :func:`orchard.aggregation.server_step`. What differs from a gRPC federation is the
+clock (virtual), the transport (method calls on the coordinators' public API: ``join``,
+``assign``, ``upload_now``, ``secagg_now``, ``leave``) and how clients train (in a
+backend, many at a time).
+
 Per round (attempt), in simulated time:
 
 1. **Check-in.** Devices are drawn in a seeded random order; each one that is online
@@ -8,37 +18,43 @@ Per round (attempt), in simulated time:
    lowest-tier coordinator it dials if the device-side policy
    (``edge_runtime.policy.check_eligibility``) lets it. Check-in stops once
    ``clients_per_round * over_selection * checkin_factor`` devices are in.
-2. **Selection.** Every tier is a real :class:`orchard.server.coordinator.Coordinator`.
-   Aggregators report their pools upward (``touch``), the root opens the round, and
-   each tier takes its assignment from its parent (``_try_assign``) and opens its own
-   round, exactly as ``server.aggregator`` does over gRPC; lowest tiers over-select
-   their clients.
+2. **Selection.** Aggregators report their pools upward (``touch``), the root opens the
+   round, and each tier takes its assignment from its parent (``assign``) and opens its
+   own round (``task_from_assignment``), exactly as ``server.aggregator`` does over
+   gRPC; lowest tiers over-select their clients.
 3. **Devices.** A selected device downloads the model (its link speed), trains under
    the edge runtime's governor (``run_governed`` on its simulated battery and thermal
    model: it may pace itself or stop early, and then trains only the steps it did),
    and uploads. Its finish time is download + training + upload; some devices vanish
-   mid-task (their kind's dropout rate) and are never heard from again.
-4. **Arrivals.** Uploads are folded in simulated-time order with
-   ``Coordinator.submit_local`` (the gRPC path's checks, decode and fold). A tier
-   closes when the coordinator says so (target reached), at its deadline (``sweep``;
-   late devices are refused), or once every selected child delivered or was dropped
-   (vanished devices are dropped ``node_timeout_s`` after they fell silent). A closed
-   tier pushes its partial upward as a PARTIAL_SUM (``encode_partial`` +
-   ``submit_local`` on its parent) after its transfer time.
-5. **Root.** When the root closes: ``finalize`` and ``ServerOptimizer.step``, as
-   ``server.root`` does; too few updates fail the round and it is retried.
+   mid-task (their kind's dropout rate) and are never heard from again. Under secure
+   aggregation every selected device answers the key stages when the round opens (a
+   real client runs them while it trains).
+4. **Arrivals.** Uploads are handed to the tier in simulated-time order with
+   ``Coordinator.upload_now`` (the gRPC path's admission, checks, decode and fold), or
+   under secure aggregation posted as masked inputs with ``secagg_now``. A tier closes
+   when the coordinator says so (target reached, or its secure session finished), at
+   its deadline (``sweep``; late devices are refused), or once every selected child
+   delivered or was dropped (vanished devices are dropped ``node_timeout_s`` after they
+   fell silent). A secure tier's masked-input stage ends when every selected client
+   answered or at the stage's deadline, as on a server. A closed tier pushes its
+   partial upward (``partial_upload``, then ``upload_now`` on its parent) after its
+   transfer time.
+5. **Root.** When the root closes: ``server_step``, as ``server.root`` does; too few
+   updates fail the round and it is retried.
 
 Client training runs in a backend (threads, processes or Ray) in chunks of
 ``chunk_size`` clients taken in finish-time order, and only for clients expected to
-count: a client that would arrive after its tier closed (past the deadline, or after
-the tier's first ``target`` arrivals) is not trained, since its upload would be refused
-anyway. That keeps large over-selected rounds cheap without changing any number: when
-the guess is wrong (an earlier upload failed or was refused, so the tier is still open
-when the client's turn comes) the client is trained then.
+count: a client that would arrive after its tier closed (past the deadline or the
+masked-input stage, or after the tier's first ``target`` arrivals) is not trained,
+since its upload would be refused anyway. That keeps large over-selected rounds cheap
+without changing any number: when the guess is wrong (an earlier upload failed or was
+refused, so the tier is still open when the client's turn comes) the client is trained
+then.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import heapq
 import itertools
@@ -51,21 +67,34 @@ from typing import Any
 import numpy as np
 
 from orchard import wire
-from orchard.aggregation import Partial, ServerOptimizer, server_step
+from orchard.aggregation import ServerOptimizer, server_step
+from orchard.client.secure import SecureParticipant, masked_input
+from orchard.client.update import train_seed
 from orchard.compression import build_codec, encode_update
 from orchard.config import RunConfig, ServerConfig
 from orchard.edge_runtime.governor import Governor, run_governed
 from orchard.edge_runtime.policy import DevicePolicy, RoundBudget
-from orchard.errors import OrchardError
-from orchard.messages import PARTIAL_CODEC, TaskAssignment, UploadHeader, UploadKind
-from orchard.server.coordinator import CohortRound, Coordinator, RoundTask
+from orchard.errors import OrchardError, SecAggError
+from orchard.messages import TaskAssignment, UploadHeader
+from orchard.secure_agg import Stage
+from orchard.server.cohort import CohortRound
+from orchard.server.coordinator import Coordinator
 from orchard.server.decoding import ClientUpdateDecoder
+from orchard.server.round import (
+    RoundRecord,
+    RoundStatus,
+    SimulatedCounts,
+    partial_upload,
+    root_task,
+    task_from_assignment,
+)
+from orchard.server.secagg import STAGE_END
 from orchard.simulation.backends import Backend
 from orchard.simulation.clients import ClientJob, ClientOutput
 from orchard.simulation.population import LiveDevice, Population
 from orchard.tasks import Task
-from orchard.typing import DeviceState, NDArrays, Role, schema_of
-from orchard.updates import encode_partial, pack
+from orchard.typing import DeviceState, NDArrays, Role
+from orchard.updates import pack
 from orchard.wire import sha256_hex
 
 _FIRST_CHUNK = 64  # clients in the first training job of a round (see Engine._process)
@@ -106,14 +135,12 @@ class Tier:
     last_silence: float = -math.inf  # latest time a vanished client fell silent
     working: set[str] = field(default_factory=set)  # selected clients still training
     assignment: TaskAssignment | None = None  # this tier's task from its parent
-    secure_uploads: dict[str, tuple[UploadHeader, bytes]] = field(default_factory=dict)
-    secure_result: tuple[Partial, int, int] | None = None  # (partial, bytes up, bytes down)
-    selected: list[str] = field(default_factory=list)
+    # Secure aggregation: each selected client's side of the tier's SecAgg+ session and its task.
+    secure: dict[str, tuple[SecureParticipant, TaskAssignment]] = field(default_factory=dict)
 
     def reset(self) -> None:
         self.cr, self.pushed, self.waiting, self.last_silence = None, False, 0, -math.inf
-        self.working, self.assignment, self.secure_uploads, self.secure_result = set(), None, {}, None
-        self.selected = []
+        self.working, self.assignment, self.secure = set(), None, {}
 
     @property
     def is_leaf(self) -> bool:
@@ -130,19 +157,6 @@ class Arrival:
     steps: int | None
     start: str = ""  # the model it trains from: "" the global one, else its downlink reconstruction
     deferred: bool = False  # expected to arrive after its tier closed: trained only if it did not
-
-
-@dataclass
-class RoundStats:
-    checked_in: int = 0
-    selected: int = 0
-    trained: int = 0
-    late: int = 0
-    vanished: int = 0
-    stopped_by_governor: int = 0  # stopped before its first step: no upload
-    stopped_early: int = 0  # stopped after some steps: uploads fewer steps' work
-    failed: int = 0
-    rejected: dict[str, int] = field(default_factory=dict)
 
 
 class Engine:
@@ -162,7 +176,6 @@ class Engine:
         self.seed = seed
         self.time = VirtualTime(wall_origin)
         self.codec = build_codec(run.codec)
-        self.secure = run.secure_aggregation.enabled
         # Liveness is modelled here (a vanished device is silent), so tiers use the
         # configured timeout on the virtual clock; limits are the real defaults.
         self.server_cfg = ServerConfig(node_timeout_s=node_timeout_s)
@@ -179,7 +192,6 @@ class Engine:
             level = nxt
         self.leaves = level
         self.sizes = np.asarray(task.partition(num_partitions, seed).sizes, dtype=np.int64)
-        self.w_scale = float(max(1, int(self.sizes.max())))
         self.codec_states: dict[int, dict[str, Any]] = {}
         # Downlink deltas (run.downlink_delta): the model each device holds (sha256) and
         # those models' blobs, pruned every round to what its tier can still delta from.
@@ -192,7 +204,7 @@ class Engine:
         h = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
         rng = np.random.default_rng([self.seed, depth, h])
         coord = Coordinator(name, self.server_cfg, rng, ClientUpdateDecoder(),
-                            monotonic=self.time.monotonic, wall=self.time.wall)
+                            monotonic=self.time.monotonic, wall=self.time.wall, inline=True)
         return Tier(name, coord, parent)
 
     def tiers(self) -> list[Tier]:
@@ -208,57 +220,43 @@ class Engine:
     def round(self, rnd: int, attempt: int, arrays: NDArrays, optimizer: ServerOptimizer) -> dict[str, Any]:
         """Run one attempt of round ``rnd``; returns its record (``ok`` says whether it counted)."""
         cfg = self.run
-        stats = RoundStats()
+        stats = SimulatedCounts()
         t_open = self.time.t
         blob = wire.arrays_to_blob(arrays)
-        model_hash = sha256_hex(blob)
-        schema = tuple(schema_of(arrays))
         live = self._check_in(rnd, attempt, stats)
         self._report_pools()
-        shared_seed = int(np.random.default_rng([cfg.seed, rnd, attempt]).integers(0, 2**63 - 1))
-        task = RoundTask(run_id=self.run_id, round=rnd, attempt=attempt, config=cfg, config_json=self.config_json,
-                         model_blob=blob, model_hash=model_hash, schema=schema,
-                         deadline_unix=self.time.wall() + cfg.cohort.deadline_s, target=cfg.cohort.target,
-                         shared_seed=shared_seed)
+        task = root_task(self.run_id, rnd, attempt, cfg, self.config_json, arrays, blob, sha256_hex(blob),
+                         self.time.wall())
+        schema, shared_seed = task.schema, task.shared_seed
         for t in self.tiers():
             t.reset()
         self.root.cr = self.root.coord.open_round(task)
         self._open_below(self.root, blob)
         starts: dict[str, tuple[bytes, NDArrays]] = {}  # downlink reconstructions, by sha256
         arrivals = self._dispatch(live, blob, schema, shared_seed, stats, starts)
+        for leaf in self.leaves:
+            if leaf.secure:
+                self._secure_answer(leaf)  # the key stages, while the clients train
         self._process(arrivals, arrays, stats, {k: v[1] for k, v in starts.items()})
-        if self.secure and self.root.is_leaf:
-            out = None
-            partial, bytes_up, bytes_down = self._secure_partial(self.root)
-        else:
-            out = self.root.coord.outcome(self.root.cr)
-            partial, bytes_up, bytes_down = out.partial, out.bytes_up, out.bytes_down
         for t in self.tiers():
             if t.cr is not None and not t.cr.closed:
                 t.coord.close_round(t.cr, "simulation round over")
+        out = self.root.coord.outcome(self.root.cr)
         self._leave(live)
         need = math.ceil(cfg.cohort.target * cfg.cohort.min_fraction)
-        record: dict[str, Any] = {
-            "round": rnd, "attempt": attempt, "participants": partial.count, "selected": stats.selected,
-            "checked_in": stats.checked_in, "trained": stats.trained, "late": stats.late,
-            "vanished": stats.vanished, "stopped_by_governor": stats.stopped_by_governor,
-            "stopped_early": stats.stopped_early,
-            "failed_clients": stats.failed, "rejected": stats.rejected, "bytes_up": bytes_up,
-            "bytes_down": bytes_down, "tier_participants": out.tier_participants if out is not None else {},
-            "closed_because": self.root.cr.close_reason, "simulated_seconds": round(self.time.t - t_open, 3),
-        }
-        if partial.count < need or partial.weight <= 0:
-            record["ok"] = False
-            record["reason"] = f"{partial.count} of the {need} updates needed arrived; round retried"
-            return record
-        record["new_arrays"], metrics = server_step(partial, cfg, optimizer)
-        record["train_metrics"] = metrics
-        record["ok"] = True
-        return record
+        ok = out.partial.count >= need and out.partial.weight > 0
+        rec = RoundRecord.from_outcome(out, RoundStatus.COMPLETED if ok else RoundStatus.FAILED)
+        stats.simulated_seconds = round(self.time.t - t_open, 3)
+        rec.simulated = stats
+        if not ok:
+            rec.reason = f"{out.partial.count} of the {need} updates needed arrived; round retried"
+            return {**rec.as_dict(), "ok": False}
+        new_arrays, rec.metrics = server_step(out.partial, cfg, optimizer)
+        return {**rec.as_dict(), "ok": True, "new_arrays": new_arrays}
 
     # ------------------------------------------------------------------ check-in and selection
 
-    def _check_in(self, rnd: int, attempt: int, stats: RoundStats) -> dict[str, LiveDevice]:
+    def _check_in(self, rnd: int, attempt: int, stats: SimulatedCounts) -> dict[str, LiveDevice]:
         cfg = self.run
         want = math.ceil(cfg.cohort.target * cfg.cohort.over_selection * self.checkin_factor)
         live: dict[str, LiveDevice] = {}
@@ -293,15 +291,12 @@ class Engine:
 
     def _open_below(self, parent: Tier, blob: bytes) -> None:
         for t in parent.children:
-            a = parent.coord._try_assign(t.name)
+            a = parent.coord.assign(t.name)
             if a is None:
                 continue
             parent.coord.count_bytes_down(len(blob))
             # As server.aggregator's UpstreamLink._serve: the parent's task, this tier's cohort.
-            task = RoundTask(run_id=a.run_id, round=a.round, attempt=a.attempt, config=self.run,
-                             config_json=a.config_json, model_blob=blob, model_hash=a.model_hash, schema=a.schema,
-                             deadline_unix=a.deadline_unix, target=max(1, a.cohort_target),
-                             shared_seed=a.shared_seed)
+            task = task_from_assignment(a, blob, self.run)
             t.assignment = a
             t.cr = t.coord.open_round(task)
             self._open_below(t, blob)
@@ -322,7 +317,7 @@ class Engine:
         return len(pack(list(payloads.values()))[0])
 
     def _dispatch(self, live: dict[str, LiveDevice], blob: bytes, schema: tuple, shared_seed: int,
-                  stats: RoundStats, starts: dict[str, tuple[bytes, NDArrays]]) -> list[Arrival]:
+                  stats: SimulatedCounts, starts: dict[str, tuple[bytes, NDArrays]]) -> list[Arrival]:
         """Hand out assignments; simulate each selected device's download, training time and upload."""
         up_bytes = self._payload_estimate(schema, shared_seed)
         if self.run.downlink_delta:
@@ -339,14 +334,17 @@ class Engine:
             for node in list(leaf.cr.assignments):
                 if node not in live:
                     continue
-                a = leaf.coord._try_assign(node)
+                a = leaf.coord.assign(node)
                 if a is None:
                     continue
                 dev = live[node]
                 part = dev.index
                 down_bytes, start = self._pull(leaf, part, blob, starts)
                 leaf.coord.count_bytes_down(down_bytes)
-                leaf.selected.append(node)
+                if leaf.cr.secure is not None:
+                    # Its side of the tier's session: the key stages run while it trains.
+                    entropy = hashlib.sha256(f"{self.seed}/{a.task_id}".encode()).digest()
+                    leaf.secure[node] = (SecureParticipant(node, entropy), a)
                 stats.selected += 1
                 down_s = dev.profile.latency_s + down_bytes * 8 / (dev.profile.down_mbps * 1e6)
                 dev.clock.advance(max(0.0, t_open + down_s - dev.clock.monotonic()))
@@ -431,13 +429,15 @@ class Engine:
 
     # ------------------------------------------------------------------ arrivals, in time order
 
-    def _process(self, arrivals: list[Arrival], arrays: NDArrays, stats: RoundStats,
+    def _process(self, arrivals: list[Arrival], arrays: NDArrays, stats: SimulatedCounts,
                  starts: dict[str, NDArrays]) -> None:
         events: list[tuple[float, int, str, Any]] = []  # (time, seq, kind, payload)
         seq = itertools.count()
         for t in self.tiers():
             if t.cr is not None:
                 heapq.heappush(events, (t.cr.task.deadline_unix - self.time.origin, next(seq), "deadline", t))
+                if t.cr.secure is not None:  # the masked-input stage ends for whoever is missing
+                    heapq.heappush(events, (self._input_deadline(t) - self.time.origin, next(seq), "inputs", t))
         for leaf in self.leaves:
             if leaf.cr is not None and leaf.waiting == 0:
                 self._schedule_quiet_close(leaf, events, seq)
@@ -544,7 +544,7 @@ class Engine:
             fut.cancel()
 
     @staticmethod
-    def _never_trained(a: Arrival, stats: RoundStats) -> None:
+    def _never_trained(a: Arrival, stats: SimulatedCounts) -> None:
         """A client whose tier closed before its upload: late, and never trained."""
         stats.late += 1
         a.leaf.waiting -= 1
@@ -563,27 +563,28 @@ class Engine:
         for a in arrivals:  # in finish-time order
             cr = a.leaf.cr
             assert cr is not None  # a client arrives only at a tier that opened
+            if cr.secure is not None:  # a secure cohort takes every masked input until its stage ends
+                a.deferred = a.finish >= self._input_deadline(a.leaf) - self.time.origin
+                continue
             k = seen.get(id(a.leaf), 0)
             seen[id(a.leaf)] = k + 1
             a.deferred = k >= cr.task.target or a.finish >= cr.task.deadline_unix - self.time.origin
 
-    def _arrive(self, a: Arrival, o: ClientOutput, events: list, seq: Any, stats: RoundStats) -> None:
+    def _arrive(self, a: Arrival, o: ClientOutput, events: list, seq: Any, stats: SimulatedCounts) -> None:
         leaf = a.leaf
         leaf.waiting -= 1
         leaf.working.discard(a.node_id)
         stats.trained += 1
         if o.header is None:
-            stats.failed += 1
+            stats.failed_clients += 1
         elif leaf.cr is None or leaf.cr.closed:
             stats.late += 1
-        elif self.secure:
-            leaf.secure_uploads[a.node_id] = (o.header, o.payload)
-            self._keep_state(a.partition, o)
-            if len(leaf.secure_uploads) >= leaf.cr.task.target:
-                leaf.coord.close_round(leaf.cr, "target reached")
         else:
             try:
-                leaf.coord.submit_local(a.node_id, o.header, o.payload)
+                if a.node_id in leaf.secure:
+                    self._secure_input(leaf, a, o)
+                else:
+                    leaf.coord.upload_now(a.node_id, o.header, o.payload)
                 self._keep_state(a.partition, o)
             except OrchardError as err:
                 name = type(err).__name__
@@ -602,12 +603,12 @@ class Engine:
         at = max(self.time.t, leaf.last_silence + self.server_cfg.node_timeout_s)
         heapq.heappush(events, (at, next(seq), "quiet", leaf))
 
-    def _event(self, kind: str, obj: Any, events: list, seq: Any, stats: RoundStats) -> None:
+    def _event(self, kind: str, obj: Any, events: list, seq: Any, stats: SimulatedCounts) -> None:
         if kind == "partial":
             tier, header, payload = obj
             parent = tier.parent
             try:
-                parent.coord.submit_local(tier.name, header, payload)
+                parent.coord.upload_now(tier.name, header, payload)
             except OrchardError as err:
                 name = type(err).__name__
                 stats.rejected[name] = stats.rejected.get(name, 0) + 1
@@ -618,19 +619,73 @@ class Engine:
             self._after(tier, events, seq)
             return
         if kind == "deadline":
-            # Clients still training keep heartbeating; the sweep drops only the silent.
-            for a in tier.cr.pending():
-                c = tier.coord.children.get(a.node_id)
-                if c is not None and (c.role is Role.AGGREGATOR or a.node_id in tier.working):
-                    tier.coord.touch(a.node_id)
+            self._heartbeats(tier)
             tier.coord.sweep()
             if not tier.cr.closed:  # the virtual wall sits exactly on the deadline
                 tier.coord.close_round(tier.cr, "deadline")
         elif kind == "quiet":
             tier.coord.sweep()
-            if self.secure and not tier.cr.closed:
-                tier.coord.close_round(tier.cr, "every selected node delivered or dropped")
+        elif kind == "inputs":
+            # The tier moves its session on at the stage's deadline (sweep); the clients
+            # whose masked inputs are in answer the unmasking stage.
+            self._heartbeats(tier)
+            tier.coord.sweep()
+            if tier.secure and not tier.cr.closed:
+                self._secure_answer(tier)
         self._after(tier, events, seq)
+
+    @staticmethod
+    def _heartbeats(tier: Tier) -> None:
+        """Clients still training keep heartbeating; a sweep drops only the silent."""
+        assert tier.cr is not None
+        for a in tier.cr.pending():
+            c = tier.coord.children.get(a.node_id)
+            if c is not None and (c.role is Role.AGGREGATOR or a.node_id in tier.working):
+                tier.coord.touch(a.node_id)
+
+    # ------------------------------------------------------------------ secure aggregation
+
+    @staticmethod
+    def _input_deadline(tier: Tier) -> float:
+        """The virtual wall time at which the tier's masked-input stage ends (server.secagg)."""
+        assert tier.cr is not None and tier.cr.secure is not None
+        sc = tier.cr.secure
+        return sc.started_wall + STAGE_END[Stage.MASKED_INPUT] * (sc.deadline_wall - sc.started_wall)
+
+    def _secure_turn(self, tier: Tier, node: str, masked: tuple[UploadHeader, np.ndarray] | None = None) -> bool:
+        """Let one client answer what the tier's session asks of it now, as its runtime
+        would over ``Fleet.SecAgg`` (``secagg_now`` is the exchange without the wait).
+        True if it answered anything."""
+        me, t = tier.secure[node]
+        stage, message, header = -1, b"", None
+        answered = False
+        while True:
+            r = tier.coord.secagg_now(node, t.run_id, t.round, t.attempt, t.task_id, stage, message, header)
+            got = None if (r.done or r.aborted) else me.answer(r.stage, r.broadcast, masked)
+            if got is None:
+                return answered
+            (message, header), stage, answered = got, r.stage, True
+
+    def _secure_answer(self, tier: Tier) -> None:
+        """Every client of the tier that can answer the session's current stage does, until
+        none can (a stage moves on when its last expected answer is in)."""
+        assert tier.cr is not None
+        progress = True
+        while progress and not tier.cr.closed:
+            progress = False
+            for node in tier.secure:
+                with contextlib.suppress(OrchardError):  # dropped from the session: silent from here on
+                    progress |= self._secure_turn(tier, node)
+
+    def _secure_input(self, tier: Tier, a: Arrival, o: ClientOutput) -> None:
+        """An arriving client posts its masked input (refused once the stage is over)."""
+        assert o.header is not None and tier.cr is not None
+        me, t = tier.secure[a.node_id]
+        seed = train_seed(self.run.seed, t.round, a.partition)
+        if not self._secure_turn(tier, a.node_id, masked_input(self.run, self.codec, t, o.header, o.payload, seed)):
+            raise SecAggError(f"round {t.round}: the secure cohort no longer takes masked inputs")
+        if tier.cr.secure is not None and tier.cr.secure.stage is Stage.UNMASKING:
+            self._secure_answer(tier)
 
     def _after(self, tier: Tier, events: list, seq: Any) -> None:
         """If ``tier`` just closed, push its partial up (after the transfer time)."""
@@ -639,50 +694,19 @@ class Engine:
         tier.pushed = True
         if tier.parent is None:
             return
-        if self.secure and tier.is_leaf:
-            partial, up, down = self._secure_partial(tier)
-            tier_participants = {tier.name: partial.count}
-        else:
-            out = tier.coord.outcome(tier.cr)
-            partial, up, down, tier_participants = out.partial, out.bytes_up, out.bytes_down, out.tier_participants
-        payload, sizes = encode_partial(partial.sums)
-        a = tier.assignment
-        assert a is not None  # every tier below the root got one before it opened
-        header = UploadHeader(
-            node_id=tier.name, run_id=a.run_id, round=a.round, attempt=a.attempt, task_id=a.task_id,
-            kind=UploadKind.PARTIAL_SUM, schema=a.schema, payload_sizes=sizes, codec=PARTIAL_CODEC,
-            payload_sha256=sha256_hex(payload), weight=partial.weight, count=partial.count,
-            metric_sums=dict(partial.metrics.sums), metric_weights=dict(partial.metrics.weights),
-            bytes_up=up, bytes_down=down, tier_participants=tier_participants)
+        assert tier.assignment is not None  # every tier below the root got one before it opened
+        header, payload = partial_upload(tier.assignment, tier.name, tier.coord.outcome(tier.cr))
         at = self.time.t + len(payload) * 8 / (self.aggregator_mbps * 1e6)
         heapq.heappush(events, (at, next(seq), "partial", (tier, header, payload)))
-
-    def _secure_partial(self, tier: Tier) -> tuple[Partial, int, int]:
-        """The cohort's sum from its SecAgg+ session (run once, when the tier closes)."""
-        from orchard.simulation.secure import cohort_sum
-
-        cr = tier.cr
-        assert cr is not None
-        if tier.secure_result is None:
-            down = cr.bytes_down
-            if len(tier.selected) < 2 or not tier.secure_uploads:
-                empty = Partial(sums={s.name: np.zeros(s.shape, np.float64) for s in cr.task.schema})
-                tier.secure_result = (empty, 0, down)
-            else:
-                res = cohort_sum(self.run.secure_aggregation, self.codec, cr.task.schema, cr.task.shared_seed,
-                                 tier.selected, tier.secure_uploads, self.w_scale, cr.task.round, self.seed)
-                tier.secure_result = (res.partial, res.bytes_up, down + res.bytes_down)
-        return tier.secure_result
 
     # ------------------------------------------------------------------ after the round
 
     def _leave(self, live: dict[str, LiveDevice]) -> None:
         """Devices disconnect when the round is over; their state goes back to the population."""
         for leaf in self.leaves:
-            # The coordinator forgets a node only by expiry; a simulated device that goes
-            # away goes at once (a Coordinator.leave() would be the API for this).
+            # A simulated device that goes away goes at once (a real one would expire).
             for node in [n for n, c in leaf.coord.children.items() if c.role is Role.CLIENT]:
-                del leaf.coord.children[node]
+                leaf.coord.leave(node)
         for dev in live.values():
             dev.clock.advance(max(0.0, self.time.t - dev.clock.monotonic()))
             self.pop.store(dev)

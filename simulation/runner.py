@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from orchard import wire
 from orchard.aggregation import ServerOptimizer
 from orchard.errors import ConfigError
 from orchard.simulation.backends import make_backend
@@ -51,7 +52,9 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
         raise ConfigError(problems)
     run = cfg.run_config()
     task = get_task(run.task, **run.task_params)
-    arrays = task.initial_arrays(run.seed)
+    # The global model as a root holds it: read back from its blob, so its tensors (and
+    # every round's schema) come in the blob's canonical order, as on the gRPC path.
+    arrays = wire.blob_to_arrays(wire.arrays_to_blob(task.initial_arrays(run.seed)))
     population = Population(cfg.clients, cfg.all_profiles(), cfg.devices, cfg.seed,
                             _flops_per_example(task, arrays), cfg.start_hour * 3600.0)
     backend = make_backend(cfg.backend, task, run.task, dict(run.task_params), cfg.clients, run, cfg.workers,

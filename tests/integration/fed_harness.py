@@ -49,9 +49,10 @@ def task_factory(num_partitions: int, task: str = "digits", **params: Any):
 
 async def add_clients(fed: Federation, target: str, partitions: list[int], num_partitions: int,
                       task: str = "digits", token: str | None = None, ca: Path | None = None,
-                      insecure: bool = True, wrap: Any = None, max_backoff_s: float = 30.0) -> list[ClientRuntime]:
+                      insecure: bool = True, wrap: Any = None, max_backoff_s: float = 30.0,
+                      task_params: dict[str, Any] | None = None) -> list[ClientRuntime]:
     """Clients for the given partitions; ``wrap(trainer)`` may decorate each trainer."""
-    make = task_factory(num_partitions, task)
+    make = task_factory(num_partitions, task, **(task_params or {}))
     new = []
     for k in partitions:
         link = FleetLink(LinkConfig(target=target, role=Role.CLIENT, token=token, ca_cert=ca, insecure=insecure,

@@ -3,7 +3,7 @@ update gives, weight every update exactly by its header's weight (nothing is cap
 refuse what decoding would refuse without touching the sum, and leave non-linear codecs
 -- and integer codes under weighted modes -- on the decode path.
 
-Most tests drive one coordinator in-process (``submit_local``, the simulator's entry),
+Most tests drive one coordinator in-process (``upload_now``, the simulator's entry),
 with uploads built by the client's own ``build_upload``; the last ones run the
 simulator's tree and a real gRPC tree (root -> aggregator -> clients).
 """
@@ -26,8 +26,9 @@ from orchard.compression import build_codec, decode_update, encode_update
 from orchard.config import CodecSpec, CohortConfig, RunConfig, SecureAggregationConfig, ServerConfig
 from orchard.errors import CodecError, RoundClosedError, UpdateSchemaError
 from orchard.messages import TaskAssignment, UploadHeader
-from orchard.server.coordinator import Coordinator, RoundOutcome, RoundTask
+from orchard.server.coordinator import Coordinator
 from orchard.server.decoding import ClientUpdateDecoder
+from orchard.server.round import RoundOutcome, RoundTask
 from orchard.trainer import TrainResult
 from orchard.typing import DeviceState, NDArrays, Role, TensorSpec
 from orchard.updates import pack, split
@@ -76,7 +77,7 @@ class Tier:
         self.cfg = cfg
         self.codec = build_codec(cfg.codec)
         self.coord = Coordinator("tier", ServerConfig(node_timeout_s=600), np.random.default_rng(0),
-                                 ClientUpdateDecoder())
+                                 ClientUpdateDecoder(), inline=True)
         self.nodes = [f"c{i}" for i in range(n)]
         for node in self.nodes:
             self.coord.join(node, Role.CLIENT, "tok", DeviceState())
@@ -89,7 +90,7 @@ class Tier:
         self.cr = self.coord.open_round(task)
         self.tasks: dict[str, TaskAssignment] = {}
         for node in self.nodes:
-            t = self.coord._try_assign(node)
+            t = self.coord.assign(node)
             assert t is not None
             self.tasks[node] = t
 
@@ -103,7 +104,7 @@ class Tier:
         return h, p
 
     def submit(self, h: UploadHeader, p: bytes) -> None:
-        self.coord.submit_local(h.node_id, h, p)
+        self.coord.upload_now(h.node_id, h, p)
 
     def run(self, deltas: list[NDArrays], weights: list[float]) -> RoundOutcome:
         for i, (d, w) in enumerate(zip(deltas, weights, strict=True)):
@@ -479,7 +480,7 @@ def _sim(codec: dict[str, Any], mode: str, aggregators: object, weighting: str, 
 @pytest.mark.parametrize("name, weighting", [("float32", "examples"), ("randk", "examples"),
                                              ("qsgd8-fixed", "uniform")])
 def test_simulated_tree_gives_the_same_model_either_way(name: str, weighting: str) -> None:
-    """Simulator (submit_local at every tier), root -> 2 aggregators -> clients. Quantised:
+    """Simulator (upload_now at every tier), root -> 2 aggregators -> clients. Quantised:
     one round, so that both paths quantise the very same updates (a float-rounding
     difference in a later round's model may move a stochastic rounding by one step)."""
     codec = dict(CODECS[name])

@@ -14,7 +14,7 @@ from orchard.config import RunConfig, ServerConfig
 from orchard.server.coordinator import Coordinator
 from orchard.server.decoding import ClientUpdateDecoder
 from orchard.server.root import RootRunner
-from orchard.server.store import Store, atomic_write
+from orchard.server.store import SQLiteStore, atomic_write
 from orchard.tasks import get_task
 
 
@@ -23,7 +23,7 @@ def _blob(seed: int) -> bytes:
 
 
 async def _resume(tmp_path: Path, downlink: bool, rounds_done: int) -> tuple[Coordinator, list[str]]:
-    store = Store(tmp_path / "orchard.db")
+    store = SQLiteStore(tmp_path / "orchard.db")
     cfg = RunConfig(task="digits", rounds=5, downlink_delta=downlink)
     store.create_run("run-x", cfg.model_dump_json())
     hashes = []
@@ -60,7 +60,7 @@ def test_a_tampered_previous_checkpoint_is_not_a_base(tmp_path: Path) -> None:
     assert coord.downlink.knows(hashes[0])
     path = tmp_path / "checkpoints" / "run-x" / "round-000000.safetensors"
     path.write_bytes(path.read_bytes()[:-4] + b"\0\0\0\0")
-    store = Store(tmp_path / "orchard.db")
+    store = SQLiteStore(tmp_path / "orchard.db")
     coord2 = Coordinator("root", ServerConfig(), np.random.default_rng(0), ClientUpdateDecoder())
     runner = RootRunner(coord2, store, tmp_path, ServerConfig())
 

@@ -13,14 +13,14 @@ from fed_harness import FAST, Federation, add_clients, start_run, wait_status
 from orchard.config import CohortConfig, RunConfig
 from orchard.ops import ControlClient
 from orchard.server.app import start_aggregator, start_root
-from orchard.server.store import Store
+from orchard.server.store import SQLiteStore
 from orchard.server.tls import TlsPaths
 from orchard.v1 import orchard_pb2 as pb
 from orchard.v1 import orchard_pb2_grpc as pbg
 
 
 def _issue(data_dir: Path, role: str, n: int = 1) -> list[str]:
-    st = Store(data_dir / "orchard.db")
+    st = SQLiteStore(data_dir / "orchard.db")
     try:
         return [st.issue_token(role) for _ in range(n)]
     finally:
@@ -108,7 +108,7 @@ def test_token_role_is_enforced(tls_root) -> None:
 def test_revoked_token_is_refused(tls_root) -> None:
     root, data = tls_root
     tok = _issue(data, "client")[0]
-    st = Store(data / "orchard.db")
+    st = SQLiteStore(data / "orchard.db")
     from orchard.server.store import hash_token
 
     assert st.revoke_token(hash_token(tok))

@@ -17,7 +17,7 @@ from orchard.errors import ConfigError
 from orchard.ops import ControlClient
 from orchard.pretrain import parse_pretrain_config, run
 from orchard.server.app import start_root
-from orchard.server.store import Store
+from orchard.server.store import SQLiteStore
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def pretrained(tmp_path_factory) -> Path:
 
 
 def _latest_task_params(data_dir: Path) -> dict:
-    store = Store(data_dir / "orchard.db")
+    store = SQLiteStore(data_dir / "orchard.db")
     try:
         row = store.latest_run()
         assert row is not None

@@ -1,0 +1,167 @@
+"""What one tier holds for one open round: its assignments and its sums.
+
+A round's uploads are summed in one of three ways, and all three end as one
+:class:`~orchard.aggregation.Partial` (``sum_i w_i x_i`` with weight ``sum_i w_i``):
+
+- the float64 accumulator (decoded client updates and partials from lower tiers);
+- :class:`CompressedCohort`, direct clients' payloads added without decoding when the
+  run sums in the compressed domain (``orchard.compression.sums_compressed``);
+- the secure cohort's unmasked sum (``orchard.server.secagg``), kept aside until the
+  last fold.
+
+:meth:`CohortRound.fold_aside` merges the last two into the accumulator once, when the
+outcome is read. Nothing here does I/O or touches the event loop's clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from orchard.aggregation import Accumulator, MetricSums, Partial
+from orchard.compression import CheckedPayload, NonFiniteError, UpdateSum, build_codec
+from orchard.errors import CodecError, RoundClosedError, UpdateSchemaError
+from orchard.messages import UploadHeader
+from orchard.server.round import RoundTask
+from orchard.server.secagg import SecureCohort
+from orchard.updates import split
+
+
+@dataclass
+class Assignment:
+    node_id: str
+    task_id: str
+    target: int  # updates expected from this child (1 for a client)
+    handed_out: bool = False
+    in_flight: bool = False
+    delivered: bool = False
+    dropped: bool = False
+
+
+@dataclass(frozen=True)
+class CheckedUpload:
+    """A direct client's upload, parsed and checked, ready to join the compressed sum."""
+
+    parts: dict[str, CheckedPayload]
+
+
+class CompressedCohort:
+    """A round's direct-client updates summed in the compressed domain.
+
+    Used when the run's config says so (``sums_compressed``). Every client sent its
+    plain update ``x_i`` with its weight ``w_i`` in the clear; the payloads add without
+    decoding (one ``PayloadSum`` per tensor), each times ``w_i``, so the cohort's
+    partial is their decoded weighted sum ``sum_i w_i x_i`` with weight ``sum_i w_i``:
+    what the accumulator of the decode path holds. Integer codes (qsgd with a fixed
+    scale) add only unweighted; such a run comes here only under uniform weighting, and
+    an upload whose header weight is not 1 is refused. ``check`` only reads and runs in
+    the decode pool; ``fold`` runs in the fold pool, one at a time, like the
+    accumulator's fold."""
+
+    def __init__(self, task: RoundTask) -> None:
+        self.codec = build_codec(task.config.codec)
+        self.unit_weights = not self.codec.algebra.weighted_sums  # integer codes: every weight is 1
+        self.shapes = {s.name: tuple(s.shape) for s in task.schema}
+        self.sums = UpdateSum(self.codec, self.shapes, task.shared_seed)
+        self.metrics = MetricSums()
+        self.merged = False  # folded into the round's accumulator (at most once)
+
+    @property
+    def count(self) -> int:
+        return self.sums.count
+
+    @property
+    def weight(self) -> float:
+        return self.sums.weight
+
+    def check(self, h: UploadHeader, payload: bytes | bytearray) -> CheckedUpload:
+        """Parse every tensor's payload and check it as decoding would: the codec's layout
+        and shape (CodecError), finite values (UpdateSchemaError). Nothing is summed."""
+        if self.unit_weights and h.weight != 1.0:
+            raise UpdateSchemaError(f"this round weighs every update 1 (uniform weighting), "
+                                    f"the header says {h.weight}")
+        try:
+            parts = dict(zip(self.shapes, split(payload, h.payload_sizes), strict=True))
+            return CheckedUpload(self.sums.check(parts))
+        except NonFiniteError as err:
+            raise UpdateSchemaError(f"{err}; refusing the update") from None
+        except (CodecError, UpdateSchemaError):
+            raise
+        except (ValueError, IndexError, TypeError) as err:  # a codec bug must not crash the tier
+            raise CodecError(f"payload could not be parsed with codec {self.codec.name!r}: {err}") from None
+
+    def fold(self, h: UploadHeader, up: CheckedUpload) -> None:
+        if self.merged:  # the outcome was read: nothing may join the sum after that
+            raise RoundClosedError("the round's outcome was already read; late uploads are refused")
+        self.sums.add(up.parts, h.weight)  # refuses before it changes anything
+        self.metrics.merge(MetricSums(h.metric_sums, h.metric_weights))  # merge only reads them
+
+    def partial(self) -> Partial:
+        """The decoded weighted sum (float64) with the weights' sum. Drains the compressed
+        sums tensor by tensor, so this runs once."""
+        sums = dict(self.sums.drain())
+        return Partial(sums=sums, weight=self.weight, count=self.count, metrics=self.metrics)
+
+
+class CohortRound:
+    """State of one open round at one tier."""
+
+    def __init__(self, task: RoundTask, now: float) -> None:
+        self.task = task
+        self.started = now
+        self.acc = Accumulator(list(task.schema))
+        # Direct clients' weighted sum in the compressed domain, when the run takes that
+        # path (None: every client update is decoded, then accumulated).
+        self.compressed: CompressedCohort | None = None
+        # The secure cohort's unmasked sum, waiting to be folded with the round's outcome:
+        # the loop thread must not add into the accumulator while the fold pool does.
+        self.secure_sum: Partial | None = None
+        self.assignments: dict[str, Assignment] = {}
+        self.client_quota = 0  # how many direct clients may be selected in total
+        self.closed = False
+        self.close_reason = ""
+        self.closed_event = asyncio.Event()
+        self.bytes_up = 0
+        self.bytes_down = 0
+        self.tier_participants: dict[str, int] = {}
+        self.rejected: dict[str, int] = {}
+        self.reserved = 0  # updates (counts) folded or being folded: never above target for clients
+        self.open = 0  # assignments neither delivered nor dropped
+        self.clients_selected = 0
+        self.secure: SecureCohort | None = None  # SecAgg+ session over the direct clients, if on
+
+    @property
+    def received(self) -> int:
+        c, s = self.compressed, self.secure_sum
+        pending = (c.count if c is not None and not c.merged else 0) + (s.count if s is not None else 0)
+        return self.acc.count + pending
+
+    def fold_aside(self) -> None:
+        """Fold the sums kept aside (the compressed sum, the secure cohort's) into the
+        accumulator, once, after the last fold."""
+        c = self.compressed
+        if c is not None and not c.merged:
+            if c.count:
+                self.acc.merge(c.partial(), owned=True)
+            c.merged = True
+        if self.secure_sum is not None:
+            self.acc.merge(self.secure_sum)
+            self.secure_sum = None
+
+    def pending(self) -> list[Assignment]:
+        return [a for a in self.assignments.values() if not (a.delivered or a.dropped)]
+
+    def add(self, a: Assignment, is_client: bool) -> None:
+        self.assignments[a.node_id] = a
+        self.open += 1
+        self.clients_selected += int(is_client)
+
+    def settle(self, a: Assignment, delivered: bool) -> None:
+        """Mark an assignment delivered or dropped, once. Counts are kept incrementally so that
+        closing checks stay O(1) per upload, not O(cohort)."""
+        if a.delivered or a.dropped:
+            return
+        a.delivered, a.dropped = delivered, not delivered
+        self.open -= 1
+
+

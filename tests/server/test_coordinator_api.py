@@ -1,0 +1,97 @@
+"""The coordinator's public API as in-process callers (the simulator, tests) use it:
+assign, upload as one context that owns the reservation, secure aggregation without the
+wait, leave."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from orchard.client.update import build_upload
+from orchard.compression import build_codec
+from orchard.config import CohortConfig, RunConfig, ServerConfig
+from orchard.errors import DuplicateUploadError, IntegrityError, NotSelectedError, UpdateSchemaError
+from orchard.server.coordinator import Coordinator
+from orchard.server.decoding import ClientUpdateDecoder
+from orchard.server.round import RoundTask
+from orchard.trainer import TrainResult
+from orchard.typing import DeviceState, Role, TensorSpec
+
+SCHEMA = (TensorSpec("w", (4,), "float32"),)
+
+
+def _tier(inline: bool = True, target: int = 2) -> tuple[Coordinator, RoundTask]:
+    cfg = RunConfig(cohort=CohortConfig(target=target, over_selection=1.0))
+    coord = Coordinator("tier", ServerConfig(node_timeout_s=600), np.random.default_rng(0), ClientUpdateDecoder(),
+                        inline=inline)
+    for n in ("a", "b"):
+        coord.join(n, Role.CLIENT, "tok", DeviceState())
+    task = RoundTask(run_id="run", round=1, attempt=0, config=cfg, config_json=cfg.model_dump_json(),
+                     model_blob=b"", model_hash="h", schema=SCHEMA, deadline_unix=time.time() + 600, target=target,
+                     shared_seed=1)
+    return coord, task
+
+
+def _upload(coord: Coordinator, task: RoundTask, node: str, value: float) -> tuple:
+    t = coord.assign(node)
+    assert t is not None
+    res = TrainResult(arrays={}, weight=2.0, num_examples=2, num_steps=1)
+    h, p, _ = build_upload(t, task.config, task.config.train, build_codec(task.config.codec), node,
+                           {"w": np.full(4, value, np.float32)}, res, seed=0, states=None)
+    return h, p
+
+
+def test_a_failed_upload_releases_its_slot_and_a_retry_folds() -> None:
+    coord, task = _tier()
+    cr = coord.open_round(task)
+    h, p = _upload(coord, task, "a", 1.0)
+    with pytest.raises(IntegrityError):
+        coord.upload_now("a", h, p[:-1] + bytes([p[-1] ^ 1]))
+    a = cr.assignments["a"]
+    assert not a.in_flight and not a.delivered and cr.received == 0 and cr.rejected == {"IntegrityError": 1}
+    coord.upload_now("a", h, p)
+    assert a.delivered and cr.received == 1
+    with pytest.raises(DuplicateUploadError):
+        coord.upload_now("a", h, p)
+    h2, p2 = _upload(coord, task, "b", 3.0)
+    coord.upload_now("b", h2, p2)
+    out = coord.outcome(cr)
+    assert cr.closed and out.reason == "target reached"
+    np.testing.assert_array_equal(out.partial.sums["w"], np.full(4, 2.0 * 1.0 + 2.0 * 3.0))
+    assert out.partial.weight == 4.0
+
+
+def test_a_refused_header_reserves_nothing() -> None:
+    coord, task = _tier()
+    cr = coord.open_round(task)
+    h, p = _upload(coord, task, "a", 1.0)
+    with pytest.raises(UpdateSchemaError):
+        coord.upload_now("a", h.__class__(**{**h.__dict__, "weight": -1.0}), p)
+    assert not cr.assignments["a"].in_flight and coord.counters["uploads_rejected"] == 1
+    coord.upload_now("a", h, p)
+    assert cr.assignments["a"].delivered
+
+
+def test_only_inline_coordinators_run_in_process() -> None:
+    coord, task = _tier(inline=False)
+    coord.open_round(task)
+    h, p = _upload(coord, task, "a", 1.0)
+    with pytest.raises(RuntimeError, match="inline"):
+        coord.upload_now("a", h, p)
+
+
+def test_assign_and_leave() -> None:
+    coord, task = _tier(target=1)
+    cr = coord.open_round(task)
+    chosen = [n for n in ("a", "b") if n in cr.assignments]
+    other = ({"a", "b"} - set(chosen)).pop()
+    assert coord.assign(chosen[0]) is not None
+    # The other client is not selected and may not fill in: the quota is taken.
+    assert coord.assign(other) is None
+    coord.leave(other)
+    assert other not in coord.children
+    h, p = _upload(coord, task, chosen[0], 1.0)
+    with pytest.raises(NotSelectedError):
+        coord.upload_now(chosen[0], h.__class__(**{**h.__dict__, "task_id": "forged"}), p)
