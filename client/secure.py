@@ -16,6 +16,7 @@ import secrets
 import numpy as np
 
 from orchard.aggregation import prescale_factor
+from orchard.aggregation.privacy import ddg_encode, session_params
 from orchard.compression import Codec, decode_update
 from orchard.config import RunConfig
 from orchard.errors import SecAggAbort
@@ -27,12 +28,17 @@ from orchard.updates import split
 
 
 def masked_vector(cfg: RunConfig, codec: Codec, t: TaskAssignment, header: UploadHeader, payload: bytes,
-                  rng: np.random.Generator) -> np.ndarray:
-    """The field vector a client masks: its weighted, scaled, quantised update values."""
+                  rng: np.random.Generator, participants: int = 0) -> np.ndarray:
+    """The field vector a client masks: its weighted, scaled, quantised update values; with
+    distributed DP, its clipped update in the session's discrete Gaussian encoding with
+    its share of the noise (``aggregation.privacy.ddg_encode``; ``rng`` must then be
+    unpredictable to everyone else)."""
     shapes = {s.name: tuple(s.shape) for s in t.schema}
     parts = dict(zip(shapes, split(payload, header.payload_sizes), strict=True))
     values = decode_update(codec, parts, shapes, num_summands=1, shared_seed=t.shared_seed)
     flat = np.concatenate([np.asarray(values[k], np.float64).ravel() for k in shapes])
+    if cfg.privacy.mode == "distributed":
+        return ddg_encode(flat, session_params(cfg, participants, flat.size), rng)
     sa = cfg.secure_aggregation
     return quantize(flat * prescale_factor(header.weight, sa.weight_scale), sa.clip, sa.bits, rng)
 
@@ -46,6 +52,11 @@ class SecureParticipant:
         self.client = SecAggClient(node_id, entropy=entropy)
         self.answered: set[int] = set()
         self.sent_input = False
+
+    @property
+    def participants(self) -> int:
+        """How many clients the session started with (known once it is set up)."""
+        return len(self.client.config.participants) if self.client.config is not None else 0
 
     def wants_input(self, stage_index: int, broadcast: bytes) -> bool:
         """Whether this broadcast asks for the masked input (the update must be ready)."""
@@ -70,10 +81,17 @@ class SecureParticipant:
 
 
 def masked_input(cfg: RunConfig, codec: Codec, t: TaskAssignment, header: UploadHeader, payload: bytes,
-                 seed: int) -> tuple[UploadHeader, np.ndarray]:
+                 seed: int, participants: int = 0,
+                 noise_rng: np.random.Generator | None = None) -> tuple[UploadHeader, np.ndarray]:
     """What a client posts at the masked-input stage for an update trained with ``seed``:
-    its header (in the clear) and its field vector (quantised with its own stream)."""
-    return header, masked_vector(cfg, codec, t, header, payload, np.random.default_rng([seed, 0x5EC]))
+    its header (in the clear) and its field vector (quantised with its own stream). With
+    distributed DP the noise and rounding draw from ``noise_rng`` (default: OS entropy:
+    nobody else may be able to replay a client's noise)."""
+    if cfg.privacy.mode == "distributed":
+        rng = noise_rng if noise_rng is not None else np.random.default_rng()
+    else:
+        rng = np.random.default_rng([seed, 0x5EC])
+    return header, masked_vector(cfg, codec, t, header, payload, rng, participants)
 
 
 async def secure_session(link: FleetLink, t: TaskAssignment, cfg: RunConfig, codec: Codec,
@@ -93,7 +111,7 @@ async def secure_session(link: FleetLink, t: TaskAssignment, cfg: RunConfig, cod
         masked = None
         if me.wants_input(reply.stage, reply.broadcast):
             update, payload = await upload
-            masked = masked_input(cfg, codec, t, update, payload, seed)
+            masked = masked_input(cfg, codec, t, update, payload, seed, me.participants)
         got = me.answer(reply.stage, reply.broadcast, masked)
         if got is None:
             reply = await link.secagg(t)

@@ -25,6 +25,7 @@ import numpy as np
 
 from orchard import wire
 from orchard.aggregation import FEDNOVA_TAU
+from orchard.aggregation.privacy import clip_l2
 from orchard.compression import Codec, encode_update
 from orchard.config import RunConfig
 from orchard.edge_runtime.fednova import norm_a, normalise
@@ -132,6 +133,10 @@ def build_upload(t: TaskAssignment, cfg: RunConfig, train_cfg: TrainConfig, code
     tau: float | None = None
     if weighting is Weighting.FEDNOVA:
         delta, result, tau = fednova_update(delta, result, train_cfg)
+    if cfg.clips_on_client:
+        # Under secure aggregation no tier sees the update: the client bounds its own norm
+        # (DP's clip norm, robust.norm_bound), as ``aggregation.layer.Clip`` does at a tier.
+        delta, _ = clip_l2(delta, cast(float, cfg.clip_norm))
     w = weight_of(result, weighting)
     payloads, new_states = encode_update(codec, delta, upload_rng(seed), states, t.shared_seed)
     payload, sizes = pack([payloads[s.name] for s in t.schema])

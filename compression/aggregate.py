@@ -377,8 +377,8 @@ def sums_compressed(cfg: RunConfig, codec: Codec | None = None) -> bool:
     path only under ``weighting = "uniform"``, where every weight is 1; under any other
     weighting their uploads are decoded and then accumulated.
     """
-    if cfg.compressed_aggregation == "off" or cfg.secure_aggregation.enabled:
-        return False
+    if cfg.compressed_aggregation == "off" or cfg.secure_aggregation.enabled or cfg.needs_decoded_updates:
+        return False  # also when each update must be seen: to clip it, or for a robust statistic
     if codec is None:
         from orchard.compression.registry import build_codec
 

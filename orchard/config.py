@@ -91,6 +91,55 @@ class EligibilityConfig(_Strict):
     require_idle: bool = False
 
 
+class AdaptiveClipConfig(_Strict):
+    """Adaptive clipping (Andrew et al., 2021): the clip norm follows a quantile of the
+    clients' update norms. ``count_stddev``: noise on the count of clients within the norm
+    (None: expected clients per round / 20, the paper's choice)."""
+
+    target_quantile: float = Field(0.5, gt=0.0, lt=1.0)
+    learning_rate: float = Field(0.2, gt=0.0)
+    count_stddev: float | None = Field(None, gt=0.0)
+
+
+class PrivacyConfig(_Strict):
+    """``[run.privacy]``: user-level differential privacy (``orchard.aggregation.privacy``).
+
+    ``mode``: "off"; "central" (the root is trusted: updates are clipped where they are
+    seen -- at the lowest tier, or on the client under secure aggregation -- and the root
+    adds Gaussian noise); "distributed" (no tier is trusted: under secure aggregation
+    each client clips and adds its share of discrete Gaussian noise, so every cohort sum
+    a tier learns is already private). The noise multiplier comes from ``target_epsilon``
+    (at ``delta``, over the planned rounds, at ``sampling_rate`` = clients per round /
+    population; the simulator knows its population) or is given as ``noise_multiplier``.
+    """
+
+    mode: Literal["off", "central", "distributed"] = "off"
+    target_epsilon: float | None = Field(None, gt=0.0)
+    delta: float = Field(1e-5, gt=0.0, lt=1.0)
+    noise_multiplier: float | None = Field(None, gt=0.0)
+    clip_norm: float = Field(1.0, gt=0.0)
+    sampling_rate: float | None = Field(None, gt=0.0, le=1.0)
+    adaptive: AdaptiveClipConfig | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+
+class RobustConfig(_Strict):
+    """``[run.robust]``: bounding and robust statistics against outlying updates.
+
+    ``norm_bound``: L2 bound on each client's update (clipped where updates are seen: at
+    the lowest tier, or on the client under secure aggregation). ``statistic``: how a
+    lowest tier combines its cohort: "mean" (the weighted sum, linear), or the
+    coordinate-wise "median" or "trimmed_mean" (not linear: not under secure aggregation;
+    they hold the cohort's updates, so memory follows the cohort size)."""
+
+    norm_bound: float | None = Field(None, gt=0.0)
+    statistic: Literal["mean", "median", "trimmed_mean"] = "mean"
+    trim_fraction: float = Field(0.1, ge=0.0, lt=0.5)
+
+
 class RunConfig(_Strict):
     """One federated run: what to train, for how long, and how updates travel."""
 
@@ -117,6 +166,27 @@ class RunConfig(_Strict):
     server_optimizer: ServerOptimizerConfig = ServerOptimizerConfig()
     eligibility: EligibilityConfig = EligibilityConfig()
     evaluate_every: int = Field(1, ge=0)  # 0: never
+    privacy: PrivacyConfig = PrivacyConfig()
+    robust: RobustConfig = RobustConfig()
+
+    @property
+    def clip_norm(self) -> float | None:
+        """The L2 bound each client update is clipped to this round, if any: the tighter of
+        DP's clip norm and the robustness norm bound."""
+        bounds = [b for b in (self.privacy.clip_norm if self.privacy.enabled else None, self.robust.norm_bound)
+                  if b is not None]
+        return min(bounds) if bounds else None
+
+    @property
+    def clips_on_client(self) -> bool:
+        """Updates are clipped on the client (secure aggregation: no tier sees them)."""
+        return self.secure_aggregation.enabled and self.clip_norm is not None
+
+    @property
+    def needs_decoded_updates(self) -> bool:
+        """A tier must decode each client update (to clip it or take a robust statistic):
+        no compressed-domain sum."""
+        return (self.clip_norm is not None and not self.secure_aggregation.enabled) or self.robust.statistic != "mean"
 
     @model_validator(mode="after")
     def _check_train(self) -> RunConfig:
@@ -130,9 +200,36 @@ class RunConfig(_Strict):
             problems.append(f"train.learning_rate must be > 0, got {t.learning_rate}")
         if t.proximal_mu < 0:
             problems.append(f"train.proximal_mu must be >= 0, got {t.proximal_mu}")
+        problems += self._stack_problems()
         if problems:
             raise ValueError("; ".join(problems))
         return self
+
+    def _stack_problems(self) -> list[str]:
+        """Privacy and robustness settings that cannot work together, with what would."""
+        p, r, secure = self.privacy, self.robust, self.secure_aggregation.enabled
+        out = []
+        if p.enabled and self.cohort.weighting != Weighting.UNIFORM:
+            out.append(f"privacy.mode {p.mode!r} needs cohort.weighting = 'uniform' (each client's contribution "
+                       f"must be bounded by the clip norm); got {self.cohort.weighting.value!r}")
+        if p.mode == "distributed" and not secure:
+            out.append("privacy.mode 'distributed' adds noise on the clients under secure aggregation: set "
+                       "secure_aggregation.enabled = true, or use privacy.mode 'central'")
+        if p.adaptive is not None and secure:
+            out.append("privacy.adaptive needs each client's clipped bit, which secure aggregation would send in "
+                       "the clear: use a fixed privacy.clip_norm under secure aggregation")
+        if p.enabled and p.noise_multiplier is None and p.target_epsilon is None:
+            out.append("privacy: set target_epsilon (the noise follows from it) or noise_multiplier")
+        if r.statistic != "mean":
+            # Under secure aggregation: orchard.server.validation.aggregation_problems, from
+            # each statistic's declared linearity.
+            if self.cohort.weighting != Weighting.UNIFORM:
+                out.append(f"robust.statistic {r.statistic!r} weighs every client alike: set cohort.weighting = "
+                           "'uniform'")
+            if p.enabled:
+                out.append(f"robust.statistic {r.statistic!r} has no DP analysis here: with privacy on use "
+                           "'mean' with a clip norm")
+        return out
 
 
 class ServerConfig(_Strict):

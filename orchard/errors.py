@@ -67,6 +67,10 @@ class BudgetExceeded(OrchardError):
     """A device budget (energy, time, thermal, battery) ran out; training stopped cleanly."""
 
 
+class PrivacyBudgetExceeded(OrchardError):
+    """Another round would spend more privacy (epsilon) than the run's target allows."""
+
+
 class RoundFailed(OrchardError):
     """A round could not reach its minimum number of participants before its deadline."""
 

@@ -3,13 +3,15 @@
 A round's uploads are summed in one of three ways, and all three end as one
 :class:`~orchard.aggregation.Partial` (``sum_i w_i x_i`` with weight ``sum_i w_i``):
 
-- the float64 accumulator (decoded client updates and partials from lower tiers);
+- the round's aggregator (``orchard.aggregation.layer``: the float64 weighted sum, with
+  clipping, a robust statistic or the root's DP noise wrapped around it when the run
+  asks): decoded client updates and partials from lower tiers;
 - :class:`CompressedCohort`, direct clients' payloads added without decoding when the
   run sums in the compressed domain (``orchard.compression.sums_compressed``);
 - the secure cohort's unmasked sum (``orchard.server.secagg``), kept aside until the
   last fold.
 
-:meth:`CohortRound.fold_aside` merges the last two into the accumulator once, when the
+:meth:`CohortRound.fold_aside` merges the last two into the aggregator once, when the
 outcome is read. Nothing here does I/O or touches the event loop's clock.
 """
 
@@ -18,12 +20,16 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from orchard.aggregation import Accumulator, MetricSums, Partial
+import numpy as np
+
+from orchard.aggregation import MetricSums, Partial
+from orchard.aggregation.layer import Aggregator, Measurements, WeightedSum, clip, noise, robust
 from orchard.compression import CheckedPayload, NonFiniteError, UpdateSum, build_codec
-from orchard.errors import CodecError, RoundClosedError, UpdateSchemaError
+from orchard.errors import CodecError, ConfigError, RoundClosedError, UpdateSchemaError
 from orchard.messages import UploadHeader
 from orchard.server.round import RoundTask
 from orchard.server.secagg import SecureCohort
+from orchard.typing import NDArrays
 from orchard.updates import split
 
 
@@ -103,13 +109,34 @@ class CompressedCohort:
         return Partial(sums=sums, weight=self.weight, count=self.count, metrics=self.metrics)
 
 
+def tier_aggregator(task: RoundTask, noise_rng: np.random.Generator | None = None) -> Aggregator:
+    """The aggregation stack a tier folds ``task``'s round through (``orchard.aggregation.layer``):
+    the weighted sum; a robust statistic of its direct clients if the run asks for one;
+    per-client clipping where updates are seen (here, unless secure aggregation moves it to
+    the clients); the root's Gaussian noise (central DP: ``task.noise_stddev`` > 0 only at
+    the root). With none of them it is exactly the weighted sum."""
+    cfg = task.config
+    agg: Aggregator = WeightedSum(task.schema)
+    if cfg.robust.statistic != "mean":
+        agg = robust(cfg.robust.statistic, agg, cfg.robust.trim_fraction)
+    if cfg.clip_norm is not None and not cfg.secure_aggregation.enabled:
+        agg = clip(cfg.clip_norm, agg)
+    if task.noise_stddev > 0:
+        if noise_rng is None:
+            raise ConfigError("a round with DP noise needs a noise generator")
+        agg = noise(task.noise_stddev, agg, noise_rng)
+    return agg
+
+
 class CohortRound:
     """State of one open round at one tier."""
 
-    def __init__(self, task: RoundTask, now: float) -> None:
+    def __init__(self, task: RoundTask, now: float, noise_rng: np.random.Generator | None = None) -> None:
         self.task = task
         self.started = now
-        self.acc = Accumulator(list(task.schema))
+        self.agg = tier_aggregator(task, noise_rng)
+        self.state = self.agg.zero()
+        self._result: tuple[Partial, Measurements] | None = None
         # Direct clients' weighted sum in the compressed domain, when the run takes that
         # path (None: every client update is decoded, then accumulated).
         self.compressed: CompressedCohort | None = None
@@ -134,19 +161,35 @@ class CohortRound:
     def received(self) -> int:
         c, s = self.compressed, self.secure_sum
         pending = (c.count if c is not None and not c.merged else 0) + (s.count if s is not None else 0)
-        return self.acc.count + pending
+        return self.agg.count(self.state) + pending
+
+    def fold_update(self, update: NDArrays, weight: float, metrics: MetricSums) -> None:
+        """A direct client's decoded, checked update."""
+        self.state = self.agg.accumulate(self.state, update, weight, metrics)
+
+    def fold_partial(self, partial: Partial) -> None:
+        """A lower tier's partial sum."""
+        self.state = self.agg.merge(self.state, partial)
 
     def fold_aside(self) -> None:
         """Fold the sums kept aside (the compressed sum, the secure cohort's) into the
-        accumulator, once, after the last fold."""
+        round's aggregator, once, after the last fold."""
         c = self.compressed
         if c is not None and not c.merged:
             if c.count:
-                self.acc.merge(c.partial(), owned=True)
+                self.state = self.agg.merge(self.state, c.partial(), owned=True)
             c.merged = True
         if self.secure_sum is not None:
-            self.acc.merge(self.secure_sum)
+            self.state = self.agg.merge(self.state, self.secure_sum)
             self.secure_sum = None
+
+    def result(self) -> tuple[Partial, Measurements]:
+        """The round's partial and the aggregator's measurements: finalized once (the
+        root's noise is drawn once), after ``fold_aside``."""
+        if self._result is None:
+            self.fold_aside()
+            self._result = self.agg.finalize(self.state)
+        return self._result
 
     def pending(self) -> list[Assignment]:
         return [a for a in self.assignments.values() if not (a.delivered or a.dropped)]

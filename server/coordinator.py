@@ -53,6 +53,7 @@ from orchard.errors import (
     IntegrityError,
     OrchardError,
     RoundClosedError,
+    SecAggAbort,
     SecAggError,
     UnknownNodeError,
     UpdateSchemaError,
@@ -132,10 +133,14 @@ def run_inline(coro: Coroutine[Any, Any, T]) -> T:
 class Coordinator:
     def __init__(self, name: str, cfg: ServerConfig, rng: np.random.Generator,
                  client_decoder: ClientDecoder, monotonic: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, inline: bool = False) -> None:
+                 wall: Callable[[], float] = time.time, inline: bool = False,
+                 noise_rng: np.random.Generator | None = None) -> None:
         self.name = name
         # inline: decode and fold on the caller's thread (in-process use, see the module doc).
         self.inline = inline
+        # Central DP noise at the root: OS entropy unless the caller (a seeded simulation)
+        # passes a generator; never the seeded selection generator.
+        self.noise_rng = noise_rng if noise_rng is not None else np.random.default_rng()
         self.cfg = cfg
         self.rng = rng
         self._decode_client = client_decoder
@@ -232,7 +237,7 @@ class Coordinator:
             # Nodes that trained last round hold that model: keep it as a delta base
             # (only when deltas are on: each base is one more model in memory).
             self.downlink.remember(prev.task.model_hash, prev.task.model_blob)
-        cr = CohortRound(task, self._mono())
+        cr = CohortRound(task, self._mono(), self.noise_rng)
         if sums_compressed(task.config):
             cr.compressed = CompressedCohort(task)
         self.current = cr
@@ -249,7 +254,7 @@ class Coordinator:
         if not clients:
             return
         try:
-            cr.secure = new_cohort(cr.task.config.secure_aggregation, cr.task.schema, clients, cr.task.round,
+            cr.secure = new_cohort(cr.task.config, cr.task.schema, clients, cr.task.round,
                                    cr.task.deadline_unix, self._wall)
         except OrchardError as err:
             # Too few clients for the protocol's threshold: this cohort contributes nothing.
@@ -515,10 +520,9 @@ class Coordinator:
             return
         ms = MetricSums(dict(h.metric_sums), dict(h.metric_weights))
         if h.kind is UploadKind.PARTIAL_SUM:
-            cr.acc.merge(Partial(sums=arrays, weight=h.weight, count=h.count, metrics=ms))
+            cr.fold_partial(Partial(sums=arrays, weight=h.weight, count=h.count, metrics=ms))
         else:
-            cr.acc.accumulate(arrays, h.weight, checked=True)  # the decoder checked it
-            cr.acc.partial.metrics.merge(ms)
+            cr.fold_update(arrays, h.weight, ms)  # the decoder checked it
 
     # ------------------------------------------------------------------ secure aggregation
 
@@ -587,8 +591,15 @@ class Coordinator:
             return
         clients = [a for a in cr.assignments.values() if self.children.get(a.node_id) is not None
                    and self.children[a.node_id].role is Role.CLIENT]
+        p = None
         if sc.stage is Stage.DONE:
-            p = sc.partial()
+            try:
+                p = sc.partial()
+            except SecAggAbort as err:
+                for a in clients:
+                    cr.settle(a, delivered=False)
+                cr.rejected[f"secure aggregation: {err}"] = len(clients)
+        if p is not None:
             contributed = set(sc.contributors())
             if p.count > 0:
                 cr.secure_sum = p  # folded with the outcome (fold_aside), after the fold pool drained
@@ -597,7 +608,7 @@ class Coordinator:
                 cr.settle(a, a.node_id in contributed)
             cr.tier_participants[self.name] = cr.tier_participants.get(self.name, 0) + p.count
             self.counters["uploads_accepted"] += p.count
-        else:
+        elif sc.stage is not Stage.DONE:
             for a in clients:
                 cr.settle(a, delivered=False)
             cr.rejected[f"secure aggregation aborted: {sc.abort_reason}"] = len(clients)
@@ -654,12 +665,13 @@ class Coordinator:
     def outcome(self, cr: CohortRound) -> RoundOutcome:
         """The result of a closed round (the simulator calls this directly), once its folds
         are done."""
-        cr.fold_aside()
+        partial, measurements = cr.result()
         dropped = sum(1 for a in cr.assignments.values() if a.dropped)
-        return RoundOutcome(task=cr.task, partial=cr.acc.partial, selected=len(cr.assignments), dropped=dropped,
+        return RoundOutcome(task=cr.task, partial=partial, selected=len(cr.assignments), dropped=dropped,
                             bytes_up=cr.bytes_up, bytes_down=cr.bytes_down,
                             tier_participants=dict(cr.tier_participants), reason=cr.close_reason,
-                            seconds=self._mono() - cr.started, rejected=dict(cr.rejected))
+                            seconds=self._mono() - cr.started, rejected=dict(cr.rejected),
+                            measurements=measurements)
 
     def _watch(self) -> asyncio.Event:
         """The event a long-poller waits on; set (and replaced) at the next change."""

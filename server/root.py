@@ -24,11 +24,19 @@ import numpy as np
 
 from orchard import wire
 from orchard.aggregation import server_step
+from orchard.aggregation.layer import CLIP_BELOW
+from orchard.aggregation.privacy import PrivacyLedger
 from orchard.aggregation.server_opt import ServerOptimizer
 from orchard.config import RunConfig, ServerConfig, ServerOptimizerConfig, base_model_dir
-from orchard.errors import ConfigError, RoundClosedError, StoreError, UpdateSchemaError
+from orchard.errors import (
+    ConfigError,
+    PrivacyBudgetExceeded,
+    RoundClosedError,
+    StoreError,
+    UpdateSchemaError,
+)
 from orchard.server.coordinator import Coordinator
-from orchard.server.round import RoundRecord, RoundStatus, root_task
+from orchard.server.round import RoundOutcome, RoundRecord, RoundStatus, root_task
 from orchard.server.store import Store, atomic_write
 from orchard.typing import NDArrays
 
@@ -54,6 +62,7 @@ class ActiveRun:
     stop_requested: bool = False
     current: dict[str, Any] | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
+    privacy: PrivacyLedger | None = None  # with DP on: the mechanism and what it has spent
 
 
 class RootRunner:
@@ -89,12 +98,28 @@ class RootRunner:
             opt = ServerOptimizer(cfg.server_optimizer, arrays)
             if ck.optimizer_path and Path(ck.optimizer_path).is_file():
                 opt.load_state_bytes(Path(ck.optimizer_path).read_bytes())
-            self.run = ActiveRun(row.run_id, cfg, row.config_json, arrays, blob, ck.sha256, opt, ck.round)
+            self.run = ActiveRun(row.run_id, cfg, row.config_json, arrays, blob, ck.sha256, opt, ck.round,
+                                 privacy=self._restore_privacy(row.run_id, cfg))
             if cfg.downlink_delta and ck.round > 0:
                 self._remember_base(row.run_id, ck.round - 1)
             log.info("resuming run %s after round %d", row.run_id, ck.round)
             self._task = asyncio.create_task(self._loop(self.run))
             return
+
+    def _restore_privacy(self, run_id: str, cfg: RunConfig) -> PrivacyLedger | None:
+        """The ledger of a resumed run: the same plan, every attempt already opened charged
+        (interrupted ones too: their cohort sums may have been released), and the clip norm
+        the last completed round left."""
+        ledger = PrivacyLedger.plan(cfg)
+        if ledger is None:
+            return None
+        rounds = self.store.rounds(run_id)
+        ledger.rounds = len(rounds)
+        ledger.epsilon = ledger.epsilon_after(ledger.rounds)
+        done = [r for r in rounds if r.get("status") == "completed" and r.get("privacy")]
+        if done:
+            ledger.clip_norm = float(done[-1]["privacy"].get("next_clip_norm", ledger.clip_norm))
+        return ledger
 
     def _remember_base(self, run_id: str, rnd: int) -> None:
         """Clients that trained in the last completed round hold the model it started from:
@@ -125,6 +150,7 @@ class RootRunner:
                 raise UpdateSchemaError(f"initial tensor {k!r} is {v.dtype}; the global model must be float32")
             if not np.isfinite(v).all():
                 raise UpdateSchemaError(f"initial tensor {k!r} holds NaN or Inf")
+        privacy = PrivacyLedger.plan(config)  # refuses a run whose noise cannot meet its target
         run_id = time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         config_json = config.model_dump_json()
         self.store.create_run(run_id, config_json)
@@ -133,7 +159,7 @@ class RootRunner:
         h = wire.sha256_hex(initial_blob)
         self.store.index_checkpoint(run_id, 0, str(path), h)
         opt = ServerOptimizer(config.server_optimizer, arrays)
-        self.run = ActiveRun(run_id, config, config_json, arrays, initial_blob, h, opt, 0)
+        self.run = ActiveRun(run_id, config, config_json, arrays, initial_blob, h, opt, 0, privacy=privacy)
         self._task = asyncio.create_task(self._loop(self.run))
         return run_id
 
@@ -178,6 +204,9 @@ class RootRunner:
             status = "stopped" if run.stop_requested else "completed"
             self.store.set_run_status(run.run_id, status)
             log.info("run %s %s after %d rounds", run.run_id, status, run.completed_rounds)
+        except PrivacyBudgetExceeded as err:
+            self.store.set_run_status(run.run_id, "stopped", str(err))
+            log.warning("run %s stopped after %d rounds: %s", run.run_id, run.completed_rounds, err)
         except asyncio.CancelledError:
             raise
         except Exception as err:  # record, never crash the server
@@ -207,20 +236,29 @@ class RootRunner:
         if run.stop_requested:
             return False
         started = time.time()
-        task = root_task(run.run_id, rnd, attempt, cfg, run.config_json, run.arrays, run.blob, run.blob_hash,
-                         started)
+        ledger = run.privacy
+        round_cfg, round_json, noise_stddev = cfg, run.config_json, 0.0
+        if ledger is not None:
+            ledger.check_next()  # PrivacyBudgetExceeded ends the run before anything is released
+            round_cfg = ledger.round_config(cfg)
+            round_json, noise_stddev = round_cfg.model_dump_json(), ledger.noise_stddev
+        task = root_task(run.run_id, rnd, attempt, round_cfg, round_json, run.arrays, run.blob, run.blob_hash,
+                         started, noise_stddev)
         cr = self.coord.open_round(task)
         run.current = {"round": rnd, "attempt": attempt, "phase": "training", "cohort": cr}
         self.store.record_round(run.run_id, rnd, attempt, "running", started, None,
                                 {"selected": len(cr.assignments)})
         out = await self.coord.wait_round(cr)
+        privacy = self._charge(ledger, out)
         need = math.ceil(cfg.cohort.target * cfg.cohort.min_fraction)
         if run.stop_requested and out.partial.count < need:
             record = RoundRecord.from_outcome(out, RoundStatus.STOPPED)
+            record.privacy = privacy
             self.store.record_round(run.run_id, rnd, attempt, "stopped", started, time.time(), record.as_dict())
             return False
         if out.partial.count < need:
             record = RoundRecord.from_outcome(out, RoundStatus.FAILED)
+            record.privacy = privacy
             record.reason = (f"{out.partial.count} of the {need} updates needed arrived "
                              f"({out.reason}); global model unchanged, round retried")
             self.store.record_round(run.run_id, rnd, attempt, "failed", started, time.time(), record.as_dict())
@@ -237,12 +275,30 @@ class RootRunner:
         h = wire.sha256_hex(blob)
         record = RoundRecord.from_outcome(out, RoundStatus.COMPLETED)
         record.metrics = metrics
+        if ledger is not None and privacy is not None:
+            adaptive = cfg.privacy.adaptive
+            if adaptive is not None:
+                ledger.adapt(metrics.get(CLIP_BELOW), out.partial.count, adaptive.target_quantile,
+                             adaptive.learning_rate, self.coord.noise_rng)
+            privacy["next_clip_norm"] = ledger.clip_norm
+            record.privacy = privacy
         self.store.complete_round(run.run_id, rnd, attempt, started, record.as_dict(), str(path), h,
                                   str(opt_path))
         run.arrays, run.blob, run.blob_hash, run.completed_rounds = new_arrays, blob, h, rnd
         log.info("round %d done: %d updates, metrics %s", rnd, out.partial.count,
                  {k: round(v, 4) for k, v in metrics.items()})
         return True
+
+    @staticmethod
+    def _charge(ledger: PrivacyLedger | None, out: RoundOutcome) -> dict[str, Any] | None:
+        """Charge an attempt that opened (its sums may have left the tiers) to the ledger."""
+        if ledger is None:
+            return None
+        clip_norm = ledger.clip_norm
+        ledger.charge()
+        return {"epsilon": round(ledger.epsilon, 6), "delta": ledger.delta, "clip_norm": clip_norm,
+                "noise_multiplier": ledger.noise_multiplier, **{k: v for k, v in out.measurements.items()
+                                                                 if k in ("clipped", "noise_stddev")}}
 
     # ------------------------------------------------------------------ status
 
@@ -267,6 +323,13 @@ class RootRunner:
             "base_model": self.base_model,
         }
         r = self.run
+        if r is not None and r.run_id == row.run_id and r.privacy is not None:
+            out["privacy"] = r.privacy.as_dict()
+        elif cfg.get("privacy", {}).get("mode", "off") != "off":
+            charged = [x["privacy"] for x in rounds if x.get("privacy")]
+            out["privacy"] = {"mode": cfg["privacy"]["mode"], "delta": cfg["privacy"]["delta"],
+                              "target_epsilon": cfg["privacy"].get("target_epsilon"),
+                              "epsilon": charged[-1]["epsilon"] if charged else 0.0}
         if r is not None and r.run_id == row.run_id and r.current is not None:
             cur = {k: v for k, v in r.current.items() if k != "cohort"}
             cr = r.current.get("cohort")

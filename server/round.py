@@ -38,6 +38,9 @@ class RoundTask:
     deadline_unix: float
     target: int
     shared_seed: int
+    # Central DP: the stddev of the Gaussian noise the root adds to the round's sum (0 at
+    # every other tier, and without central DP).
+    noise_stddev: float = 0.0
 
 
 def round_seed(run_seed: int, rnd: int, attempt: int) -> int:
@@ -46,13 +49,13 @@ def round_seed(run_seed: int, rnd: int, attempt: int) -> int:
 
 
 def root_task(run_id: str, rnd: int, attempt: int, config: RunConfig, config_json: str, arrays: NDArrays,
-              blob: bytes, blob_hash: str, now_unix: float) -> RoundTask:
+              blob: bytes, blob_hash: str, now_unix: float, noise_stddev: float = 0.0) -> RoundTask:
     """The root's task for attempt ``attempt`` of round ``rnd`` of a run. ``arrays`` is the
     global model in its blob's order (``wire.blob_to_arrays``): that order is the schema's."""
     return RoundTask(run_id=run_id, round=rnd, attempt=attempt, config=config, config_json=config_json,
                      model_blob=blob, model_hash=blob_hash, schema=tuple(schema_of(arrays)),
                      deadline_unix=now_unix + config.cohort.deadline_s, target=config.cohort.target,
-                     shared_seed=round_seed(config.seed, rnd, attempt))
+                     shared_seed=round_seed(config.seed, rnd, attempt), noise_stddev=noise_stddev)
 
 
 def task_from_assignment(a: TaskAssignment, blob: bytes, config: RunConfig | None = None) -> RoundTask:
@@ -79,6 +82,7 @@ class RoundOutcome:
     reason: str
     seconds: float
     rejected: dict[str, int]
+    measurements: dict[str, float] = field(default_factory=dict)  # the aggregator's (clipped, noise, ...)
 
 
 def partial_upload(a: TaskAssignment, node_id: str, out: RoundOutcome) -> tuple[UploadHeader, bytes]:
@@ -143,6 +147,7 @@ class RoundRecord:
     rejected: dict[str, int] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     simulated: SimulatedCounts | None = None
+    privacy: dict[str, Any] | None = None  # epsilon spent after this round, delta, clip norm
 
     @classmethod
     def from_outcome(cls, out: RoundOutcome, status: RoundStatus, seconds: float | None = None) -> RoundRecord:
@@ -162,6 +167,8 @@ class RoundRecord:
         }
         if self.reason:
             d["reason"] = self.reason
+        if self.privacy is not None:
+            d["privacy"] = dict(self.privacy)
         if self.simulated is not None:
             s = self.simulated
             d["selected"] = s.selected

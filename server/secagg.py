@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from orchard.aggregation import MetricSums, Partial
-from orchard.config import SecureAggregationConfig
+from orchard.aggregation.privacy import ddg_decode, session_params
+from orchard.config import RunConfig, SecureAggregationConfig
 from orchard.errors import SecAggAbort, UpdateSchemaError
 from orchard.messages import UploadHeader
 from orchard.secure_agg import (
@@ -54,9 +55,17 @@ def flat_to_sums(flat: np.ndarray, schema: tuple[TensorSpec, ...]) -> dict[str, 
 
 @dataclass
 class SecureCohort:
-    """One SecAgg+ session over a tier's selected direct clients, for one round."""
+    """One SecAgg+ session over a tier's selected direct clients, for one round.
+
+    With distributed DP (``run.privacy.mode = "distributed"``) the clients' field vectors
+    are their clipped updates in the discrete Gaussian encoding of
+    ``aggregation.privacy.session_params``, each with its share of the noise: the sum is
+    decoded with the same parameters, released only when at least ``min_contributors``
+    clients contributed (fewer would carry less than the target noise), and weighted by
+    the number of contributors (every weight is 1)."""
 
     cfg: SecureAggregationConfig
+    run: RunConfig
     schema: tuple[TensorSpec, ...]
     participants: tuple[str, ...]
     round_number: int
@@ -71,10 +80,12 @@ class SecureCohort:
 
     def __post_init__(self) -> None:
         n = len(self.participants)
-        check_headroom(n, self.cfg.bits, self.cfg.modulus_bits)
+        d = sum(s.numel for s in self.schema)
+        self.ddg = session_params(self.run, n, d) if self.run.privacy.mode == "distributed" else None
+        if self.ddg is None:
+            check_headroom(n, self.cfg.bits, self.cfg.modulus_bits)
         params = parameters_from_config(self.cfg, n)
         self.neighbours, self.threshold = params.neighbours, params.threshold
-        d = sum(s.numel for s in self.schema)
         session = SessionConfig.create(sorted(self.participants), d, neighbours=params.neighbours,
                                        threshold=params.threshold, round_number=self.round_number,
                                        entropy=secrets.token_bytes(32), modulus_bits=self.cfg.modulus_bits)
@@ -124,17 +135,26 @@ class SecureCohort:
         return (self.server.abort_reason or "aborted") if self.server.stage is Stage.ABORTED else ""
 
     def partial(self) -> Partial:
-        """The cohort's unmasked partial sum (after DONE)."""
+        """The cohort's unmasked partial sum (after DONE). Raises SecAggAbort when too few
+        clients contributed for the distributed DP noise to reach its target."""
         res = self.server.result()
         n = len(res.contributors)
-        w_scale = self.cfg.weight_scale
-        total = dequantize(res.total, self.cfg.clip, self.cfg.bits, n) * w_scale
         metrics = MetricSums()
-        weight = 0.0
         for node in res.contributors:
             h = self.headers[node]
-            weight += min(h.weight, w_scale)
             metrics.merge(MetricSums(dict(h.metric_sums), dict(h.metric_weights)))
+        if self.ddg is not None:
+            if n < self.ddg.min_contributors:
+                raise SecAggAbort(f"{n} of {len(self.participants)} clients contributed; distributed DP releases a "
+                                  f"cohort sum only with at least {self.ddg.min_contributors} (their noise shares "
+                                  "would fall short of the target)")
+            total = ddg_decode(res.total, self.ddg)
+            return Partial(sums=flat_to_sums(total, self.schema), weight=float(n), count=n, metrics=metrics)
+        w_scale = self.cfg.weight_scale
+        total = dequantize(res.total, self.cfg.clip, self.cfg.bits, n) * w_scale
+        weight = 0.0
+        for node in res.contributors:
+            weight += min(self.headers[node].weight, w_scale)
         return Partial(sums=flat_to_sums(np.asarray(total, np.float64), self.schema), weight=weight, count=n,
                        metrics=metrics)
 
@@ -142,6 +162,6 @@ class SecureCohort:
         return list(self.server.result().contributors)
 
 
-def new_cohort(cfg: SecureAggregationConfig, schema: tuple[TensorSpec, ...], participants: list[str],
+def new_cohort(run: RunConfig, schema: tuple[TensorSpec, ...], participants: list[str],
                round_number: int, deadline_wall: float, wall: Callable[[], float] = time.time) -> SecureCohort:
-    return SecureCohort(cfg, schema, tuple(participants), round_number, wall(), deadline_wall)
+    return SecureCohort(run.secure_aggregation, run, schema, tuple(participants), round_number, wall(), deadline_wall)

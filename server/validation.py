@@ -22,7 +22,20 @@ def run_config_problems(cfg: RunConfig) -> list[str]:
             validate_codec_for_secure_aggregation(cfg.codec)
         except ConfigError as err:
             problems += [f"secure_aggregation: {p}" for p in err.problems]
-    return problems
+    return problems + aggregation_problems(cfg)
+
+
+def aggregation_problems(cfg: RunConfig) -> list[str]:
+    """Stacks the aggregation layer cannot run, from what each stage declares: under
+    secure aggregation a tier sees only a sum, so every stage must be linear."""
+    from orchard.aggregation.layer import STATISTICS
+
+    stat = STATISTICS[cfg.robust.statistic]
+    if cfg.secure_aggregation.enabled and not stat.linear:
+        linear = ", ".join(repr(s.name) for s in STATISTICS.values() if s.linear)
+        return [f"robust.statistic {stat.name!r} is not linear and a secure cohort reveals only its sum: under "
+                f"secure aggregation use a linear statistic ({linear}), with robust.norm_bound to bound each update"]
+    return []
 
 
 def validate_run_config(cfg: RunConfig) -> None:

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from orchard.client.update import build_upload, delta_of, train_seed
 from orchard.compression import Codec
 from orchard.config import RunConfig
@@ -38,6 +40,8 @@ class ClientJob:
     # The model the client starts from: "" for the round's global model, else the sha256
     # of its reconstruction from a downlink delta (a key of run_jobs' ``starts``).
     start: str = ""
+    # A simulated attacker sends ``attack * delta`` (1.0: an honest client).
+    attack: float = 1.0
 
 
 @dataclass
@@ -137,6 +141,8 @@ def run_jobs(task: Task, population: int, cfg: RunConfig, codec: Codec, global_a
             continue
         try:
             delta = delta_of(job.assignment, start, res)
+            if job.attack != 1.0:
+                delta = {k: (v * np.float32(job.attack)).astype(np.float32) for k, v in delta.items()}
             header, payload, states = build_upload(job.assignment, cfg, tc, codec, job.node_id, delta, res, seed,
                                                    job.codec_state)
         except OrchardError as err:

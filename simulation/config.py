@@ -90,6 +90,22 @@ DEFAULT_PROFILES: dict[str, DeviceProfile] = {
 DEFAULT_MIX: dict[str, float] = {"low_end_phone": 0.5, "high_end_phone": 0.35, "edge_box": 0.15}
 
 
+class AttackConfig(_Strict):
+    """``[simulation.attack]``: a share of the population sends corrupted updates, to
+    measure robustness. Attackers are drawn per device from the seed; an attacker's
+    update is ``multiplier * delta`` (default: 100 for "scale", -1 for "sign_flip")."""
+
+    fraction: float = Field(0.0, ge=0.0, le=1.0)
+    kind: Literal["scale", "sign_flip"] = "scale"
+    multiplier: float | None = None
+
+    @property
+    def factor(self) -> float:
+        if self.multiplier is not None:
+            return self.multiplier
+        return 100.0 if self.kind == "scale" else -1.0
+
+
 class SimulationConfig(_Strict):
     """``[simulation]``: a population, a tree, an executor, and the run they carry out.
 
@@ -120,6 +136,7 @@ class SimulationConfig(_Strict):
     aggregator_mbps: float = Field(1000.0, gt=0.0)  # links between tiers
     evaluate_every: int = Field(1, ge=0)  # 0: only after the last round
     progress: bool = True
+    attack: AttackConfig = AttackConfig()
     run: RunConfig = RunConfig()
 
     def all_profiles(self) -> dict[str, DeviceProfile]:
@@ -172,6 +189,9 @@ def _semantic_problems(cfg: SimulationConfig) -> list[str]:
             problems.append("simulation.backend: 'ray' needs the ray extra (pip install 'orchard-fl[ray]'), "
                             "or use backend = 'local'")
     run = cfg.run_config()
+    from orchard.server.validation import aggregation_problems
+
+    problems += aggregation_problems(run)
     if run.secure_aggregation.enabled:
         leaves = math.prod(fan) if fan and all(isinstance(f, int) and f > 0 for f in fan) else 1
         per_cohort = cfg.clients_per_round // max(leaves, 1)

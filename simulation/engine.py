@@ -91,6 +91,7 @@ from orchard.server.round import (
 from orchard.server.secagg import STAGE_END
 from orchard.simulation.backends import Backend
 from orchard.simulation.clients import ClientJob, ClientOutput
+from orchard.simulation.config import AttackConfig
 from orchard.simulation.population import LiveDevice, Population
 from orchard.tasks import Task
 from orchard.typing import DeviceState, NDArrays, Role
@@ -162,7 +163,8 @@ class Arrival:
 class Engine:
     def __init__(self, task: Task, population: Population, run: RunConfig, fanout: list[int], backend: Backend,
                  *, chunk_size: int, workers: int, governor: bool, checkin_factor: float, node_timeout_s: float,
-                 aggregator_mbps: float, wall_origin: float, num_partitions: int, seed: int) -> None:
+                 aggregator_mbps: float, wall_origin: float, num_partitions: int, seed: int,
+                 attack: AttackConfig | None = None) -> None:
         self.task = task
         self.pop = population
         self.run = run
@@ -176,6 +178,7 @@ class Engine:
         self.seed = seed
         self.time = VirtualTime(wall_origin)
         self.codec = build_codec(run.codec)
+        self.attack = attack
         # Liveness is modelled here (a vanished device is silent), so tiers use the
         # configured timeout on the virtual clock; limits are the real defaults.
         self.server_cfg = ServerConfig(node_timeout_s=node_timeout_s)
@@ -199,12 +202,16 @@ class Engine:
         self.held_blobs: dict[str, bytes] = {}
         self.run_id = f"sim-{seed}"
         self.config_json = run.model_dump_json()
+        self.round_cfg = run
 
     def _tier(self, name: str, parent: Tier | None, depth: int) -> Tier:
         h = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
         rng = np.random.default_rng([self.seed, depth, h])
+        # DP noise (central, at the root) is seeded like everything else in a simulation,
+        # so a seed replays a run; a real root draws it from OS entropy.
         coord = Coordinator(name, self.server_cfg, rng, ClientUpdateDecoder(),
-                            monotonic=self.time.monotonic, wall=self.time.wall, inline=True)
+                            monotonic=self.time.monotonic, wall=self.time.wall, inline=True,
+                            noise_rng=np.random.default_rng([self.seed, depth, h, 0xD9]))
         return Tier(name, coord, parent)
 
     def tiers(self) -> list[Tier]:
@@ -217,16 +224,22 @@ class Engine:
 
     # ------------------------------------------------------------------ one round
 
-    def round(self, rnd: int, attempt: int, arrays: NDArrays, optimizer: ServerOptimizer) -> dict[str, Any]:
-        """Run one attempt of round ``rnd``; returns its record (``ok`` says whether it counted)."""
-        cfg = self.run
+    def round(self, rnd: int, attempt: int, arrays: NDArrays, optimizer: ServerOptimizer,
+              config: RunConfig | None = None, noise_stddev: float = 0.0) -> dict[str, Any]:
+        """Run one attempt of round ``rnd``; returns its record (``ok`` says whether it counted).
+
+        ``config``: this round's config when it differs from the run's (with DP: the
+        ledger's, carrying the clip norm and noise multiplier); ``noise_stddev``: the
+        root's central DP noise."""
+        cfg = config if config is not None else self.run
+        self.round_cfg = cfg
         stats = SimulatedCounts()
         t_open = self.time.t
         blob = wire.arrays_to_blob(arrays)
         live = self._check_in(rnd, attempt, stats)
         self._report_pools()
-        task = root_task(self.run_id, rnd, attempt, cfg, self.config_json, arrays, blob, sha256_hex(blob),
-                         self.time.wall())
+        task = root_task(self.run_id, rnd, attempt, cfg, self.config_json if config is None else cfg.model_dump_json(),
+                         arrays, blob, sha256_hex(blob), self.time.wall(), noise_stddev)
         schema, shared_seed = task.schema, task.shared_seed
         for t in self.tiers():
             t.reset()
@@ -296,7 +309,7 @@ class Engine:
                 continue
             parent.coord.count_bytes_down(len(blob))
             # As server.aggregator's UpstreamLink._serve: the parent's task, this tier's cohort.
-            task = task_from_assignment(a, blob, self.run)
+            task = task_from_assignment(a, blob, self.round_cfg)
             t.assignment = a
             t.cr = t.coord.open_round(task)
             self._open_below(t, blob)
@@ -551,7 +564,16 @@ class Engine:
         a.leaf.working.discard(a.node_id)
 
     def _job(self, a: Arrival) -> ClientJob:
-        return ClientJob(a.partition, a.node_id, a.assignment, a.steps, self.codec_states.get(a.partition), a.start)
+        return ClientJob(a.partition, a.node_id, a.assignment, a.steps, self.codec_states.get(a.partition), a.start,
+                         self._attack(a.partition))
+
+    def _attack(self, partition: int) -> float:
+        """The multiplier a device applies to its update: the attack's for attackers (drawn
+        per device from the seed), 1 for everyone else."""
+        att = self.attack
+        if att is None or att.fraction <= 0:
+            return 1.0
+        return att.factor if np.random.default_rng([self.seed, partition, 0xBAD]).random() < att.fraction else 1.0
 
     def _defer_expected_late(self, arrivals: list[Arrival]) -> None:
         """Mark the arrivals expected to find their tier closed: past the tier's deadline,
@@ -624,6 +646,7 @@ class Engine:
             if not tier.cr.closed:  # the virtual wall sits exactly on the deadline
                 tier.coord.close_round(tier.cr, "deadline")
         elif kind == "quiet":
+            self._heartbeats(tier)
             tier.coord.sweep()
         elif kind == "inputs":
             # The tier moves its session on at the stage's deadline (sweep); the clients
@@ -636,11 +659,13 @@ class Engine:
 
     @staticmethod
     def _heartbeats(tier: Tier) -> None:
-        """Clients still training keep heartbeating; a sweep drops only the silent."""
+        """Clients still training keep heartbeating, and so do secure clients whose masked
+        input is in (they long-poll for the unmasking stage); a sweep drops only the silent."""
         assert tier.cr is not None
         for a in tier.cr.pending():
             c = tier.coord.children.get(a.node_id)
-            if c is not None and (c.role is Role.AGGREGATOR or a.node_id in tier.working):
+            polling = a.node_id in tier.secure and tier.secure[a.node_id][0].sent_input
+            if c is not None and (c.role is Role.AGGREGATOR or a.node_id in tier.working or polling):
                 tier.coord.touch(a.node_id)
 
     # ------------------------------------------------------------------ secure aggregation
@@ -682,7 +707,9 @@ class Engine:
         assert o.header is not None and tier.cr is not None
         me, t = tier.secure[a.node_id]
         seed = train_seed(self.run.seed, t.round, a.partition)
-        if not self._secure_turn(tier, a.node_id, masked_input(self.run, self.codec, t, o.header, o.payload, seed)):
+        noise_rng = np.random.default_rng([self.seed, t.round, t.attempt, a.partition, 0xD9])
+        masked = masked_input(self.round_cfg, self.codec, t, o.header, o.payload, seed, me.participants, noise_rng)
+        if not self._secure_turn(tier, a.node_id, masked):
             raise SecAggError(f"round {t.round}: the secure cohort no longer takes masked inputs")
         if tier.cr.secure is not None and tier.cr.secure.stage is Stage.UNMASKING:
             self._secure_answer(tier)

@@ -34,6 +34,7 @@ class SimulationReport:
     final_loss: float | None = None
     failed_attempts: int = 0
     status: str = "completed"
+    privacy: dict[str, Any] | None = None  # with DP on: epsilon spent, delta, noise multiplier
     out: str | None = None
     plots: list[str] = field(default_factory=list)
     # The global model after the last round (not serialised).

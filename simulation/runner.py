@@ -13,7 +13,9 @@ import numpy as np
 
 from orchard import wire
 from orchard.aggregation import ServerOptimizer
-from orchard.errors import ConfigError
+from orchard.aggregation.layer import CLIP_BELOW
+from orchard.aggregation.privacy import PrivacyLedger
+from orchard.errors import ConfigError, PrivacyBudgetExceeded
 from orchard.simulation.backends import make_backend
 from orchard.simulation.config import SimulationConfig, simulation_problems
 from orchard.simulation.engine import Engine
@@ -70,22 +72,47 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
     engine = Engine(task, population, run, cfg.fanout(), backend, chunk_size=cfg.chunk_size, workers=cfg.workers,
                     governor=cfg.governor, checkin_factor=cfg.checkin_factor, node_timeout_s=cfg.node_timeout_s,
                     aggregator_mbps=cfg.aggregator_mbps, wall_origin=_WALL_ORIGIN, num_partitions=cfg.clients,
-                    seed=cfg.seed)
+                    seed=cfg.seed, attack=cfg.attack)
     optimizer = ServerOptimizer(run.server_optimizer, arrays)
+    # The same ledger as the root's: noise from the target epsilon for the planned rounds
+    # at this population's sampling rate; every attempt charged; the run stops at the budget.
+    ledger = PrivacyLedger.plan(run, population=cfg.clients)
+    noise_rng = np.random.default_rng([cfg.seed, 0xADA])  # adaptive clipping's count noise (seeded here)
     trained_total, busy_total = 0, 0.0
     try:
         for rnd in range(1, cfg.rounds + 1):
             rec: dict[str, Any] = {}
             for attempt in range(run.cohort.max_retries + 1):
+                round_cfg, noise_stddev = run, 0.0
+                if ledger is not None:
+                    try:
+                        ledger.check_next()
+                    except PrivacyBudgetExceeded as err:
+                        report.status = f"stopped: {err}"
+                        rec = {}
+                        break
+                    round_cfg, noise_stddev = ledger.round_config(run), ledger.noise_stddev
                 t0, c0 = time.perf_counter(), time.process_time()
-                rec = engine.round(rnd, attempt, arrays, optimizer)
+                rec = engine.round(rnd, attempt, arrays, optimizer, round_cfg if ledger else None, noise_stddev)
                 rec["seconds"] = round(time.perf_counter() - t0, 4)
                 # CPU time of the whole process (all workers): what to compare on a busy host.
                 rec["cpu_seconds"] = round(time.process_time() - c0, 4)
+                if ledger is not None:
+                    clip_norm = ledger.clip_norm
+                    ledger.charge()
+                    adaptive = run.privacy.adaptive
+                    if rec["ok"] and adaptive is not None:
+                        ledger.adapt(rec["metrics"].get(CLIP_BELOW), rec["participants"], adaptive.target_quantile,
+                                     adaptive.learning_rate, noise_rng)
+                    rec["privacy"] = {"epsilon": round(ledger.epsilon, 6), "delta": ledger.delta,
+                                      "clip_norm": clip_norm, "noise_multiplier": ledger.noise_multiplier}
+                    report.privacy = ledger.as_dict()
                 engine.time.advance_to(engine.time.t + cfg.round_gap_s)
                 if rec["ok"]:
                     break
                 report.failed_attempts += 1
+            if not rec:  # the privacy budget ended the run
+                break
             if not rec["ok"]:
                 report.rounds.append(_public(rec))
                 report.status = f"failed at round {rnd}: {rec.get('reason', 'too few updates')}"

@@ -1,0 +1,265 @@
+"""The aggregation layer: one protocol, weighted sums as its implementations, and
+transforms that wrap them (clip, noise, robust statistics).
+
+An :class:`Aggregator` is what a tier folds one round through::
+
+    state = agg.zero()
+    state = agg.accumulate(state, update, weight, metrics)   # a client's decoded update
+    state = agg.merge(state, partial)                        # a partial from below, or a
+                                                             # sum kept aside (compressed,
+                                                             # secure cohort)
+    partial, measurements = agg.finalize(state)
+
+States are mutable and folded in place (O(model) memory for the sums); every method
+returns the state so that stacks compose. Transforms wrap an inner aggregator, as
+TensorFlow Federated's factories do: ``clip(norm, inner)``, ``noise(stddev, inner, rng)``,
+``robust(statistic, inner)``. Each declares ``linear``: whether its result is a sum that
+commutes with the other tiers' sums, which is what secure aggregation and merging
+across a tree need (``orchard validate`` refuses a non-linear statistic under secure
+aggregation, naming the linear ones).
+
+With no transform the layer is exactly the weighted sum tiers always folded
+(:class:`WeightedSum` is :class:`~orchard.aggregation.fedavg.Accumulator`), bit for bit.
+Pure: no I/O; randomness comes in as a Generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from orchard.aggregation.fedavg import Accumulator, MetricSums, Partial
+from orchard.aggregation.privacy import add_gaussian_noise, clip_l2
+from orchard.errors import ConfigError
+from orchard.typing import NDArrays, TensorSpec
+
+Measurements = dict[str, float]
+
+CLIP_BELOW = "clip_below"  # metric: the fraction of clients whose update was within the clip norm
+
+
+class Aggregator(Protocol):
+    """Zero / accumulate / merge / finalize for one round at one tier."""
+
+    linear: bool
+
+    def zero(self) -> Any: ...
+
+    def accumulate(self, state: Any, update: NDArrays, weight: float, metrics: MetricSums | None = None) -> Any: ...
+
+    def merge(self, state: Any, partial: Partial, owned: bool = False) -> Any: ...
+
+    def finalize(self, state: Any) -> tuple[Partial, Measurements]: ...
+
+    def count(self, state: Any) -> int: ...
+
+
+class WeightedSum:
+    """``sum_i w_i x_i`` and ``sum_i w_i`` in float64: the FedAvg family's sufficient
+    statistic (one float64 copy of the model, whatever the cohort size)."""
+
+    linear = True
+
+    def __init__(self, schema: list[TensorSpec] | tuple[TensorSpec, ...]) -> None:
+        self.schema = list(schema)
+
+    def zero(self) -> Accumulator:
+        return Accumulator(self.schema)
+
+    def accumulate(self, state: Accumulator, update: NDArrays, weight: float,
+                   metrics: MetricSums | None = None) -> Accumulator:
+        state.accumulate(update, weight, checked=True)  # tiers check updates as they decode them
+        if metrics is not None:
+            state.partial.metrics.merge(metrics)
+        return state
+
+    def merge(self, state: Accumulator, partial: Partial, owned: bool = False) -> Accumulator:
+        state.merge(partial, owned=owned)
+        return state
+
+    def finalize(self, state: Accumulator) -> tuple[Partial, Measurements]:
+        return state.partial, {}
+
+    def count(self, state: Accumulator) -> int:
+        return state.count
+
+
+@dataclass
+class _ClipState:
+    inner: Any
+    clients: int = 0
+    clipped: int = 0
+    below: int = 0  # within the norm (the bit adaptive clipping counts)
+    norm_sum: float = 0.0
+
+
+class Clip:
+    """Per-client L2 clipping before the inner sum: every contribution has norm <= ``norm``.
+
+    The count of clients within the norm travels up the tree as the metric
+    ``clip_below`` (a mean over clients), which adaptive clipping steers by."""
+
+    def __init__(self, norm: float, inner: Aggregator) -> None:
+        if not norm > 0:
+            raise ConfigError(f"clip norm must be > 0, got {norm}")
+        self.norm = float(norm)
+        self.inner = inner
+        self.linear = inner.linear
+
+    def zero(self) -> _ClipState:
+        return _ClipState(self.inner.zero())
+
+    def accumulate(self, state: _ClipState, update: NDArrays, weight: float,
+                   metrics: MetricSums | None = None) -> _ClipState:
+        clipped, n = clip_l2(update, self.norm)
+        state.inner = self.inner.accumulate(state.inner, clipped, weight, metrics)
+        state.clients += 1
+        state.clipped += int(n > self.norm)
+        state.below += int(n <= self.norm)
+        state.norm_sum += n
+        return state
+
+    def merge(self, state: _ClipState, partial: Partial, owned: bool = False) -> _ClipState:
+        state.inner = self.inner.merge(state.inner, partial, owned)
+        return state
+
+    def finalize(self, state: _ClipState) -> tuple[Partial, Measurements]:
+        partial, m = self.inner.finalize(state.inner)
+        if state.clients:
+            partial.metrics.merge(MetricSums({CLIP_BELOW: float(state.below)}, {CLIP_BELOW: float(state.clients)}))
+        return partial, {**m, "clipped": float(state.clipped), "clip_clients": float(state.clients),
+                         "mean_norm": state.norm_sum / state.clients if state.clients else 0.0}
+
+    def count(self, state: _ClipState) -> int:
+        return self.inner.count(state.inner)
+
+
+class Noise:
+    """Gaussian noise ``N(0, stddev^2)`` on every coordinate of the finished sum: the
+    trusted root's step of central DP. Merging before finalize stays linear; the noise
+    is added once, at finalize."""
+
+    def __init__(self, stddev: float, inner: Aggregator, rng: np.random.Generator) -> None:
+        if not stddev >= 0:
+            raise ConfigError(f"noise stddev must be >= 0, got {stddev}")
+        self.stddev = float(stddev)
+        self.inner = inner
+        self.rng = rng
+        self.linear = inner.linear
+
+    def zero(self) -> Any:
+        return self.inner.zero()
+
+    def accumulate(self, state: Any, update: NDArrays, weight: float, metrics: MetricSums | None = None) -> Any:
+        return self.inner.accumulate(state, update, weight, metrics)
+
+    def merge(self, state: Any, partial: Partial, owned: bool = False) -> Any:
+        return self.inner.merge(state, partial, owned)
+
+    def finalize(self, state: Any) -> tuple[Partial, Measurements]:
+        partial, m = self.inner.finalize(state)
+        if self.stddev == 0 or partial.count == 0:
+            return partial, m
+        noised = Partial(sums=add_gaussian_noise(partial.sums, self.stddev, self.rng), weight=partial.weight,
+                         count=partial.count, metrics=partial.metrics)
+        return noised, {**m, "noise_stddev": self.stddev}
+
+    def count(self, state: Any) -> int:
+        return self.inner.count(state)
+
+
+def _median(stack: np.ndarray, trim: float) -> np.ndarray:
+    return np.median(stack, axis=0)
+
+
+def _trimmed_mean(stack: np.ndarray, trim: float) -> np.ndarray:
+    n = stack.shape[0]
+    k = int(np.floor(trim * n))
+    if 2 * k >= n:
+        k = (n - 1) // 2
+    s = np.sort(stack, axis=0)
+    return s[k:n - k].mean(axis=0)
+
+
+@dataclass(frozen=True)
+class Statistic:
+    name: str
+    linear: bool
+    fn: Any = None
+
+
+# The cohort statistics a tier can compute, and whether each is a sum (linear): only
+# linear ones run under secure aggregation, where the tier sees nothing but the sum.
+STATISTICS: dict[str, Statistic] = {
+    "mean": Statistic("mean", True),
+    "median": Statistic("median", False, _median),
+    "trimmed_mean": Statistic("trimmed_mean", False, _trimmed_mean),
+}
+
+
+@dataclass
+class _RobustState:
+    updates: list[NDArrays] = field(default_factory=list)
+    metrics: MetricSums = field(default_factory=MetricSums)
+    below: Any = None  # partials merged from lower tiers (already robust), summed linearly
+
+
+class Robust:
+    """A coordinate-wise robust statistic (median, trimmed mean) of the cohort's client
+    updates, reported as a partial worth ``count`` updates of weight 1. Holds every
+    update of its cohort (memory bounded by cohort size, not O(model)); partials from
+    lower tiers are merged into the inner sum linearly. Not linear: never under secure
+    aggregation."""
+
+    linear = False
+
+    def __init__(self, statistic: str, inner: Aggregator, trim_fraction: float = 0.1) -> None:
+        if statistic not in STATISTICS or STATISTICS[statistic].linear:
+            raise ConfigError(f"robust statistic must be one of median, trimmed_mean; got {statistic!r}")
+        if not 0 <= trim_fraction < 0.5:
+            raise ConfigError(f"trim_fraction must be in [0, 0.5), got {trim_fraction}")
+        self.statistic = STATISTICS[statistic]
+        self.trim = trim_fraction
+        self.inner = inner
+
+    def zero(self) -> _RobustState:
+        return _RobustState(below=self.inner.zero())
+
+    def accumulate(self, state: _RobustState, update: NDArrays, weight: float,
+                   metrics: MetricSums | None = None) -> _RobustState:
+        state.updates.append(update)
+        if metrics is not None:
+            state.metrics.merge(metrics)
+        return state
+
+    def merge(self, state: _RobustState, partial: Partial, owned: bool = False) -> _RobustState:
+        state.below = self.inner.merge(state.below, partial, owned)
+        return state
+
+    def finalize(self, state: _RobustState) -> tuple[Partial, Measurements]:
+        if state.updates:
+            n = len(state.updates)
+            stat = {k: self.statistic.fn(np.stack([np.asarray(u[k], np.float64) for u in state.updates]), self.trim)
+                    for k in state.updates[0]}
+            own = Partial(sums={k: v * n for k, v in stat.items()}, weight=float(n), count=n, metrics=state.metrics)
+            state.below = self.inner.merge(state.below, own)
+            state.updates = []
+        partial, m = self.inner.finalize(state.below)
+        return partial, {**m, "robust_updates": float(partial.count)}
+
+    def count(self, state: _RobustState) -> int:
+        return len(state.updates) + self.inner.count(state.below)
+
+
+def clip(norm: float, inner: Aggregator) -> Clip:
+    return Clip(norm, inner)
+
+
+def noise(stddev: float, inner: Aggregator, rng: np.random.Generator) -> Noise:
+    return Noise(stddev, inner, rng)
+
+
+def robust(statistic: str, inner: Aggregator, trim_fraction: float = 0.1) -> Robust:
+    return Robust(statistic, inner, trim_fraction)

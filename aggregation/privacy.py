@@ -1,0 +1,391 @@
+"""Differential privacy: clipping, noise, the distributed discrete Gaussian, accounting.
+
+Pure: arrays and explicit randomness in, arrays and numbers out. The privacy
+accounting is not written here: it is ``dp_accounting``'s RDP accountant, called with
+the events this module builds.
+
+Central DP (McMahan et al., 2018, "Learning differentially private recurrent language
+models"; the trusted root adds the noise). Each client's update is clipped to L2 norm
+``C``; the root adds ``N(0, (z C)^2)`` to every coordinate of the cohort's sum and
+divides by the number of contributions (the cohort size is treated as public, as in
+TensorFlow Federated's DP aggregators). One round is a Poisson-subsampled Gaussian
+mechanism with noise multiplier ``z`` and sampling rate ``q``.
+
+Adaptive clipping (Andrew et al., 2021, "Differentially private learning with adaptive
+clipping"). Each client also contributes ``b_i = [||x_i|| <= C]``; the root noises the
+count with ``N(0, sigma_b^2)`` and moves ``C <- C exp(-eta (b_bar - gamma))`` towards
+the target quantile ``gamma``. Their Theorem 1: updates with multiplier ``z_update``
+and the count with ``sigma_b`` together are a Gaussian mechanism with
+``z = (z_update^-2 + (2 sigma_b)^-2)^(-1/2)``; given the ``z`` the budget allows,
+:func:`update_noise_multiplier` returns ``z_update``.
+
+Distributed DP under secure aggregation (Kairouz et al., 2021, "The distributed discrete
+Gaussian mechanism for federated learning with secure aggregation"). Tiers are not
+trusted: each client clips to ``C``, scales by ``1 / gamma``, rounds to integers with
+conditional randomized rounding (retrying until the rounded vector's norm is within the
+bound ``Delta_2`` of their eq. (4)), adds its share of discrete Gaussian noise and
+reduces modulo the field. With ``n`` clients in the session, of whom at least ``n_min``
+(the session's dropout tolerance) contribute, each adds variance ``sigma^2 / n_min``, so
+the cohort sum carries at least ``sigma^2 = (z Delta_2)^2`` whoever drops. ``gamma`` is
+the finest granularity at which ``n`` contributions of norm ``Delta_2`` plus their noise
+(each share bounded at 10 standard deviations) stay inside ``(-M/2, M/2)``: the sum
+never wraps. The sum of independent discrete Gaussians is not exactly one; their
+Theorem 1 bounds the gap by ``tau``, which :func:`ddg_params` folds into the sensitivity
+the accountant sees (negligible at the scales chosen here).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import cast
+
+import numpy as np
+
+from orchard.config import RunConfig
+from orchard.errors import ConfigError
+from orchard.typing import NDArrays
+
+NOISE_SHARE_BOUND = 10.0  # a client's noise share is clamped at this many standard deviations
+
+
+# ------------------------------------------------------------------------------ clipping
+
+
+def global_norm(update: NDArrays) -> float:
+    """The L2 norm of all tensors of ``update`` together."""
+    return math.sqrt(sum(float(np.dot(v.ravel().astype(np.float64), v.ravel().astype(np.float64)))
+                         for v in update.values()))
+
+
+def clip_l2(update: NDArrays, norm: float) -> tuple[NDArrays, float]:
+    """``update * min(1, norm / ||update||)`` (float32, as it came) and the norm it had.
+    An update within the bound comes back as the very same arrays. A clipped one is
+    scaled a hair (1e-6 relative) below the bound, so float32 rounding cannot lift its
+    norm above it: the bound is what sensitivity analyses rely on."""
+    if not norm > 0:
+        raise ConfigError(f"a clipping norm must be > 0, got {norm}")
+    n = global_norm(update)
+    if n <= norm:
+        return update, n
+    scale = norm / n * (1.0 - 1e-6)
+    return {k: (v.astype(np.float64) * scale).astype(v.dtype) for k, v in update.items()}, n
+
+
+# ------------------------------------------------------------------------------ central noise
+
+
+def add_gaussian_noise(sums: NDArrays, stddev: float, rng: np.random.Generator) -> NDArrays:
+    """``sums + N(0, stddev^2)`` element-wise (float64), a new dict."""
+    return {k: np.asarray(v, np.float64) + rng.normal(0.0, stddev, size=np.shape(v)) for k, v in sums.items()}
+
+
+def update_noise_multiplier(z: float, count_stddev: float) -> float:
+    """``z_update`` such that updates with it and the clipped-count with ``count_stddev``
+    together spend what one Gaussian mechanism with ``z`` spends (Andrew et al., Thm 1)."""
+    rest = z ** -2 - (2.0 * count_stddev) ** -2
+    if rest <= 0:
+        raise ConfigError(f"the clipped-count noise (stddev {count_stddev}) leaves no budget for the updates at "
+                          f"noise multiplier {z}: raise privacy.adaptive.count_stddev above {z / 2:.3g}")
+    return rest ** -0.5
+
+
+def adapt_clip(norm: float, below_fraction: float, target_quantile: float, learning_rate: float) -> float:
+    """Andrew et al.'s geometric update: ``C exp(-eta (b_bar - gamma))``."""
+    return float(norm * math.exp(-learning_rate * (below_fraction - target_quantile)))
+
+
+# ------------------------------------------------------------------------------ discrete Gaussian
+
+
+def discrete_gaussian(sigma: float, size: int, rng: np.random.Generator) -> np.ndarray:
+    """``size`` draws from the discrete Gaussian N_Z(0, sigma^2) (int64).
+
+    Canonne, Kamath and Steinke (2020), Algorithm 3: discrete Laplace proposals with
+    scale ``t = floor(sigma) + 1``, accepted with probability
+    ``exp(-(|y| - sigma^2/t)^2 / (2 sigma^2))``; vectorised, in float64 arithmetic."""
+    if not sigma > 0:
+        raise ConfigError(f"discrete Gaussian sigma must be > 0, got {sigma}")
+    out = np.empty(size, np.int64)
+    t = math.floor(sigma) + 1
+    p = 1.0 - math.exp(-1.0 / t)
+    filled = 0
+    while filled < size:
+        m = max(64, int(1.3 * (size - filled)))
+        y = rng.geometric(p, m).astype(np.int64) - rng.geometric(p, m).astype(np.int64)
+        accept = rng.random(m) < np.exp(-((np.abs(y) - sigma * sigma / t) ** 2) / (2 * sigma * sigma))
+        got = y[accept][: size - filled]
+        out[filled:filled + got.size] = got
+        filled += got.size
+    return out
+
+
+@dataclass(frozen=True)
+class DDGParams:
+    """One session's distributed discrete Gaussian encoding."""
+
+    clip: float  # C: the L2 bound of each client's update (float units)
+    gamma: float  # granularity: a field unit is gamma in float units
+    delta2: float  # L2 bound of a rounded client vector, in field units (Kairouz et al. eq. 4)
+    sigma: float  # noise stddev the cohort sum carries at least, in field units (z * delta2)
+    share_sigma: float  # each client's share: sigma / sqrt(n_min)
+    participants: int  # n
+    min_contributors: int  # n_min: fewer, and the cohort's sum is not released
+    modulus_bits: int
+    beta: float  # conditional rounding's slack: P(a rounding is retried) is at most beta
+    tau: float  # Kairouz et al. Theorem 1's gap between a sum of n_min shares and one DG(sigma^2)
+
+    def sensitivity(self, dim: int) -> float:
+        """The L2 sensitivity the accountant must use: ``delta2`` with the ``tau`` term of
+        Kairouz et al.'s Theorem 1 folded in (``sqrt(delta2^2 + sigma^2 tau d / 2)``)."""
+        return math.sqrt(self.delta2 ** 2 + self.sigma ** 2 * self.tau * dim / 2.0)
+
+    def noise_multiplier(self, dim: int) -> float:
+        return self.sigma / self.sensitivity(dim)
+
+
+def _delta2(scale: float, dim: int, beta: float) -> float:
+    """Kairouz et al. (2021), eq. (4): the norm bound after conditional rounding of a
+    vector of norm ``scale``: sqrt(c^2 + d/4 + sqrt(2 ln(1/beta)) (c + sqrt(d)/2))."""
+    return math.sqrt(scale ** 2 + dim / 4.0 + math.sqrt(2.0 * math.log(1.0 / beta)) * (scale + math.sqrt(dim) / 2.0))
+
+
+def ddg_params(clip: float, noise_multiplier: float, participants: int, min_contributors: int, dim: int,
+               modulus_bits: int, beta: float = math.exp(-0.5)) -> DDGParams:
+    """The finest granularity at which the session's sum cannot wrap modulo 2^modulus_bits:
+    ``n * (delta2 + NOISE_SHARE_BOUND * share_sigma) < 2^(modulus_bits - 1)``."""
+    problems = []
+    if not clip > 0:
+        problems.append(f"clip must be > 0, got {clip}")
+    if not noise_multiplier > 0:
+        problems.append(f"noise multiplier must be > 0, got {noise_multiplier}")
+    if not 1 <= min_contributors <= participants:
+        problems.append(f"need 1 <= min_contributors ({min_contributors}) <= participants ({participants})")
+    if dim < 1:
+        problems.append(f"dimension must be >= 1, got {dim}")
+    if problems:
+        raise ConfigError(problems)
+    limit = float(2 ** (modulus_bits - 1) - 1)
+    per_share = NOISE_SHARE_BOUND * noise_multiplier / math.sqrt(min_contributors)
+
+    def worst(scale: float) -> float:  # the largest |coordinate| the sum can reach
+        return participants * _delta2(scale, dim, beta) * (1.0 + per_share)
+
+    scale = 2.0 ** 52
+    while scale >= 1.0 and worst(scale) >= limit:
+        scale /= 2.0
+    if scale < 1.0 or scale < math.sqrt(dim):
+        raise ConfigError(
+            f"a {modulus_bits}-bit field cannot hold the sum of {participants} clients' {dim}-dimensional updates "
+            f"with their noise at any useful granularity; raise secure_aggregation.modulus_bits (up to 62) "
+            f"or use smaller cohorts")
+    delta2 = _delta2(scale, dim, beta)
+    sigma = noise_multiplier * delta2
+    share = sigma / math.sqrt(min_contributors)
+    tau = 10.0 * sum(math.exp(-2.0 * math.pi ** 2 * share ** 2 * k / (k + 1)) for k in range(1, min_contributors))
+    if sigma ** 2 * tau * dim / 2.0 > 1e-6 * delta2 ** 2:
+        raise ConfigError(f"each client's noise share (stddev {share:.3g} field units) is too small for the sum of "
+                          f"{min_contributors} shares to be a discrete Gaussian (Kairouz et al., Theorem 1); "
+                          "raise the noise multiplier or secure_aggregation.modulus_bits")
+    return DDGParams(clip=clip, gamma=clip / scale, delta2=delta2, sigma=sigma, share_sigma=share,
+                     participants=participants, min_contributors=min_contributors, modulus_bits=modulus_bits,
+                     beta=beta, tau=tau)
+
+
+def ddg_encode(x: np.ndarray, p: DDGParams, rng: np.random.Generator, max_tries: int = 1000) -> np.ndarray:
+    """A client's field vector: clip ``x`` to ``p.clip``, scale by ``1 / gamma``, round
+    conditionally (norm <= delta2), add its noise share (clamped at
+    NOISE_SHARE_BOUND sigmas), reduce modulo 2^modulus_bits. Unsigned words."""
+    x = np.asarray(x, np.float64).ravel()
+    n = float(np.linalg.norm(x))
+    if n > p.clip:
+        x = x * (p.clip / n)
+    y = x / p.gamma
+    floor = np.floor(y)
+    frac = y - floor
+    for _ in range(max_tries):
+        r = floor + (rng.random(y.shape) < frac)
+        if float(np.dot(r, r)) <= p.delta2 ** 2:
+            break
+    else:  # P(failure) <= beta^max_tries: never in practice
+        raise ConfigError("conditional rounding failed to meet its norm bound; this is a bug in the parameters")
+    bound = int(NOISE_SHARE_BOUND * p.share_sigma)
+    noise = np.clip(discrete_gaussian(p.share_sigma, y.size, rng), -bound, bound)
+    z = r.astype(np.int64) + noise
+    mask = (1 << p.modulus_bits) - 1
+    word = np.uint32 if p.modulus_bits <= 32 else np.uint64
+    return (z & mask).astype(word)
+
+
+def ddg_decode(total: np.ndarray, p: DDGParams) -> np.ndarray:
+    """The float sum (float64) from the field sum of the contributors' vectors."""
+    t = np.asarray(total).astype(np.uint64) & np.uint64((1 << p.modulus_bits) - 1)
+    half = np.uint64(1 << (p.modulus_bits - 1))
+    signed = t.astype(np.int64) - np.where(t >= half, np.int64(1) << p.modulus_bits, 0).astype(np.int64)
+    return signed.astype(np.float64) * p.gamma
+
+
+# ------------------------------------------------------------------------------ accounting
+
+
+def _round_event(noise_multiplier: float, sampling_rate: float):  # -> dp_accounting.DpEvent
+    import dp_accounting
+
+    return dp_accounting.PoissonSampledDpEvent(sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier))
+
+
+def epsilon_spent(noise_multiplier: float, sampling_rate: float, rounds: int, delta: float) -> float:
+    """ε after ``rounds`` Poisson-subsampled Gaussian rounds (dp_accounting, RDP)."""
+    if rounds <= 0:
+        return 0.0
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    acc = RdpAccountant()
+    acc.compose(dp_accounting.SelfComposedDpEvent(_round_event(noise_multiplier, sampling_rate), rounds))
+    return float(acc.get_epsilon(delta))
+
+
+def noise_multiplier_for(epsilon: float, delta: float, sampling_rate: float, rounds: int) -> float:
+    """The smallest noise multiplier whose ``rounds`` rounds spend at most ``epsilon``
+    (dp_accounting's calibration over its RDP accountant)."""
+    problems = []
+    if not epsilon > 0:
+        problems.append(f"target epsilon must be > 0, got {epsilon}")
+    if not 0 < delta < 1:
+        problems.append(f"delta must be in (0, 1), got {delta}")
+    if not 0 < sampling_rate <= 1:
+        problems.append(f"sampling rate must be in (0, 1], got {sampling_rate}")
+    if rounds < 1:
+        problems.append(f"rounds must be >= 1, got {rounds}")
+    if problems:
+        raise ConfigError(problems)
+    import dp_accounting
+    from dp_accounting.rdp import RdpAccountant
+
+    return float(dp_accounting.calibrate_dp_mechanism(
+        RdpAccountant, lambda z: dp_accounting.SelfComposedDpEvent(_round_event(z, sampling_rate), rounds),
+        epsilon, delta))
+
+
+# ------------------------------------------------------------------------------ a run's plan
+
+
+def min_contributors(participants: int, dropout_rate: float) -> int:
+    """The fewest contributors a distributed-DP session releases a sum for: the session
+    tolerates ``dropout_rate`` of its participants dropping, and every client's noise
+    share is sized so that this many carry the full noise."""
+    return max(1, math.ceil(participants * (1.0 - dropout_rate)))
+
+
+def session_params(cfg: RunConfig, participants: int, dim: int) -> DDGParams:
+    """The distributed discrete Gaussian encoding of one secure session of ``cfg``'s run:
+    what its clients encode with and its tier decodes with (both know the session's
+    participants and the model's size)."""
+    if cfg.privacy.noise_multiplier is None:
+        raise ConfigError("distributed DP needs the run's noise multiplier; the root resolves it at start")
+    sa = cfg.secure_aggregation
+    return ddg_params(cast(float, cfg.clip_norm), cfg.privacy.noise_multiplier, participants,
+                      min_contributors(participants, sa.dropout_rate), dim, sa.modulus_bits)
+
+
+@dataclass
+class PrivacyLedger:
+    """One run's privacy: its mechanism, its current clip norm, and what it has spent.
+
+    The root and the simulator keep one each and call it around every round attempt:
+    ``check_next`` (refuses a round that would exceed the target), ``round_config`` (the
+    round's config: the resolved noise multiplier and the current clip norm),
+    ``noise_stddev`` (what the root adds, central DP), ``charge`` (after an attempt that
+    opened: every opened round counts, retried or not), ``adapt`` (adaptive clipping,
+    after a completed round). Epsilon is always the accountant's, never a running sum.
+    """
+
+    mode: str
+    noise_multiplier: float  # z of the whole round's Gaussian mechanism (what is accounted)
+    update_noise_multiplier: float  # z for the updates (z unless adaptive clipping spends some on the count)
+    sampling_rate: float
+    delta: float
+    target_epsilon: float | None
+    clip_norm: float
+    count_stddev: float | None = None  # adaptive clipping's noise on the clipped count
+    rounds: int = 0  # round attempts charged
+    epsilon: float = 0.0
+
+    @classmethod
+    def plan(cls, cfg: RunConfig, population: int | None = None) -> PrivacyLedger | None:
+        """The ledger of a run (None when privacy is off). Derives the noise multiplier from
+        the target epsilon for ``cfg.rounds`` rounds; refuses a run whose given noise cannot
+        meet its target."""
+        p = cfg.privacy
+        if not p.enabled:
+            return None
+        q = p.sampling_rate
+        if q is None:
+            if population is None:
+                raise ConfigError("privacy.sampling_rate is needed for accounting: the expected share of the "
+                                  "population selected per round (cohort.target / population)")
+            q = min(1.0, cfg.cohort.target / population)
+        if p.noise_multiplier is not None:
+            z = p.noise_multiplier
+            if p.target_epsilon is not None:
+                planned = epsilon_spent(z, q, cfg.rounds, p.delta)
+                if planned > p.target_epsilon * (1 + 1e-9):
+                    raise ConfigError(f"privacy: noise multiplier {z} over {cfg.rounds} rounds at sampling rate "
+                                      f"{q:.4g} spends epsilon {planned:.3f} > target {p.target_epsilon}; raise "
+                                      f"the noise multiplier to {noise_multiplier_for(p.target_epsilon, p.delta, q, cfg.rounds):.4g}, "
+                                      "or plan fewer rounds")
+        else:
+            z = noise_multiplier_for(cast(float, p.target_epsilon), p.delta, q, cfg.rounds)
+        z_update, count_stddev = z, None
+        if p.adaptive is not None:
+            count_stddev = p.adaptive.count_stddev or cfg.cohort.target / 20.0
+            z_update = update_noise_multiplier(z, count_stddev)
+        return cls(mode=p.mode, noise_multiplier=z, update_noise_multiplier=z_update, sampling_rate=q,
+                   delta=p.delta, target_epsilon=p.target_epsilon, clip_norm=p.clip_norm, count_stddev=count_stddev)
+
+    def epsilon_after(self, rounds: int) -> float:
+        return epsilon_spent(self.noise_multiplier, self.sampling_rate, rounds, self.delta)
+
+    def check_next(self) -> None:
+        """Raise PrivacyBudgetExceeded if one more round would spend more than the target."""
+        from orchard.errors import PrivacyBudgetExceeded
+
+        if self.target_epsilon is None:
+            return
+        nxt = self.epsilon_after(self.rounds + 1)
+        if nxt > self.target_epsilon * (1 + 1e-9):
+            raise PrivacyBudgetExceeded(f"round {self.rounds + 1} would bring epsilon to {nxt:.3f} > the target "
+                                        f"{self.target_epsilon} (delta {self.delta}); the run stops here")
+
+    def round_config(self, cfg: RunConfig) -> RunConfig:
+        """``cfg`` for the next round: the resolved noise multiplier (updates' share) and
+        the current clip norm, which tiers and clients read from the round's config."""
+        privacy = cfg.privacy.model_copy(update={"noise_multiplier": self.update_noise_multiplier,
+                                                 "clip_norm": self.clip_norm})
+        return cfg.model_copy(update={"privacy": privacy})
+
+    @property
+    def noise_stddev(self) -> float:
+        """The Gaussian noise the root adds to a round's sum: central DP only."""
+        return self.update_noise_multiplier * self.clip_norm if self.mode == "central" else 0.0
+
+    def charge(self) -> float:
+        """Account one more round attempt; the epsilon spent so far."""
+        self.rounds += 1
+        self.epsilon = self.epsilon_after(self.rounds)
+        return self.epsilon
+
+    def adapt(self, below_fraction: float | None, clients: int, target_quantile: float, learning_rate: float,
+              rng: np.random.Generator) -> None:
+        """Adaptive clipping after a completed round: the count of clients within the norm
+        is noised with ``count_stddev`` (its share of the budget) before it steers."""
+        if self.count_stddev is None or below_fraction is None or clients <= 0:
+            return
+        noisy = (below_fraction * clients + rng.normal(0.0, self.count_stddev)) / clients
+        self.clip_norm = adapt_clip(self.clip_norm, noisy, target_quantile, learning_rate)
+
+    def as_dict(self) -> dict[str, object]:
+        return {"mode": self.mode, "epsilon": round(self.epsilon, 6), "delta": self.delta,
+                "target_epsilon": self.target_epsilon, "noise_multiplier": self.noise_multiplier,
+                "sampling_rate": self.sampling_rate, "clip_norm": self.clip_norm, "rounds_charged": self.rounds}
