@@ -561,6 +561,10 @@ def run_status(
 
     out.print(f"run {st['run_id']}: {st['status']} — {st['completed_rounds']}/{st.get('target_rounds')} rounds, "
               f"task {st.get('task')}, codec {st.get('codec')}, secure aggregation {st.get('secure_aggregation')}")
+    if st.get("privacy"):
+        pv = st["privacy"]
+        target = f" of the target {pv['target_epsilon']}" if pv.get("target_epsilon") else ""
+        out.print(f"privacy: {pv['mode']} DP, epsilon {pv['epsilon']:.4g} spent{target} (delta {pv['delta']:g})")
     t = Table("round", "status", "participants", "per tier", "bytes up", "bytes down", "seconds", "metrics")
     for r in st["rounds"]:
         t.add_row(str(r["round"]), r["status"], str(r.get("participants", "")),
@@ -652,6 +656,9 @@ def demo(
     codec: Annotated[str | None, typer.Option("--codec")] = None,
     secure_aggregation: Annotated[bool, typer.Option("--secure-aggregation/--no-secure-aggregation")] = False,
     insecure: Insecure = False,
+    dp_epsilon: Annotated[float | None, typer.Option(
+        "--dp-epsilon", help="Differential privacy to this epsilon over the run (delta 1e-5): central, or "
+                             "distributed with --secure-aggregation.")] = None,
 ) -> None:
     """A real local federation: root, aggregators and clients as processes over TLS."""
     from orchard.demo import DemoSpec, run_demo
@@ -659,7 +666,7 @@ def demo(
     try:
         report = run_demo(DemoSpec(rounds=rounds, aggregators=aggregators, clients=clients, task=task,
                                    out=out_dir, codec=codec, secure_aggregation=secure_aggregation,
-                                   insecure=insecure), console=out)
+                                   insecure=insecure, dp_epsilon=dp_epsilon), console=out)
     except OrchardError as err:
         _fail(err)
     out.print(f"report: {out_dir / 'report.json'}; plot: {report.get('plot')}")

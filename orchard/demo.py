@@ -44,6 +44,9 @@ class DemoSpec:
     insecure: bool = False
     deadline_s: float = 120.0
     start_timeout_s: float = 120.0
+    # Differential privacy to this epsilon over the run (delta 1e-5): central DP, or
+    # distributed DP with secure aggregation. Every client takes part in every round.
+    dp_epsilon: float | None = None
 
 
 class DemoError(OrchardError):
@@ -117,6 +120,11 @@ def run_demo(spec: DemoSpec, console: Console | None = None) -> dict[str, Any]:
                                         deadline_s=spec.deadline_s),
                     codec=CodecSpec(name=spec.codec) if spec.codec else CodecSpec(),
                     secure_aggregation=SecureAggregationConfig(enabled=spec.secure_aggregation))
+    if spec.dp_epsilon is not None:
+        cfg = RunConfig.model_validate({
+            **cfg.model_dump(), "cohort": {**cfg.cohort.model_dump(), "weighting": "uniform"},
+            "privacy": {"mode": "distributed" if spec.secure_aggregation else "central",
+                        "target_epsilon": spec.dp_epsilon, "sampling_rate": 1.0}})
     tls: list[str] = []
     ca: Path | None = None
     if not spec.insecure:
@@ -171,6 +179,8 @@ def run_demo(spec: DemoSpec, console: Console | None = None) -> dict[str, Any]:
               "codec": cfg.codec.name, "secure_aggregation": spec.secure_aggregation,
               "tls": not spec.insecure, "status": status["status"], "rounds": rows,
               "total_seconds": round(time.monotonic() - t_start, 2)}
+    if status.get("privacy"):
+        report["privacy"] = status["privacy"]  # epsilon spent, delta, noise multiplier
     report["plot"] = str(_plot(rows, out / "report.png", spec))
     (out / "report.json").write_text(json.dumps(report, indent=2))
     if status["status"] != "completed":
@@ -194,9 +204,12 @@ def _follow(ctl: Any, run_id: str, spec: DemoSpec, task: Any, procs: Procs, cons
                    "loss": ev["loss"], "bytes_up": r["bytes_up"], "bytes_down": r["bytes_down"],
                    "seconds": r["seconds"], "tier_participants": r.get("tier_participants", {}),
                    "train_metrics": r.get("metrics", {})}
+            if r.get("privacy"):
+                row["epsilon"] = r["privacy"]["epsilon"]
             rows.append(row)
+            eps = f" epsilon {row['epsilon']:.3g}" if "epsilon" in row else ""
             console.print(f"{row['round']:>5} {row['participants']:>7} {row['accuracy']:>8.4f} {row['loss']:>7.4f} "
-                          f"{row['bytes_up']:>10} {row['bytes_down']:>10} {row['seconds']:>7.2f}")
+                          f"{row['bytes_up']:>10} {row['bytes_down']:>10} {row['seconds']:>7.2f}{eps}")
         if st["status"] != "running":
             return rows
         time.sleep(0.25)
