@@ -15,9 +15,12 @@ from dataclasses import dataclass
 
 from orchard.errors import (
     DuplicateUploadError,
+    FutureModelVersionError,
     NotSelectedError,
     PayloadTooLargeError,
     RoundClosedError,
+    StaleUpdateError,
+    UnknownModelVersionError,
     UpdateSchemaError,
 )
 from orchard.messages import PARTIAL_CODEC, UploadHeader, UploadKind
@@ -50,6 +53,37 @@ def check_round(task: RoundTask | None, closed: bool, close_reason: str, run_id:
     if closed:
         raise RoundClosedError(f"round {t.round} closed ({close_reason}); late uploads are refused")
     return t
+
+
+def check_version(task: RoundTask | None, closed: bool, close_reason: str, run_id: str, version: int,
+                  max_staleness: int, ahead: int = 0) -> tuple[RoundTask, int]:
+    """Asynchronous mode's :func:`check_round`: the open buffer and the staleness of an
+    update trained on model version ``version`` (a task's round: the model it carried).
+
+    The open buffer serves version ``task.round``; an update of version ``v`` has
+    staleness ``task.round + ahead - v`` and is taken when that is at most
+    ``max_staleness``. ``ahead`` is 1 for the continuation of a full buffer: what it
+    holds is applied after the next server step at the earliest. The attempt is not
+    checked: a retried buffer serves the same model."""
+    if task is None:
+        raise RoundClosedError("no buffer is open at this tier; poll for a task")
+    t = task
+    if run_id != t.run_id or version < 1:
+        raise UnknownModelVersionError(
+            f"update for run {run_id!r} model version {version} names no version this tier served; "
+            f"it serves run {t.run_id!r} version {t.round}: poll for a task and train on its model")
+    if version > t.round:
+        raise FutureModelVersionError(
+            f"update for model version {version} is from the future: this tier serves version {t.round}; "
+            "poll for a task and train on its model")
+    s = t.round + ahead - version
+    if s > max_staleness:
+        raise StaleUpdateError(
+            f"update trained on model version {version} is {s} versions stale; this tier applies it to version "
+            f"{t.round + ahead} and takes updates at most {max_staleness} versions old: poll for the current model")
+    if closed:
+        raise RoundClosedError(f"buffer of version {t.round} closed ({close_reason}); poll for a task")
+    return t, s
 
 
 def check_assignment(slot: SlotState | None, node_id: str, task_id: str, rnd: int) -> SlotState:

@@ -36,6 +36,10 @@ class Assignment:
     in_flight: bool = False
     delivered: bool = False
     dropped: bool = False
+    # The model version (round) whose model this assignment carries. In asynchronous mode
+    # an assignment outlives its buffer: it moves into the next buffers while its client
+    # trains, and its update is weighted by how many versions passed (its staleness).
+    round: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,13 @@ class CohortRound:
         self.open = 0  # assignments neither delivered nor dropped
         self.clients_selected = 0
         self.secure: SecureCohort | None = None  # SecAgg+ session over the direct clients, if on
+        # Asynchronous mode: updates folded, by staleness; and whether this buffer is the
+        # continuation a full buffer left behind (it takes uploads until the next version
+        # opens and moves its sums into it; it never closes or emits by itself).
+        self.staleness: dict[int, int] = {}
+        self.continuation = False
+        # (node, task id) of every update folded here, in fold order (the root's journal).
+        self.accepted: list[tuple[str, str]] = []
 
     @property
     def received(self) -> int:
