@@ -70,17 +70,17 @@ def check_version(task: RoundTask | None, closed: bool, close_reason: str, run_i
     t = task
     if run_id != t.run_id or version < 1:
         raise UnknownModelVersionError(
-            f"update for run {run_id!r} model version {version} names no version this tier served; "
-            f"it serves run {t.run_id!r} version {t.round}: poll for a task and train on its model")
+            f"update for run {run_id!r} round {version} names no model version this tier served; "
+            f"it serves run {t.run_id!r} round {t.round}: poll for a task and train on its model")
     if version > t.round:
         raise FutureModelVersionError(
-            f"update for model version {version} is from the future: this tier serves version {t.round}; "
+            f"update for round {version} is from the future: this tier's buffer is round {t.round}; "
             "poll for a task and train on its model")
     s = t.round + ahead - version
     if s > max_staleness:
         raise StaleUpdateError(
-            f"update trained on model version {version} is {s} versions stale; this tier applies it to version "
-            f"{t.round + ahead} and takes updates at most {max_staleness} versions old: poll for the current model")
+            f"update trained in round {version} is {s} versions stale: this tier would apply it in round "
+            f"{t.round + ahead} and takes updates at most {max_staleness} versions old; poll for the current model")
     if closed:
         raise RoundClosedError(f"buffer of version {t.round} closed ({close_reason}); poll for a task")
     return t, s
@@ -146,6 +146,10 @@ def admit_header(h: UploadHeader, caller: str, role: Role, task: RoundTask, slot
             raise UpdateSchemaError(f"a client update counts 1, header says {h.count}")
         if not (math.isfinite(h.weight) and h.weight > 0):
             raise UpdateSchemaError(f"update weight must be positive and finite, got {h.weight}")
+    if h.staleness and (want_kind is not UploadKind.PARTIAL_SUM or any(k < 0 or v < 0 for k, v in h.staleness.items())
+                        or sum(h.staleness.values()) > h.count):
+        raise UpdateSchemaError(f"staleness histogram {dict(list(h.staleness.items())[:5])} is not one of a partial's "
+                                f"{h.count} updates (staleness >= 0, counts >= 0, at most count in all)")
     for metrics in (h.metric_sums, h.metric_weights):
         for k, v in metrics.items():
             if not math.isfinite(v):

@@ -293,7 +293,20 @@ class Coordinator:
             prev.closed = True
             prev.close_reason = f"moved into the buffer of round {cr.task.round}"
             prev.closed_event.set()
-            self._move_sums(prev, cr)
+            self._move_counts(prev, cr)
+            if self.inline:
+                self._move_sums(prev, cr)
+            else:
+                # After the folds already queued into ``prev``, before any into ``cr``: the
+                # fold pool runs one job at a time, in order.
+                fut = asyncio.get_running_loop().run_in_executor(self._fold_pool, self._move_sums, prev, cr)
+                fut.add_done_callback(lambda f: self._moved(f, cr))
+
+    def _moved(self, fut: asyncio.Future[None], cr: CohortRound) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        self._check_close(cr)
+        self._notify()
 
     def _restore(self, cr: CohortRound, state: BufferState) -> None:
         """A restarted root takes its journaled buffer back: the sum of every update it had
@@ -327,14 +340,19 @@ class Coordinator:
 
     @staticmethod
     def _move_sums(prev: CohortRound, cr: CohortRound) -> None:
+        """The fold pool's half of moving a buffer: its sums, the updates' ids and staleness."""
         prev.fold_aside()
         p = prev.acc.partial
         if p.count:
             cr.acc.merge(p, owned=True)
-            cr.reserved += p.count
         for s_, n in prev.staleness.items():
             cr.staleness[s_] = cr.staleness.get(s_, 0) + n
         cr.accepted += prev.accepted
+
+    @staticmethod
+    def _move_counts(prev: CohortRound, cr: CohortRound) -> None:
+        """The loop's half: the counts it keeps."""
+        cr.reserved += prev.reserved
         cr.bytes_up += prev.bytes_up
         cr.bytes_down += prev.bytes_down
         for k, v in prev.tier_participants.items():
@@ -640,11 +658,10 @@ class Coordinator:
             try:
                 snap = None
                 if h.count > 0:
-                    snap = await self._offload(self._fold_pool, self._fold, cr, h, arrays, factor,
+                    snap = await self._offload(self._fold_pool, self._fold, cr, h, arrays, factor, s,
+                                               self.staleness,
                                                self.journal is not None and cr.task.config.mode.is_async,
                                                self._next_fold())
-                cr.staleness[s] = cr.staleness.get(s, 0) + h.count
-                self.staleness[s] = self.staleness.get(s, 0) + h.count
                 if snap is not None:
                     self._write_journal(cr, snap)
             except BaseException:
@@ -667,7 +684,6 @@ class Coordinator:
                           self.children[a.node_id].token_hash)
                      for a in cr.assignments.values()
                      if not (a.delivered or a.dropped) and a.node_id in self.children]
-        snap.staleness = dict(cr.staleness)
         snap.counters = {**self.counters, "uploads_accepted": self.counters["uploads_accepted"] + 1}
         self.journal(snap)
 
@@ -709,11 +725,14 @@ class Coordinator:
 
     @staticmethod
     def _fold(cr: CohortRound, h: UploadHeader, arrays: NDArrays | CheckedUpload, factor: float = 1.0,
-              snapshot: bool = False, seq: int = 0) -> BufferState | None:
+              s: int = 0, totals: dict[int, int] | None = None, snapshot: bool = False,
+              seq: int = 0) -> BufferState | None:
         """Fold one upload; ``factor``: its staleness weight f(s). As FedBuff (Alg. 1), the
         update joins the sum scaled by ``f(s)`` and the buffer is divided by the plain
-        weights: ``sum_i w_i f(s_i) x_i / sum_i w_i``. With ``snapshot``, return the
-        buffer's state right after this fold (the root's journal; fold thread only)."""
+        weights: ``sum_i w_i f(s_i) x_i / sum_i w_i``. The staleness histograms (the
+        buffer's, ``totals``) change here, with the sum, so an outcome read after the fold
+        pool drained sees both. With ``snapshot``, return the buffer's state right after
+        this fold (the root's journal; fold thread only)."""
         if isinstance(arrays, CheckedUpload):
             assert cr.compressed is not None and factor == 1.0  # only fresh updates take this path
             cr.compressed.fold(h, arrays)
@@ -728,13 +747,20 @@ class Coordinator:
                     cr.acc.partial.weight += h.weight - h.weight * factor
                 cr.acc.partial.metrics.merge(ms)
         cr.accepted.append((h.node_id, h.task_id))
+        if cr.task.config.mode.is_async:
+            # A partial's updates: their staleness below plus the partial's own here.
+            inside = {k + s: n for k, n in h.staleness.items()} if h.staleness else {s: h.count}
+            for k, n in inside.items():
+                cr.staleness[k] = cr.staleness.get(k, 0) + n
+                if totals is not None:
+                    totals[k] = totals.get(k, 0) + n
         if not snapshot:
             return None
         p = cr.acc.partial
         copy = Partial(sums={k: v.copy() for k, v in p.sums.items()}, weight=p.weight, count=p.count,
                        metrics=MetricSums(dict(p.metrics.sums), dict(p.metrics.weights)))
         return BufferState(round=cr.task.round + int(cr.continuation), seq=seq, partial=copy,
-                           accepted=list(cr.accepted))
+                           accepted=list(cr.accepted), staleness=dict(cr.staleness))
 
     # ------------------------------------------------------------------ secure aggregation
 

@@ -329,8 +329,8 @@ class RootRunner:
         cr = self.coord.current
         if self.run is not None and self.run.run_id == run_id and cr is not None and cr.task.run_id == run_id:
             buf = {"fill": cr.received, "size": cr.task.target, "serving_version": cr.task.round - 1,
-                   "staleness": {str(k): v for k, v in sorted(cr.staleness.items())}}
-            hist = merge_histograms(hist, cr.staleness)
+                   "staleness": {str(k): v for k, v in sorted(dict(cr.staleness).items())}}
+            hist = merge_histograms(hist, dict(cr.staleness))
         return {"mode": "async", "model_version": version, "buffer": buf,
                 "staleness_histogram": {str(k): v for k, v in hist.items()}}
 

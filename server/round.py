@@ -92,7 +92,8 @@ def partial_upload(a: TaskAssignment, node_id: str, out: RoundOutcome) -> tuple[
         kind=UploadKind.PARTIAL_SUM, schema=a.schema, payload_sizes=sizes, codec=PARTIAL_CODEC,
         payload_sha256=sha256_hex(payload), weight=p.weight, count=p.count,
         metric_sums=dict(p.metrics.sums), metric_weights=dict(p.metrics.weights),
-        bytes_up=out.bytes_up, bytes_down=out.bytes_down, tier_participants=dict(out.tier_participants))
+        bytes_up=out.bytes_up, bytes_down=out.bytes_down, tier_participants=dict(out.tier_participants),
+        staleness=dict(out.staleness))
     return header, payload
 
 

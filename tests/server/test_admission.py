@@ -146,10 +146,10 @@ def test_async_versions_known_current_stale_and_future() -> None:
         check_version(t, False, "", "run", 1, 2, ahead=1)
     with pytest.raises(StaleUpdateError, match="at most 0 versions old"):
         check_version(t, False, "", "run", 2, 0)
-    with pytest.raises(FutureModelVersionError, match="version 4 is from the future"):
+    with pytest.raises(FutureModelVersionError, match="round 4 is from the future"):
         check_version(t, False, "", "run", 4, 2)
     for run, version in (("other", 3), ("run", 0), ("run", -1)):
-        with pytest.raises(UnknownModelVersionError, match="no version this tier served"):
+        with pytest.raises(UnknownModelVersionError, match="no model version this tier served"):
             check_version(t, False, "", run, version, 2)
     with pytest.raises(RoundClosedError, match="closed"):
         check_version(t, True, "target reached", "run", 3, 2)

@@ -113,7 +113,7 @@ def test_unknown_future_and_too_stale_updates_are_refused_each_by_name() -> None
         coord.upload_now("b", h, p)
     with pytest.raises(FutureModelVersionError, match="from the future"):
         coord.upload_now("b", replace(h, round=4), p)
-    with pytest.raises(UnknownModelVersionError, match="no version this tier served"):
+    with pytest.raises(UnknownModelVersionError, match="no model version this tier served"):
         coord.upload_now("b", replace(h, run_id="other"), p)
     assert coord.current.received == 0 and coord.counters["uploads_rejected"] == 3
 
