@@ -78,7 +78,9 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
             rec: dict[str, Any] = {}
             for attempt in range(run.cohort.max_retries + 1):
                 t0, c0 = time.perf_counter(), time.process_time()
-                rec = engine.round(rnd, attempt, arrays, optimizer)
+                # Asynchronous mode: a round is one buffer (one model version).
+                step = engine.buffer if run.mode.is_async else engine.round
+                rec = step(rnd, attempt, arrays, optimizer)
                 rec["seconds"] = round(time.perf_counter() - t0, 4)
                 # CPU time of the whole process (all workers): what to compare on a busy host.
                 rec["cpu_seconds"] = round(time.process_time() - c0, 4)
