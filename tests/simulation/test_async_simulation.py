@@ -45,3 +45,29 @@ def test_the_simulator_says_which_async_setups_it_cannot_run() -> None:
     run = _run(mode=ModeConfig(kind="async", buffer_size=4), secure_aggregation={"enabled": True})
     problems = simulation_problems({"simulation": _sim(aggregators=2, run=run).model_dump(mode="json")})
     assert sum("for a root and its clients only" in p for p in problems) == 2, problems
+
+
+def test_the_benchmark_runs_both_modes_and_writes_its_json(tmp_path, monkeypatch, capsys) -> None:
+    import json
+    import runpy
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "async.json"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "async.py"
+    monkeypatch.setattr(sys, "argv", ["async.py", "--clients", "300", "--rounds", "3", "--target", "10",
+                                      "--buffer", "4", "--max-versions", "40", "--json", str(out)])
+    runpy.run_path(str(script), run_name="__main__")
+    got = json.loads(out.read_text())
+    assert got["sync"]["versions"] == 3 and got["sync"]["to_target"] is not None
+    assert got["target_accuracy"] == got["sync"]["final_accuracy"]
+    assert got["async"]["versions"] >= 1 and sum(got["async"]["staleness"].values()) == got["async"]["updates_folded"]
+    assert "async / sync simulated time to target" in capsys.readouterr().out or got["ratio"] is None
+
+
+def test_the_shipped_async_config_validates() -> None:
+    from pathlib import Path
+
+    from orchard.validation import config_problems
+
+    assert config_problems(Path(__file__).resolve().parents[2] / "configs" / "async.toml") == []
