@@ -14,7 +14,7 @@ import pytest
 from orchard.aggregation.staleness import histogram_quantile, staleness_weight
 from orchard.client.update import build_upload
 from orchard.compression import build_codec
-from orchard.config import CohortConfig, ModeConfig, RunConfig, ServerConfig
+from orchard.config import CodecSpec, CohortConfig, ModeConfig, RunConfig, ServerConfig
 from orchard.errors import (
     DuplicateUploadError,
     FutureModelVersionError,
@@ -24,7 +24,7 @@ from orchard.errors import (
 from orchard.server.buffer import BufferState
 from orchard.server.coordinator import Coordinator
 from orchard.server.decoding import ClientUpdateDecoder
-from orchard.server.round import RoundTask
+from orchard.server.round import RoundTask, round_seed
 from orchard.trainer import TrainResult
 from orchard.typing import DeviceState, Role, TensorSpec
 
@@ -48,7 +48,8 @@ def _tier(cfg: RunConfig) -> Coordinator:
 def _task(cfg: RunConfig, rnd: int) -> RoundTask:
     return RoundTask(run_id="run", round=rnd, attempt=0, config=cfg, config_json=cfg.model_dump_json(),
                      model_blob=b"m%d" % rnd, model_hash=f"h{rnd}", schema=SCHEMA,
-                     deadline_unix=time.time() + 600, target=cfg.buffer_target, shared_seed=rnd)
+                     deadline_unix=time.time() + 600, target=cfg.buffer_target,
+                     shared_seed=round_seed(cfg.seed, rnd, 0))
 
 
 def _upload(coord: Coordinator, t, node: str, value: float, weight: float = 2.0) -> tuple:
@@ -183,3 +184,48 @@ def test_validate_refuses_impossible_async_configs_with_every_reason() -> None:
     assert data_problems({"run": ok.model_dump(mode="json")}) == []
     assert (ok.buffer_target, ok.mode.max_stale, ok.mode.weighting) == (4, 4, "polynomial")
     assert RunConfig().mode.kind == "sync" and RunConfig().buffer_target == RunConfig().cohort.target
+
+
+# The codecs whose algebra says linear (tests/compression/codec_cases.py lists them all).
+LINEAR = {
+    "float32": CodecSpec(name="float32"),
+    "qsgd8-fixed": CodecSpec(name="qsgd", params={"bits": 8, "scale": 2000.0}),
+    "randk": CodecSpec(name="randk", params={"fraction": 0.5}),
+    "randk-biased": CodecSpec(name="randk", params={"k": 2, "unbiased": False}),
+    "powersgd": CodecSpec(name="powersgd", params={"rank": 1}),
+    "randk+qsgd-fixed": CodecSpec(name="pipeline", params={"stages": [
+        {"name": "randk", "params": {"fraction": 0.5}}, {"name": "qsgd", "params": {"bits": 8, "scale": 2000.0}}]}),
+    "ef-powersgd": CodecSpec(name="error_feedback", params={"codec": {"name": "powersgd"}}),
+}
+
+
+@pytest.mark.parametrize("codec", sorted(LINEAR))
+def test_every_linear_codec_folds_a_stale_update_decoded_with_its_own_versions_seed(codec: str) -> None:
+    """An update of round 1 folded into round 2's buffer is decoded with round 1's shared
+    seed (random-k's indices), then weighted by f(1): exactly what decoding it alone gives."""
+    from orchard.compression import decode_update
+    from orchard.updates import split
+
+    spec = LINEAR[codec]
+    assert build_codec(spec).algebra.linear
+    cfg = RunConfig(codec=spec, cohort=CohortConfig(target=1, over_selection=2.0),
+                    mode=ModeConfig(kind="async", buffer_size=1, max_staleness=2, staleness="polynomial",
+                                    staleness_exponent=1.0))
+    coord = Coordinator("tier", ServerConfig(node_timeout_s=600), np.random.default_rng(0), ClientUpdateDecoder(),
+                        inline=True)
+    for n in ("a", "b"):
+        coord.join(n, Role.CLIENT, "tok", DeviceState())
+    t1 = _task(cfg, 1)
+    coord.open_round(t1)
+    tasks = {n: coord.assign(n) for n in ("a", "b")}
+    x = np.linspace(-1.0, 1.0, 4).astype(np.float32)
+    res = TrainResult(arrays={}, weight=3.0, num_examples=3, num_steps=1)
+    h_b, p_b, _ = build_upload(tasks["b"], cfg, cfg.train, build_codec(spec), "b", {"w": x}, res, seed=7, states=None)
+    coord.upload_now("a", *_upload(coord, tasks["a"], "a", 0.5))  # fills round 1
+    cr2 = coord.open_round(_task(cfg, 2))
+    coord.upload_now("b", h_b, p_b)  # trained on round 1: staleness 1
+    out = coord.outcome(cr2)
+    alone = decode_update(build_codec(spec), dict(zip(["w"], split(p_b, h_b.payload_sizes), strict=True)),
+                          {"w": (4,)}, num_summands=1, shared_seed=t1.shared_seed)["w"]
+    np.testing.assert_allclose(out.partial.sums["w"], 3.0 * 0.5 * alone.astype(np.float64), rtol=1e-6, atol=1e-9)
+    assert out.partial.weight == pytest.approx(3.0) and out.staleness == {1: 1}
