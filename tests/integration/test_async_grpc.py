@@ -9,6 +9,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 from fed_harness import FAST, Federation, add_clients, start_run, wait_joined, wait_status
 
 from orchard.config import CohortConfig, ModeConfig, RunConfig
@@ -93,3 +94,54 @@ def test_async_tree_does_not_wait_for_slow_clients(tmp_path: Path) -> None:
     assert got["agg_rejected"]["uploads_rejected"] >= 1
     # Every fast device contributed several times.
     assert all(sum(r.accepted for r in got["reports"][k]) >= 2 for k in range(4)), got["reports"]
+
+
+async def _secure(tmp: Path) -> tuple[dict, np.ndarray, list[float]]:
+    from test_secagg_wire import D, Shift
+
+    from orchard import wire
+    from orchard.client.runtime import ClientRuntime
+    from orchard.config import SecureAggregationConfig
+    from orchard.link import FleetLink, LinkConfig
+    from orchard.ops import ControlClient
+    from orchard.typing import Role
+
+    root = await start_root(tmp / "root", insecure=True, server_cfg=FAST, start_grace_s=0.2)
+    fed = Federation(root)
+    agg = await start_aggregator(root.address, insecure=True, server_cfg=FAST)
+    fed.aggregators.append(agg)
+    weights = [10.0 * (k + 1) for k in range(5)]
+    for k in range(5):
+        link = FleetLink(LinkConfig(target=agg.address, role=Role.CLIENT, insecure=True, node_id=f"c{k}"))
+        trainer = Shift(k, weights[k], die=k == 2)  # c2 shares its keys, then dies before its masked input
+        rt = ClientRuntime(link, lambda cfg, t=trainer: t, partition_id=k)
+        fed.clients.append(rt)
+        fed.client_tasks.append(asyncio.create_task(rt.run()))
+    try:
+        await wait_joined(agg, 5)
+        await wait_joined(root, 5)
+        # K = 4 and a concurrency of 5: each buffer is one SecAgg+ session over 5 clients.
+        cfg = RunConfig(task="digits", rounds=2,
+                        cohort=CohortConfig(target=4, over_selection=1.25, min_fraction=0.5, deadline_s=8.0),
+                        mode=ModeConfig(kind="async", buffer_size=4, max_staleness=2),
+                        secure_aggregation=SecureAggregationConfig(enabled=True, clip=0.5, bits=16, dropout_rate=0.3))
+        with ControlClient(root.address, insecure=True) as ctl:
+            await asyncio.to_thread(ctl.start_run, cfg, wire.arrays_to_blob({"w": np.zeros(D, np.float32)}))
+            st = await wait_status(root, lambda s: s.get("status") in ("completed", "failed"), 90)
+            out = wire.blob_to_arrays(await asyncio.to_thread(ctl.pull_global))["w"]
+        return st, out, weights
+    finally:
+        await fed.stop()
+
+
+def test_a_secure_buffer_is_one_session_and_survives_a_dropout(tmp_path: Path) -> None:
+    from test_secagg_wire import expected
+
+    st, out, w = asyncio.run(_secure(tmp_path))
+    assert st["status"] == "completed" and st["model_version"] == 2, st
+    done = [r for r in st["rounds"] if r["status"] == "completed"]
+    # Each buffer: the four survivors of the five masked, unmasked as one sum.
+    assert [r["participants"] for r in done] == [4, 4]
+    assert st["staleness_histogram"] == {"0": 8}
+    # Two server steps of the survivors' weighted mean offset (each trains from the model it pulled).
+    np.testing.assert_allclose(out, 2 * expected([0, 1, 3, 4], [w[k] for k in (0, 1, 3, 4)]), atol=4e-3)

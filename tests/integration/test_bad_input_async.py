@@ -115,3 +115,14 @@ def test_zz_stale_past_s_then_a_fresh_update_still_folds(env):
     st = env["srv"].root.runner.status()
     assert st["model_version"] == 2 and st["staleness_histogram"] == {"0": 2}
 
+
+
+def test_zzz_run_status_prints_version_buffer_and_staleness(env):
+    from typer.testing import CliRunner
+
+    from orchard.cli import app
+
+    r = CliRunner().invoke(app, ["run", "status", "--server", env["srv"].root.address, "--insecure"])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())  # rich wraps long lines
+    assert "asynchronous: model version 2, buffer 0/1 updates (serving version 2); staleness 0: 2" in text
