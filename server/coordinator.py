@@ -868,9 +868,24 @@ class Coordinator:
             if cr.closed:
                 return
         if self._wall() >= cr.task.deadline_unix:
+            if self._short(cr):
+                # Asynchronous mode never drops an accepted update: a buffer short of its
+                # minimum tops its clients up and waits another deadline_s.
+                cr.task.deadline_unix = self._wall() + cr.task.config.cohort.deadline_s
+                self._select(cr)
+                self._notify()
+                return
             self._close_buffer(cr, "deadline")
             return
         self._check_close(cr)
+
+    @staticmethod
+    def _short(cr: CohortRound) -> bool:
+        """An asynchronous buffer (not secure: its session is fixed) below its minimum,
+        ``ceil(target x min_fraction)``: it does not close short, it tops up."""
+        cfg = cr.task.config
+        return (cfg.mode.is_async and not cfg.secure_aggregation.enabled
+                and cr.received < math.ceil(cr.task.target * cfg.cohort.min_fraction))
 
     def _check_close(self, cr: CohortRound) -> None:
         if cr.closed or cr.continuation:
@@ -878,6 +893,9 @@ class Coordinator:
         if cr.received >= cr.task.target:
             self._close_buffer(cr, "target reached")
         elif cr.assignments and cr.open == 0 and cr.clients_selected >= cr.client_quota:
+            if self._short(cr):
+                self._select(cr)  # everyone it chose delivered or dropped: choose more
+                return
             self._close_buffer(cr, "every selected node delivered or dropped")
 
     def _close_buffer(self, cr: CohortRound, reason: str) -> None:

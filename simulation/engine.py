@@ -290,17 +290,31 @@ class Engine:
         root.cr = cr = root.coord.open_round(task)
         fresh = self._dispatch(live, blob, task.schema, task.shared_seed, stats, {})
         self._train_now(fresh, arrays, live, stats)
-        deadline = task.deadline_unix - self.time.origin
+        extensions = 0
         while not cr.closed:
+            deadline = cr.task.deadline_unix - self.time.origin
             nxt = self.in_flight[0][0] if self.in_flight else math.inf
             if deadline <= nxt:
                 self.time.advance_to(deadline)
                 self._heartbeats_async()
-                root.coord.sweep()  # the virtual wall is on the deadline: the buffer closes
-                break
+                # At its deadline the buffer closes, or, short of its minimum, the root tops
+                # its clients up from those checked in (more devices check in first) and
+                # waits another deadline: devices poll all the time, not only at a version.
+                extensions += 1
+                more = self._check_in(rnd, attempt + 1000 * extensions, stats, {**self.busy, **live})
+                live.update(more)
+                root.coord.sweep()
+                if cr.closed or extensions > 100:
+                    break
+                idle = {n: d for n, d in live.items() if n not in self.busy and n in root.coord.children}
+                fresh = self._dispatch(idle, blob, task.schema, task.shared_seed, stats, {})
+                self._train_now(fresh, arrays, idle, stats)
+                continue
             _, _, a = heapq.heappop(self.in_flight)
             self.time.advance_to(a.finish)
             self._arrive_async(a, stats)
+        if not cr.closed:
+            root.coord.close_round(cr, "no device could fill the buffer")
         out = root.coord.outcome(cr)
         need = math.ceil(cfg.buffer_target * cfg.cohort.min_fraction)
         ok = out.partial.count >= need and out.partial.weight > 0

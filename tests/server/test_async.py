@@ -229,3 +229,44 @@ def test_every_linear_codec_folds_a_stale_update_decoded_with_its_own_versions_s
                           {"w": (4,)}, num_summands=1, shared_seed=t1.shared_seed)["w"]
     np.testing.assert_allclose(out.partial.sums["w"], 3.0 * 0.5 * alone.astype(np.float64), rtol=1e-6, atol=1e-9)
     assert out.partial.weight == pytest.approx(3.0) and out.staleness == {1: 1}
+
+
+def test_a_short_buffer_tops_up_instead_of_dropping_what_it_accepted() -> None:
+    """K = 2, concurrency 2: a delivers, b vanishes. A synchronous round would close short
+    and be retried without a's update; the buffer chooses another client and keeps it."""
+    cfg = RunConfig(cohort=CohortConfig(target=2, over_selection=1.0, min_fraction=1.0),
+                    mode=ModeConfig(kind="async", buffer_size=2, max_staleness=1))
+    clock = [1000.0]
+    coord = Coordinator("tier", ServerConfig(node_timeout_s=5), np.random.default_rng(0), ClientUpdateDecoder(),
+                        monotonic=lambda: clock[0], wall=lambda: clock[0], inline=True)
+    for n in NODES:
+        coord.join(n, Role.CLIENT, "tok", DeviceState())
+    t = _task(cfg, 1)
+    t.deadline_unix = clock[0] + 60
+    cr = coord.open_round(t)
+    first = [n for n in NODES if coord.assign(n) is not None]
+    assert len(first) == 2
+    done, gone = first
+    coord.upload_now(done, *_upload(coord, coord.assign(done), done, 1.0))
+    coord.leave(gone)  # vanished
+    for n in NODES:
+        if n not in (gone,):
+            coord.touch(n)
+    coord.sweep()  # gone is dropped; the buffer is short: it chooses from the free clients
+    assert not cr.closed and cr.received == 1
+    more = [n for n in NODES if n not in first and coord.assign(n) is not None]
+    assert more, "no client was chosen to top the buffer up"
+    coord.upload_now(more[0], *_upload(coord, coord.assign(more[0]), more[0], 3.0))
+    out = coord.outcome(cr)
+    assert cr.closed and out.reason == "target reached"
+    np.testing.assert_array_equal(out.partial.sums["w"], np.full(4, 2.0 * 1.0 + 2.0 * 3.0))
+    # And at the deadline a short buffer waits another deadline_s instead of closing.
+    t3 = _task(cfg, 3)
+    t3.deadline_unix = clock[0] + 60
+    cr3 = coord.open_round(t3)
+    clock[0] += 61
+    for n in NODES:
+        if n in coord.children:
+            coord.touch(n)
+    coord.sweep()
+    assert not cr3.closed and cr3.task.deadline_unix == pytest.approx(clock[0] + cfg.cohort.deadline_s)
