@@ -662,8 +662,6 @@ class Coordinator:
                                                self.staleness,
                                                self.journal is not None and cr.task.config.mode.is_async,
                                                self._next_fold())
-                if snap is not None:
-                    self._write_journal(cr, snap)
             except BaseException:
                 cr.reserved -= h.count
                 raise
@@ -671,6 +669,11 @@ class Coordinator:
             a.in_flight = False
             raise
         self._delivered(slot)
+        if snap is not None:
+            # After the update counts as delivered, before it is acknowledged: if the store
+            # fails, the node hears an error and its retry is a duplicate (the update is
+            # counted once, in memory), never a second update.
+            self._write_journal(cr, snap)
 
     def _next_fold(self) -> int:
         self._folds += 1
@@ -684,7 +687,7 @@ class Coordinator:
                           self.children[a.node_id].token_hash)
                      for a in cr.assignments.values()
                      if not (a.delivered or a.dropped) and a.node_id in self.children]
-        snap.counters = {**self.counters, "uploads_accepted": self.counters["uploads_accepted"] + 1}
+        snap.counters = dict(self.counters)
         self.journal(snap)
 
     def _offload(self, pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
