@@ -270,3 +270,17 @@ def test_a_short_buffer_tops_up_instead_of_dropping_what_it_accepted() -> None:
             coord.touch(n)
     coord.sweep()
     assert not cr3.closed and cr3.task.deadline_unix == pytest.approx(clock[0] + cfg.cohort.deadline_s)
+
+
+def test_prometheus_counts_updates_by_staleness() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from orchard.server.metrics import TierCollector
+
+    coord = _tier(_cfg())
+    coord.staleness.update({0: 3, 2: 1})
+    reg = CollectorRegistry()
+    reg.register(TierCollector(coord, "root"))
+    text = generate_latest(reg).decode()
+    assert 'orchard_updates_by_staleness_total{role="root",staleness="0",tier="tier"} 3.0' in text
+    assert 'orchard_updates_by_staleness_total{role="root",staleness="2",tier="tier"} 1.0' in text
