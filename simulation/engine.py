@@ -320,8 +320,8 @@ class Engine:
         ok = out.partial.count >= need and out.partial.weight > 0
         if ok:
             self._past_staleness(rnd + 1, stats)
-        for node, dev in live.items():  # checked in, not training: back to the population
-            if node not in self.busy:
+        for node, dev in live.items():  # checked in, never chosen: back to the population
+            if node not in self.busy and node in root.coord.children:
                 self._release(node, dev)
         rec = RoundRecord.from_outcome(out, RoundStatus.COMPLETED if ok else RoundStatus.FAILED)
         stats.simulated_seconds = round(self.time.t - t_open, 3)
