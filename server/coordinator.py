@@ -884,10 +884,11 @@ class Coordinator:
 
     @staticmethod
     def _short(cr: CohortRound) -> bool:
-        """An asynchronous buffer (not secure: its session is fixed) below its minimum,
-        ``ceil(target x min_fraction)``: it does not close short, it tops up."""
+        """An asynchronous buffer below its minimum, ``ceil(target x min_fraction)``: it
+        does not close short, it tops up. (Not one that runs a SecAgg+ session over its
+        clients: the session is fixed when the buffer opens, and ends by its own rules.)"""
         cfg = cr.task.config
-        return (cfg.mode.is_async and not cfg.secure_aggregation.enabled
+        return (cfg.mode.is_async and not (cfg.secure_aggregation.enabled and cr.clients_selected > 0)
                 and cr.received < math.ceil(cr.task.target * cfg.cohort.min_fraction))
 
     def _check_close(self, cr: CohortRound) -> None:
