@@ -903,9 +903,13 @@ class Coordinator:
             self._close_buffer(cr, "every selected node delivered or dropped")
 
     def _close_buffer(self, cr: CohortRound, reason: str) -> None:
-        """Close a round by its own rules; in asynchronous mode leave a continuation."""
+        """Close a round by its own rules; in asynchronous mode leave a continuation, unless
+        the buffer closed short of its minimum (only a SecAgg+ session's buffer can): the
+        root retries that round, and what a continuation took would belong to no round."""
         self.close_round(cr, reason)
-        if cr.task.config.mode.is_async and self.current is cr:
+        cfg = cr.task.config
+        if (cfg.mode.is_async and self.current is cr
+                and cr.received >= math.ceil(cr.task.target * cfg.cohort.min_fraction)):
             self._continue(cr)
 
     def close_round(self, cr: CohortRound, reason: str) -> None:
