@@ -908,8 +908,8 @@ class Coordinator:
         root retries that round, and what a continuation took would belong to no round."""
         self.close_round(cr, reason)
         cfg = cr.task.config
-        if (cfg.mode.is_async and self.current is cr
-                and cr.received >= math.ceil(cr.task.target * cfg.cohort.min_fraction)):
+        full = cr.received >= math.ceil(cr.task.target * cfg.cohort.min_fraction)
+        if cfg.mode.is_async and full and self.current is cr:
             self._continue(cr)
 
     def close_round(self, cr: CohortRound, reason: str) -> None:
