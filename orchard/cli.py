@@ -572,6 +572,12 @@ def run_status(
                   str(r.get("bytes_up", "")), str(r.get("bytes_down", "")), str(r.get("seconds", "")),
                   ", ".join(f"{k}={v:.4g}" for k, v in r.get("metrics", {}).items()))
     out.print(t)
+    if st.get("mode") == "async":
+        buf = st.get("buffer") or {}
+        hist = st.get("staleness_histogram") or {}
+        fill = f"{buf['fill']}/{buf['size']} updates (serving version {buf['serving_version']})" if buf else "-"
+        out.print(f"asynchronous: model version {st['model_version']}, buffer {fill}; staleness "
+                  + (", ".join(f"{s}: {n}" for s, n in hist.items()) or "-"))
 
 
 @run_app.command("stop")

@@ -81,6 +81,67 @@ class CohortConfig(_Strict):
     weighting: Weighting = Weighting.EXAMPLES
 
 
+class ModeConfig(_Strict):
+    """Synchronous rounds (the default) or buffered asynchronous aggregation (FedBuff:
+    Nguyen et al., 2022, "Federated Learning with Buffered Asynchronous Aggregation").
+
+    In ``"async"`` mode a round is one buffer: clients train on the model version they
+    pulled, every tier folds arriving updates into its buffer, and the root applies a
+    server step (bumping the model version) as soon as ``buffer_size`` updates are in,
+    without waiting for the clients still training. An update trained on version ``v``
+    and folded while the tier serves version ``V`` has staleness ``s = V - v``; it is
+    refused when ``s > max_staleness`` and otherwise weighted by ``staleness`` (Alg. 1
+    of the paper): ``"constant"`` 1, ``"polynomial"`` ``(1 + s) ** -staleness_exponent``
+    (the paper's ``1 / sqrt(1 + s)`` at 0.5), ``"hinge"`` 1 up to ``hinge_after`` and
+    ``1 / (1 + staleness_exponent * (s - hinge_after))`` beyond (Xie et al., 2019).
+    ``cohort.over_selection`` is the concurrency: a tier keeps
+    ``ceil(buffer target * over_selection)`` clients training.
+    """
+
+    kind: Literal["sync", "async"] = "sync"
+    buffer_size: int | None = Field(None, ge=1)  # K; None: cohort.target
+    max_staleness: int | None = Field(None, ge=0)  # S; None: 4
+    staleness: Literal["constant", "polynomial", "hinge"] | None = None  # None: "polynomial"
+    staleness_exponent: float | None = Field(None, ge=0.0)  # None: 0.5
+    hinge_after: int | None = Field(None, ge=0)  # None: 2
+
+    @model_validator(mode="after")
+    def _check_kind(self) -> ModeConfig:
+        if self.kind == "sync":
+            set_ = [k for k in ("buffer_size", "max_staleness", "staleness", "staleness_exponent", "hinge_after")
+                    if getattr(self, k) is not None]
+            if set_:
+                raise ValueError(f"{', '.join(set_)} only appl{'ies' if len(set_) == 1 else 'y'} to kind = "
+                                 "\"async\" (buffered asynchronous aggregation); remove "
+                                 f"{'it' if len(set_) == 1 else 'them'} or set kind = \"async\"")
+        elif self.staleness not in (None, "hinge") and self.hinge_after is not None:
+            raise ValueError("hinge_after only applies to staleness = \"hinge\"")
+        return self
+
+    @property
+    def is_async(self) -> bool:
+        return self.kind == "async"
+
+    @property
+    def max_stale(self) -> int:
+        """S: 0 in sync mode (only the open round's updates count)."""
+        if not self.is_async:
+            return 0
+        return 4 if self.max_staleness is None else self.max_staleness
+
+    @property
+    def weighting(self) -> str:
+        return self.staleness or "polynomial"
+
+    @property
+    def exponent(self) -> float:
+        return 0.5 if self.staleness_exponent is None else self.staleness_exponent
+
+    @property
+    def hinge(self) -> int:
+        return 2 if self.hinge_after is None else self.hinge_after
+
+
 class EligibilityConfig(_Strict):
     """Server-side eligibility from reported device state (the device enforces its own budget too)."""
 
@@ -187,6 +248,15 @@ class RunConfig(_Strict):
         """A tier must decode each client update (to clip it or take a robust statistic):
         no compressed-domain sum."""
         return (self.clip_norm is not None and not self.secure_aggregation.enabled) or self.robust.statistic != "mean"
+    # Synchronous rounds or buffered asynchronous aggregation ([run.mode], see ModeConfig).
+    mode: ModeConfig = ModeConfig()
+
+    @property
+    def buffer_target(self) -> int:
+        """Updates a round waits for: the cohort's target, or in async mode the buffer size K."""
+        if self.mode.is_async and self.mode.buffer_size is not None:
+            return self.mode.buffer_size
+        return self.cohort.target
 
     @model_validator(mode="after")
     def _check_train(self) -> RunConfig:
@@ -220,6 +290,9 @@ class RunConfig(_Strict):
                        "the clear: use a fixed privacy.clip_norm under secure aggregation")
         if p.enabled and p.noise_multiplier is None and p.target_epsilon is None:
             out.append("privacy: set target_epsilon (the noise follows from it) or noise_multiplier")
+        if (p.enabled or r.statistic != "mean" or r.norm_bound is not None) and self.mode.is_async:
+            out.append("privacy and robust stages are not supported in asynchronous mode yet (its staleness-"
+                       "weighted folds bypass them): use run.mode.kind = \"sync\" with them, or turn them off")
         if r.statistic != "mean":
             # Under secure aggregation: orchard.server.validation.aggregation_problems, from
             # each statistic's declared linearity.

@@ -39,6 +39,18 @@ class RoundClosedError(OrchardError):
     """An upload or request names a round that is not open (stale, future, or already closed)."""
 
 
+class UnknownModelVersionError(RoundClosedError):
+    """An asynchronous update names a model version this tier never served (another run, or no version)."""
+
+
+class FutureModelVersionError(RoundClosedError):
+    """An asynchronous update names a model version newer than the one the tier serves."""
+
+
+class StaleUpdateError(RoundClosedError):
+    """An asynchronous update was trained on a model version more than ``max_staleness`` versions old."""
+
+
 class DuplicateUploadError(OrchardError):
     """A node uploaded twice for the same round; the first upload stands."""
 

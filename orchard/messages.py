@@ -62,6 +62,9 @@ class UploadHeader:
     bytes_up: int = 0
     bytes_down: int = 0
     tier_participants: dict[str, int] = field(default_factory=dict)
+    # Asynchronous mode, partials only: the client updates inside, by the staleness they
+    # were folded with below (the tier above adds the partial's own staleness).
+    staleness: dict[int, int] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:

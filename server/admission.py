@@ -15,9 +15,12 @@ from dataclasses import dataclass
 
 from orchard.errors import (
     DuplicateUploadError,
+    FutureModelVersionError,
     NotSelectedError,
     PayloadTooLargeError,
     RoundClosedError,
+    StaleUpdateError,
+    UnknownModelVersionError,
     UpdateSchemaError,
 )
 from orchard.messages import PARTIAL_CODEC, UploadHeader, UploadKind
@@ -50,6 +53,37 @@ def check_round(task: RoundTask | None, closed: bool, close_reason: str, run_id:
     if closed:
         raise RoundClosedError(f"round {t.round} closed ({close_reason}); late uploads are refused")
     return t
+
+
+def check_version(task: RoundTask | None, closed: bool, close_reason: str, run_id: str, version: int,
+                  max_staleness: int, ahead: int = 0) -> tuple[RoundTask, int]:
+    """Asynchronous mode's :func:`check_round`: the open buffer and the staleness of an
+    update trained on model version ``version`` (a task's round: the model it carried).
+
+    The open buffer serves version ``task.round``; an update of version ``v`` has
+    staleness ``task.round + ahead - v`` and is taken when that is at most
+    ``max_staleness``. ``ahead`` is 1 for the continuation of a full buffer: what it
+    holds is applied after the next server step at the earliest. The attempt is not
+    checked: a retried buffer serves the same model."""
+    if task is None:
+        raise RoundClosedError("no buffer is open at this tier; poll for a task")
+    t = task
+    if run_id != t.run_id or version < 1:
+        raise UnknownModelVersionError(
+            f"update for run {run_id!r} round {version} names no model version this tier served; "
+            f"it serves run {t.run_id!r} round {t.round}: poll for a task and train on its model")
+    if version > t.round:
+        raise FutureModelVersionError(
+            f"update for round {version} is from the future: this tier's buffer is round {t.round}; "
+            "poll for a task and train on its model")
+    s = t.round + ahead - version
+    if s > max_staleness:
+        raise StaleUpdateError(
+            f"update trained in round {version} is {s} versions stale: this tier would apply it in round "
+            f"{t.round + ahead} and takes updates at most {max_staleness} versions old; poll for the current model")
+    if closed:
+        raise RoundClosedError(f"buffer of version {t.round} closed ({close_reason}); poll for a task")
+    return t, s
 
 
 def check_assignment(slot: SlotState | None, node_id: str, task_id: str, rnd: int) -> SlotState:
@@ -112,6 +146,10 @@ def admit_header(h: UploadHeader, caller: str, role: Role, task: RoundTask, slot
             raise UpdateSchemaError(f"a client update counts 1, header says {h.count}")
         if not (math.isfinite(h.weight) and h.weight > 0):
             raise UpdateSchemaError(f"update weight must be positive and finite, got {h.weight}")
+    if h.staleness and (want_kind is not UploadKind.PARTIAL_SUM or any(k < 0 or v < 0 for k, v in h.staleness.items())
+                        or sum(h.staleness.values()) > h.count):
+        raise UpdateSchemaError(f"staleness histogram {dict(list(h.staleness.items())[:5])} is not one of a partial's "
+                                f"{h.count} updates (staleness >= 0, counts >= 0, at most count in all)")
     for metrics in (h.metric_sums, h.metric_weights):
         for k, v in metrics.items():
             if not math.isfinite(v):

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from orchard.aggregation import MetricSums, Partial
+from orchard.aggregation import Accumulator, MetricSums, Partial
 from orchard.aggregation.layer import Aggregator, Measurements, WeightedSum, clip, noise, robust
 from orchard.compression import CheckedPayload, NonFiniteError, UpdateSum, build_codec
 from orchard.errors import CodecError, ConfigError, RoundClosedError, UpdateSchemaError
@@ -42,6 +42,10 @@ class Assignment:
     in_flight: bool = False
     delivered: bool = False
     dropped: bool = False
+    # The model version (round) whose model this assignment carries. In asynchronous mode
+    # an assignment outlives its buffer: it moves into the next buffers while its client
+    # trains, and its update is weighted by how many versions passed (its staleness).
+    round: int = 0
 
 
 @dataclass(frozen=True)
@@ -156,12 +160,29 @@ class CohortRound:
         self.open = 0  # assignments neither delivered nor dropped
         self.clients_selected = 0
         self.secure: SecureCohort | None = None  # SecAgg+ session over the direct clients, if on
+        # Asynchronous mode: updates folded, by staleness; and whether this buffer is the
+        # continuation a full buffer left behind (it takes uploads until the next version
+        # opens and moves its sums into it; it never closes or emits by itself).
+        self.staleness: dict[int, int] = {}
+        self.continuation = False
+        # (node, task id) of every update folded here, in fold order (the root's journal).
+        self.accepted: list[tuple[str, str]] = []
 
     @property
     def received(self) -> int:
         c, s = self.compressed, self.secure_sum
         pending = (c.count if c is not None and not c.merged else 0) + (s.count if s is not None else 0)
         return self.agg.count(self.state) + pending
+
+    @property
+    def acc(self) -> Accumulator:
+        """The plain weighted sum's accumulator, for the folds that bypass the stack:
+        asynchronous mode's staleness-weighted folds, buffer moves and journal (validation
+        refuses privacy and robust stages in asynchronous mode)."""
+        if not isinstance(self.agg, WeightedSum):
+            raise ConfigError("asynchronous mode folds into the plain weighted sum; this round has aggregation "
+                              "stages (privacy or robust) that it cannot bypass")
+        return self.state  # type: ignore[no-any-return]
 
     def fold_update(self, update: NDArrays, weight: float, metrics: MetricSums) -> None:
         """A direct client's decoded, checked update."""

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import math
 import time
@@ -47,6 +48,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from orchard.aggregation import MetricSums, Partial
+from orchard.aggregation.staleness import staleness_weight
 from orchard.compression import sums_compressed
 from orchard.config import RunConfig, ServerConfig
 from orchard.errors import (
@@ -62,12 +64,13 @@ from orchard.messages import Idle, TaskAssignment, UploadHeader, UploadKind
 from orchard.secure_agg import Stage
 from orchard.secure_agg.stages import stage_index as stage_index_of
 from orchard.secure_agg.stages import stage_of
-from orchard.server.admission import admit_header, check_assignment, check_round
+from orchard.server.admission import admit_header, check_assignment, check_round, check_version
+from orchard.server.buffer import BufferState, Held
 from orchard.server.cohort import Assignment, CheckedUpload, CohortRound, CompressedCohort
 from orchard.server.downlink import DownlinkCache, ModelReply, full_reply
-from orchard.server.round import RoundOutcome, RoundTask
+from orchard.server.round import RoundOutcome, RoundTask, round_seed
 from orchard.server.secagg import new_cohort
-from orchard.server.selection import allocate, device_eligible, over_select
+from orchard.server.selection import allocate, device_eligible, over_select, pick
 from orchard.typing import DeviceState, NDArrays, Role
 from orchard.updates import decode_partial
 from orchard.wire import sha256_hex
@@ -161,6 +164,18 @@ class Coordinator:
         self.downlink = DownlinkCache()
         self.counters: dict[str, int] = {"uploads_accepted": 0, "uploads_rejected": 0, "bytes_up": 0,
                                          "bytes_down": 0, "rounds_closed": 0}
+        # Asynchronous mode (RunConfig.mode). Updates folded over the run, by staleness.
+        self.staleness: dict[int, int] = {}
+        # The model of the previous version, for clients that were assigned it just before
+        # the version moved on and pull it after (two models at most: O(model)).
+        self._prev_model: tuple[str, bytes] | None = None
+        # Round task views with an older version's shared seed, to decode an update trained
+        # on that version (random-k's indices); a few at a time.
+        self._version_tasks: dict[tuple[int, int, int], RoundTask] = {}
+        # Set by the root: called (on the loop) with the buffer's state after every
+        # accepted fold in asynchronous mode, before the upload is acknowledged.
+        self.journal: Callable[[BufferState], None] | None = None
+        self._folds = 0  # folds made: orders journal states
 
     # ------------------------------------------------------------------ registry
 
@@ -229,23 +244,140 @@ class Coordinator:
 
     # ------------------------------------------------------------------ rounds
 
-    def open_round(self, task: RoundTask) -> CohortRound:
-        if self.current is not None and not self.current.closed:
-            self.close_round(self.current, "superseded by a new round")
+    def open_round(self, task: RoundTask, restore: BufferState | None = None) -> CohortRound:
+        """Open ``task``'s round (asynchronous mode: its buffer). ``restore``: a journaled
+        buffer of this round to take back first (a restarted root, see :meth:`_restore`)."""
         prev = self.current
+        carry = (prev is not None and task.config.mode.is_async and prev.task.config.mode.is_async
+                 and prev.task.run_id == task.run_id)
+        if prev is not None and not prev.closed and not carry:
+            self.close_round(prev, "superseded by a new round")
         if task.config.downlink_delta and prev is not None and prev.task.model_hash != task.model_hash:
             # Nodes that trained last round hold that model: keep it as a delta base
             # (only when deltas are on: each base is one more model in memory).
             self.downlink.remember(prev.task.model_hash, prev.task.model_blob)
+        if carry and prev is not None and prev.task.model_hash != task.model_hash:
+            self._prev_model = (prev.task.model_hash, prev.task.model_blob)
         cr = CohortRound(task, self._mono(), self.noise_rng)
-        if sums_compressed(task.config):
+        if sums_compressed(task.config) and self._sums_compressed_async(task):
             cr.compressed = CompressedCohort(task)
         self.current = cr
+        if carry and prev is not None:
+            self._carry(prev, cr)
+        if restore is not None:
+            self._restore(cr, restore)
         self._select(cr)
         if task.config.secure_aggregation.enabled:
             self._start_secure(cr)
         self._notify()
         return cr
+
+    def _sums_compressed_async(self, task: RoundTask) -> bool:
+        """Asynchronous buffers sum in the compressed domain only when every update in
+        them was trained on the buffer's own version (``max_staleness = 0``): payloads of
+        other versions were encoded with other shared seeds, and are decoded. A root that
+        journals its buffer decodes too (the journal stores the decoded sum)."""
+        m = task.config.mode
+        return not m.is_async or (m.max_stale == 0 and self.journal is None)
+
+    def _carry(self, prev: CohortRound, cr: CohortRound) -> None:
+        """Asynchronous mode: a new buffer takes over the previous one's assignments still
+        training (within ``max_staleness`` of the new version), and, if the previous buffer
+        is still open (the continuation a full buffer left, or a buffer the upstream moved
+        past), its folded updates."""
+        S = cr.task.config.mode.max_stale
+        secure = cr.task.config.secure_aggregation.enabled
+        for a in prev.assignments.values():
+            c = self.children.get(a.node_id)
+            if a.delivered or a.dropped or c is None or cr.task.round - a.round > S:
+                continue
+            if secure and c.role is Role.CLIENT:
+                continue  # a client's masked input belongs to its buffer's SecAgg+ session
+            cr.add(a, c.role is Role.CLIENT)
+        if not prev.closed:
+            prev.closed = True
+            prev.close_reason = f"moved into the buffer of round {cr.task.round}"
+            prev.closed_event.set()
+            self._move_counts(prev, cr)
+            if self.inline:
+                self._move_sums(prev, cr)
+            else:
+                # After the folds already queued into ``prev``, before any into ``cr``: the
+                # fold pool runs one job at a time, in order.
+                fut = asyncio.get_running_loop().run_in_executor(self._fold_pool, self._move_sums, prev, cr)
+                fut.add_done_callback(lambda f: self._moved(f, cr))
+
+    def _moved(self, fut: asyncio.Future[None], cr: CohortRound) -> None:
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        self._check_close(cr)
+        self._notify()
+
+    def _restore(self, cr: CohortRound, state: BufferState) -> None:
+        """A restarted root takes its journaled buffer back: the sum of every update it had
+        acknowledged, those updates' (node, task) pairs (a retried upload of one is a
+        duplicate), and the assignments still training, whose nodes are registered again
+        (from the journal: role and token hash) with a fresh timeout to come back in."""
+        p = state.partial
+        if p.count:
+            cr.acc.merge(p, owned=True)
+            cr.reserved += p.count
+        cr.accepted = list(state.accepted)
+        cr.staleness = dict(state.staleness)
+        for k, v in state.counters.items():
+            self.counters[k] = v
+        self._folds = max(self._folds, state.seq)
+        done = set(state.accepted)
+        for h in state.held:
+            if (h.node_id, h.task_id) in done or h.node_id in cr.assignments:
+                continue
+            c = self.children.get(h.node_id)
+            if c is None:
+                c = self.children[h.node_id] = Child(h.node_id, Role(h.role), h.token_hash, DeviceState(),
+                                                     self._mono(), pool_size=0 if h.role == "aggregator" else 1,
+                                                     pool_eligible=0 if h.role == "aggregator" else 1)
+            cr.add(Assignment(h.node_id, h.task_id, h.target, handed_out=True, round=h.round),
+                   c.role is Role.CLIENT)
+        for node, task_id in state.accepted:
+            if node not in cr.assignments:
+                cr.assignments[node] = Assignment(node, task_id, 1, handed_out=True, delivered=True,
+                                                  round=cr.task.round)
+
+    @staticmethod
+    def _move_sums(prev: CohortRound, cr: CohortRound) -> None:
+        """The fold pool's half of moving a buffer: its sums, the updates' ids and staleness."""
+        prev.fold_aside()
+        p = prev.acc.partial
+        if p.count:
+            cr.acc.merge(p, owned=True)
+        for s_, n in prev.staleness.items():
+            cr.staleness[s_] = cr.staleness.get(s_, 0) + n
+        cr.accepted += prev.accepted
+
+    @staticmethod
+    def _move_counts(prev: CohortRound, cr: CohortRound) -> None:
+        """The loop's half: the counts it keeps."""
+        cr.reserved += prev.reserved
+        cr.bytes_up += prev.bytes_up
+        cr.bytes_down += prev.bytes_down
+        for k, v in prev.tier_participants.items():
+            cr.tier_participants[k] = cr.tier_participants.get(k, 0) + v
+        for k, v in prev.rejected.items():
+            cr.rejected[k] = cr.rejected.get(k, 0) + v
+
+    def _continue(self, cr: CohortRound) -> None:
+        """Asynchronous mode: a buffer that filled up leaves a continuation for the same
+        version, so updates arriving before the next version opens are folded, not refused
+        (the tier's next ``open_round`` moves them into the new buffer)."""
+        nxt = CohortRound(cr.task, self._mono())
+        nxt.continuation = True
+        if cr.compressed is not None:
+            nxt.compressed = CompressedCohort(cr.task)
+        for a in cr.assignments.values():
+            c = self.children.get(a.node_id)
+            if not (a.delivered or a.dropped) and c is not None:
+                nxt.add(a, c.role is Role.CLIENT)
+        self.current = nxt
 
     def _start_secure(self, cr: CohortRound) -> None:
         """One SecAgg+ session over the direct clients selected now; no fill-ins join it."""
@@ -277,11 +409,20 @@ class Coordinator:
         client_ids = [k for k in caps if self.children[k].role is Role.CLIENT]
         client_share = sum(alloc[k] for k in client_ids)
         for k, n in alloc.items():
-            if n > 0 and self.children[k].role is Role.AGGREGATOR:
+            if n > 0 and self.children[k].role is Role.AGGREGATOR and k not in cr.assignments:
                 self._assign(cr, k, n)
         # Direct clients are over-selected; the first `client_share` updates count.
         cr.client_quota = math.ceil(max(client_share, 0) * cfg.cohort.over_selection)
-        for k in over_select(client_ids, client_share, cfg.cohort.over_selection, self.rng):
+        if cfg.mode.is_async:
+            # The quota is the concurrency: top the clients still training (carried over
+            # from earlier buffers) up to it with clients that are free.
+            free = [k for k in client_ids if k not in cr.assignments]
+            busy = sum(1 for a in cr.assignments.values() if not (a.delivered or a.dropped)
+                       and a.node_id in self.children and self.children[a.node_id].role is Role.CLIENT)
+            chosen = pick(free, max(0, cr.client_quota - busy), self.rng)
+        else:
+            chosen = over_select(client_ids, client_share, cfg.cohort.over_selection, self.rng)
+        for k in chosen:
             self._assign(cr, k, 1)
         # Clients that join while the round is open may fill an unused quota; if no direct
         # client was known at open time, any remaining target may go to late joiners.
@@ -289,7 +430,8 @@ class Coordinator:
             cr.client_quota = math.ceil(cr.task.target * cfg.cohort.over_selection)
 
     def _assign(self, cr: CohortRound, node_id: str, target: int) -> Assignment:
-        a = Assignment(node_id, f"{cr.task.run_id}.{cr.task.round}.{cr.task.attempt}.{next(self._ids)}", target)
+        a = Assignment(node_id, f"{cr.task.run_id}.{cr.task.round}.{cr.task.attempt}.{next(self._ids)}", target,
+                       round=cr.task.round)
         cr.add(a, self.children[node_id].role is Role.CLIENT)
         return a
 
@@ -337,11 +479,16 @@ class Coordinator:
         """This node's task in the open round, if it is selected (or may fill in an unused
         slot); None otherwise. What ``poll`` answers without waiting."""
         cr = self.current
-        if cr is None or cr.closed:
+        if cr is None or cr.closed or cr.continuation:
             return None
         a = cr.assignments.get(node_id)
+        c = self.children[node_id]
+        if (a is not None and (a.delivered or a.dropped) and c.role is Role.AGGREGATOR
+                and cr.task.config.mode.is_async and cr.received < cr.task.target):
+            # Asynchronous mode: an aggregator that emitted its buffer takes another share
+            # of this version's buffer (the clients below it keep training meanwhile).
+            a = self._assign(cr, node_id, max(1, min(c.pool_eligible, cr.task.target - cr.received)))
         if a is None:
-            c = self.children[node_id]
             # Fill-in: a client that arrived after selection may take an unused quota slot.
             if (c.role is Role.CLIENT and not cr.task.config.secure_aggregation.enabled
                     and cr.clients_selected < cr.client_quota
@@ -365,6 +512,9 @@ class Coordinator:
 
     def model_blob(self, model_hash: str) -> bytes:
         cr = self.current
+        if cr is not None and cr.task.model_hash != model_hash and self._prev_model is not None \
+                and self._prev_model[0] == model_hash:
+            return self._prev_model[1]  # asynchronous mode: assigned just before the version moved on
         if cr is None or cr.task.model_hash != model_hash:
             raise RoundClosedError(f"model {model_hash[:16]}... is not the current round's model; poll for a task")
         return cr.task.model_blob
@@ -390,8 +540,12 @@ class Coordinator:
                     task_id: str) -> tuple[CohortRound, Assignment]:
         """The open round and this node's assignment in it, or the reason there is none."""
         cr = self.current
-        t = check_round(cr.task if cr is not None else None, cr is not None and cr.closed,
-                        cr.close_reason if cr is not None else "", run_id, rnd, attempt)
+        if cr is not None and cr.task.config.mode.is_async:
+            t, _ = check_version(cr.task, cr.closed, cr.close_reason, run_id, rnd, cr.task.config.mode.max_stale,
+                                 int(cr.continuation))
+        else:
+            t = check_round(cr.task if cr is not None else None, cr is not None and cr.closed,
+                            cr.close_reason if cr is not None else "", run_id, rnd, attempt)
         assert cr is not None  # check_round refuses when no round is open
         a = cr.assignments.get(node_id)
         check_assignment(a, node_id, task_id, t.round)
@@ -450,25 +604,69 @@ class Coordinator:
     def reject(self, err: OrchardError) -> None:
         self._reject(self.current, type(err).__name__)
 
-    def _decode(self, slot: UploadSlot, payload: bytes) -> NDArrays | CheckedUpload:
+    def _decode(self, slot: UploadSlot, payload: bytes, task: RoundTask) -> NDArrays | CheckedUpload:
         """Everything that is checked before a fold: a decoded update or partial, or a
-        client's payload checked for the compressed sum."""
+        client's payload checked for the compressed sum. ``task``: the round the update
+        was trained in (its shared seed decodes it)."""
         h, cr = slot.header, slot.cohort
         if h.kind is UploadKind.PARTIAL_SUM:
             return decode_partial(payload, cr.task.schema, h.payload_sizes)
         if cr.compressed is not None:
             return cr.compressed.check(h, payload)
-        return self._decode_client(h, payload, cr.task)
+        return self._decode_client(h, payload, task)
+
+    def _task_of(self, cr: CohortRound, h: UploadHeader) -> RoundTask:
+        """The task an update was trained in: the buffer's, or in asynchronous mode an
+        earlier version's, whose shared seed differs (a random-k update is decoded with the
+        indices it was encoded with)."""
+        t = cr.task
+        if h.round == t.round and h.attempt == t.attempt or not t.config.mode.is_async:
+            return t
+        key = (h.round, h.attempt, id(t))
+        view = self._version_tasks.get(key)
+        if view is None:
+            if len(self._version_tasks) >= 8:
+                self._version_tasks.clear()
+            view = self._version_tasks[key] = dataclasses.replace(
+                t, round=h.round, attempt=h.attempt, shared_seed=round_seed(t.config.seed, h.round, h.attempt))
+        return view
+
+    def _fold_buffer(self, slot: UploadSlot) -> CohortRound:
+        """The buffer an upload folds into: its own, or in asynchronous mode, when that one
+        closed while the payload arrived, the buffer its assignment moved into."""
+        cr, cur = slot.cohort, self.current
+        if (cr.closed and cr.task.config.mode.is_async and cur is not None and cur is not cr and not cur.closed
+                and cur.assignments.get(slot.assignment.node_id) is slot.assignment):
+            slot.cohort = cur
+            return cur
+        return cr
+
+    @staticmethod
+    def _staleness(cr: CohortRound, h: UploadHeader) -> tuple[int, float]:
+        """(staleness, its weight) of an update folded into ``cr``: (0, 1) in sync mode.
+        Refuses an update that became too stale while it arrived."""
+        m = cr.task.config.mode
+        if not m.is_async:
+            return 0, 1.0
+        _, s = check_version(cr.task, False, "", h.run_id, h.round, m.max_stale, int(cr.continuation))
+        return s, staleness_weight(s, m.weighting, m.exponent, m.hinge)
 
     async def complete_upload(self, slot: UploadSlot, payload: bytes) -> None:
         """Decode, check, and fold a fully received, hash-checked payload."""
-        h, cr, a = slot.header, slot.cohort, slot.assignment
+        h, a = slot.header, slot.assignment
         try:
-            arrays = await self._offload(self._decode_pool, self._decode, slot, payload)
+            task = self._task_of(slot.cohort, h)
+            arrays = await self._offload(self._decode_pool, self._decode, slot, payload, task)
+            cr = self._fold_buffer(slot)
+            s, factor = self._staleness(cr, h)
             self._reserve_fold(cr, h)
             try:
+                snap = None
                 if h.count > 0:
-                    await self._offload(self._fold_pool, self._fold, cr, h, arrays)
+                    snap = await self._offload(self._fold_pool, self._fold, cr, h, arrays, factor, s,
+                                               self.staleness,
+                                               self.journal is not None and cr.task.config.mode.is_async,
+                                               self._next_fold())
             except BaseException:
                 cr.reserved -= h.count
                 raise
@@ -476,6 +674,26 @@ class Coordinator:
             a.in_flight = False
             raise
         self._delivered(slot)
+        if snap is not None:
+            # After the update counts as delivered, before it is acknowledged: if the store
+            # fails, the node hears an error and its retry is a duplicate (the update is
+            # counted once, in memory), never a second update.
+            self._write_journal(cr, snap)
+
+    def _next_fold(self) -> int:
+        self._folds += 1
+        return self._folds
+
+    def _write_journal(self, cr: CohortRound, snap: BufferState) -> None:
+        """Complete a buffer state taken right after a fold (sums, accepted) with what the
+        loop keeps (assignments still training, histograms, counters) and journal it."""
+        assert self.journal is not None
+        snap.held = [Held(a.node_id, a.task_id, a.round, a.target, self.children[a.node_id].role.value,
+                          self.children[a.node_id].token_hash)
+                     for a in cr.assignments.values()
+                     if not (a.delivered or a.dropped) and a.node_id in self.children]
+        snap.counters = dict(self.counters)
+        self.journal(snap)
 
     def _offload(self, pool: ThreadPoolExecutor, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
         """CPU work in ``pool`` off the event loop; on the caller's thread when inline."""
@@ -490,7 +708,8 @@ class Coordinator:
         if cr.closed:
             raise RoundClosedError(f"round {cr.task.round} closed ({cr.close_reason}) while the upload arrived; "
                                    "late uploads are refused")
-        if h.kind is UploadKind.CLIENT_UPDATE and cr.reserved >= cr.task.target:
+        if (h.kind is UploadKind.CLIENT_UPDATE and cr.reserved >= cr.task.target
+                and not cr.task.config.mode.is_async):  # an async buffer may take a few more than K
             raise RoundClosedError(f"round {cr.task.round} already has its {cr.task.target} updates; "
                                    "late uploads are refused")
         cr.reserved += h.count
@@ -513,16 +732,48 @@ class Coordinator:
         self._notify()
 
     @staticmethod
-    def _fold(cr: CohortRound, h: UploadHeader, arrays: NDArrays | CheckedUpload) -> None:
+    def _fold(cr: CohortRound, h: UploadHeader, arrays: NDArrays | CheckedUpload, factor: float = 1.0,
+              s: int = 0, totals: dict[int, int] | None = None, snapshot: bool = False,
+              seq: int = 0) -> BufferState | None:
+        """Fold one upload; ``factor``: its staleness weight f(s). As FedBuff (Alg. 1), the
+        update joins the sum scaled by ``f(s)`` and the buffer is divided by the plain
+        weights: ``sum_i w_i f(s_i) x_i / sum_i w_i``. The staleness histograms (the
+        buffer's, ``totals``) change here, with the sum, so an outcome read after the fold
+        pool drained sees both. With ``snapshot``, return the buffer's state right after
+        this fold (the root's journal; fold thread only)."""
         if isinstance(arrays, CheckedUpload):
-            assert cr.compressed is not None  # only _decode makes one, for such a round
+            assert cr.compressed is not None and factor == 1.0  # only fresh updates take this path
             cr.compressed.fold(h, arrays)
-            return
-        ms = MetricSums(dict(h.metric_sums), dict(h.metric_weights))
-        if h.kind is UploadKind.PARTIAL_SUM:
-            cr.fold_partial(Partial(sums=arrays, weight=h.weight, count=h.count, metrics=ms))
         else:
-            cr.fold_update(arrays, h.weight, ms)  # the decoder checked it
+            ms = MetricSums(dict(h.metric_sums), dict(h.metric_weights))
+            if factor == 1.0:  # every sync fold, and fresh async ones: through the round's aggregator
+                if h.kind is UploadKind.PARTIAL_SUM:
+                    cr.fold_partial(Partial(sums=arrays, weight=h.weight, count=h.count, metrics=ms))
+                else:
+                    cr.fold_update(arrays, h.weight, ms)  # the decoder checked it
+            elif h.kind is UploadKind.PARTIAL_SUM:
+                # Asynchronous mode runs the plain weighted sum (validation refuses stages).
+                sums = {k: np.multiply(v, factor) for k, v in arrays.items()}
+                cr.acc.merge(Partial(sums=sums, weight=h.weight, count=h.count, metrics=ms))
+            else:
+                cr.acc.accumulate(arrays, h.weight * factor, checked=True)  # the decoder checked it
+                cr.acc.partial.weight += h.weight - h.weight * factor
+                cr.acc.partial.metrics.merge(ms)
+        cr.accepted.append((h.node_id, h.task_id))
+        if cr.task.config.mode.is_async:
+            # A partial's updates: their staleness below plus the partial's own here.
+            inside = {k + s: n for k, n in h.staleness.items()} if h.staleness else {s: h.count}
+            for k, n in inside.items():
+                cr.staleness[k] = cr.staleness.get(k, 0) + n
+                if totals is not None:
+                    totals[k] = totals.get(k, 0) + n
+        if not snapshot:
+            return None
+        p = cr.acc.partial
+        copy = Partial(sums={k: v.copy() for k, v in p.sums.items()}, weight=p.weight, count=p.count,
+                       metrics=MetricSums(dict(p.metrics.sums), dict(p.metrics.weights)))
+        return BufferState(round=cr.task.round + int(cr.continuation), seq=seq, partial=copy,
+                           accepted=list(cr.accepted), staleness=dict(cr.staleness))
 
     # ------------------------------------------------------------------ secure aggregation
 
@@ -630,22 +881,53 @@ class Coordinator:
             c = self.children.get(a.node_id)
             if c is None or (now - c.last_seen > self.cfg.node_timeout_s and not a.in_flight):
                 cr.settle(a, delivered=False)
+        if cr.continuation:  # waits for the next version, whatever the time
+            return
         if cr.secure is not None:
             self._secure_progress(cr)
             if cr.closed:
                 return
         if self._wall() >= cr.task.deadline_unix:
-            self.close_round(cr, "deadline")
+            if self._short(cr):
+                # Asynchronous mode never drops an accepted update: a buffer short of its
+                # minimum tops its clients up and waits another deadline_s.
+                cr.task.deadline_unix = self._wall() + cr.task.config.cohort.deadline_s
+                self._select(cr)
+                self._notify()
+                return
+            self._close_buffer(cr, "deadline")
             return
         self._check_close(cr)
 
+    @staticmethod
+    def _short(cr: CohortRound) -> bool:
+        """An asynchronous buffer below its minimum, ``ceil(target x min_fraction)``: it
+        does not close short, it tops up. (Not one that runs a SecAgg+ session over its
+        clients: the session is fixed when the buffer opens, and ends by its own rules.)"""
+        cfg = cr.task.config
+        return (cfg.mode.is_async and not (cfg.secure_aggregation.enabled and cr.clients_selected > 0)
+                and cr.received < math.ceil(cr.task.target * cfg.cohort.min_fraction))
+
     def _check_close(self, cr: CohortRound) -> None:
-        if cr.closed:
+        if cr.closed or cr.continuation:
             return
         if cr.received >= cr.task.target:
-            self.close_round(cr, "target reached")
+            self._close_buffer(cr, "target reached")
         elif cr.assignments and cr.open == 0 and cr.clients_selected >= cr.client_quota:
-            self.close_round(cr, "every selected node delivered or dropped")
+            if self._short(cr):
+                self._select(cr)  # everyone it chose delivered or dropped: choose more
+                return
+            self._close_buffer(cr, "every selected node delivered or dropped")
+
+    def _close_buffer(self, cr: CohortRound, reason: str) -> None:
+        """Close a round by its own rules; in asynchronous mode leave a continuation, unless
+        the buffer closed short of its minimum (only a SecAgg+ session's buffer can): the
+        root retries that round, and what a continuation took would belong to no round."""
+        self.close_round(cr, reason)
+        cfg = cr.task.config
+        full = cr.received >= math.ceil(cr.task.target * cfg.cohort.min_fraction)
+        if cfg.mode.is_async and full and self.current is cr:
+            self._continue(cr)
 
     def close_round(self, cr: CohortRound, reason: str) -> None:
         if cr.closed:
@@ -671,7 +953,7 @@ class Coordinator:
                             bytes_up=cr.bytes_up, bytes_down=cr.bytes_down,
                             tier_participants=dict(cr.tier_participants), reason=cr.close_reason,
                             seconds=self._mono() - cr.started, rejected=dict(cr.rejected),
-                            measurements=measurements)
+                            measurements=measurements, staleness=dict(cr.staleness))
 
     def _watch(self) -> asyncio.Event:
         """The event a long-poller waits on; set (and replaced) at the next change."""

@@ -40,6 +40,12 @@ class TierCollector(Collector):
         g = GaugeMetricFamily("orchard_round_received", "updates received in the current round", labels=labels)
         g.add_metric(lv, cr.received if cr else 0)
         yield g
+        # Asynchronous mode: every update this tier folded, by its staleness (empty in sync mode).
+        m = CounterMetricFamily("orchard_updates_by_staleness", "updates folded, by staleness (async mode)",
+                                labels=[*labels, "staleness"])
+        for s, n in sorted(dict(c.staleness).items()):
+            m.add_metric([*lv, str(s)], n)
+        yield m
 
 
 def serve_metrics(coord: Coordinator, role: str, host: str, port: int) -> int:

@@ -27,6 +27,7 @@ from orchard.aggregation import server_step
 from orchard.aggregation.layer import CLIP_BELOW
 from orchard.aggregation.privacy import PrivacyLedger
 from orchard.aggregation.server_opt import ServerOptimizer
+from orchard.aggregation.staleness import merge_histograms
 from orchard.config import RunConfig, ServerConfig, ServerOptimizerConfig, base_model_dir
 from orchard.errors import (
     ConfigError,
@@ -35,10 +36,11 @@ from orchard.errors import (
     StoreError,
     UpdateSchemaError,
 )
+from orchard.server.buffer import BufferState
 from orchard.server.coordinator import Coordinator
 from orchard.server.round import RoundOutcome, RoundRecord, RoundStatus, root_task
 from orchard.server.store import Store, atomic_write
-from orchard.typing import NDArrays
+from orchard.typing import NDArrays, schema_of
 
 log = logging.getLogger("orchard.server.root")
 
@@ -63,6 +65,8 @@ class ActiveRun:
     current: dict[str, Any] | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
     privacy: PrivacyLedger | None = None  # with DP on: the mechanism and what it has spent
+    # Asynchronous mode after a restart: the journaled buffer the next round takes back.
+    restore: BufferState | None = None
 
 
 class RootRunner:
@@ -100,6 +104,9 @@ class RootRunner:
                 opt.load_state_bytes(Path(ck.optimizer_path).read_bytes())
             self.run = ActiveRun(row.run_id, cfg, row.config_json, arrays, blob, ck.sha256, opt, ck.round,
                                  privacy=self._restore_privacy(row.run_id, cfg))
+            if cfg.mode.is_async:
+                self.run.restore = self._journaled_buffer(self.run)
+                self.coord.journal = self._journal
             if cfg.downlink_delta and ck.round > 0:
                 self._remember_base(row.run_id, ck.round - 1)
             log.info("resuming run %s after round %d", row.run_id, ck.round)
@@ -120,6 +127,36 @@ class RootRunner:
         if done:
             ledger.clip_norm = float(done[-1]["privacy"].get("next_clip_norm", ledger.clip_norm))
         return ledger
+    def _journaled_buffer(self, run: ActiveRun) -> BufferState | None:
+        """The buffer a killed root had acknowledged updates into (asynchronous mode).
+
+        Buffers of rounds after the last checkpoint are the open one and, if the root died
+        while applying a full buffer, the continuation that took uploads meanwhile; both
+        are merged into the next round's buffer (the continuation's updates are then
+        applied one version early), and that merged state replaces them in one
+        transaction, so a second crash finds each update once."""
+        rows = [b for b in self.store.buffers(run.run_id) if b.round > run.completed_rounds]
+        if not rows:
+            return None
+        schema = tuple(schema_of(run.arrays))
+        states = [BufferState.from_bytes(b.state_json, b.sums, schema) for b in rows]
+        merged = states[0]
+        for st in states[1:]:
+            merged.absorb(st)
+        merged.round = run.completed_rounds + 1
+        state_json, sums = merged.to_bytes()
+        self.store.save_buffer(run.run_id, merged.round, merged.seq, state_json, sums, supersede_later=True)
+        log.info("run %s: %d acknowledged updates back in the buffer of round %d", run.run_id,
+                 merged.partial.count, merged.round)
+        return merged
+
+    def _journal(self, state: BufferState) -> None:
+        """Journal an asynchronous buffer before its newest update is acknowledged."""
+        run = self.run
+        if run is None:
+            return
+        state_json, sums = state.to_bytes()
+        self.store.save_buffer(run.run_id, state.round, state.seq, state_json, sums)
 
     def _remember_base(self, run_id: str, rnd: int) -> None:
         """Clients that trained in the last completed round hold the model it started from:
@@ -160,6 +197,7 @@ class RootRunner:
         self.store.index_checkpoint(run_id, 0, str(path), h)
         opt = ServerOptimizer(config.server_optimizer, arrays)
         self.run = ActiveRun(run_id, config, config_json, arrays, initial_blob, h, opt, 0, privacy=privacy)
+        self.coord.journal = self._journal if config.mode.is_async else None
         self._task = asyncio.create_task(self._loop(self.run))
         return run_id
 
@@ -217,11 +255,11 @@ class RootRunner:
 
     async def _wait_capacity(self, run: ActiveRun) -> None:
         cfg = run.config
-        need_min = math.ceil(cfg.cohort.target * cfg.cohort.min_fraction)
+        need_min = math.ceil(cfg.buffer_target * cfg.cohort.min_fraction)
         waited_from = time.monotonic()
         while not run.stop_requested:
             _, eligible = self.coord.capacity(cfg)
-            if eligible >= cfg.cohort.target:
+            if eligible >= cfg.buffer_target:
                 return
             if eligible >= need_min and time.monotonic() - waited_from >= self.start_grace_s:
                 return
@@ -244,13 +282,14 @@ class RootRunner:
             round_json, noise_stddev = round_cfg.model_dump_json(), ledger.noise_stddev
         task = root_task(run.run_id, rnd, attempt, round_cfg, round_json, run.arrays, run.blob, run.blob_hash,
                          started, noise_stddev)
-        cr = self.coord.open_round(task)
+        restore, run.restore = (run.restore, None) if run.restore is not None and run.restore.round == rnd else (None, run.restore)
+        cr = self.coord.open_round(task, restore=restore)
         run.current = {"round": rnd, "attempt": attempt, "phase": "training", "cohort": cr}
         self.store.record_round(run.run_id, rnd, attempt, "running", started, None,
                                 {"selected": len(cr.assignments)})
         out = await self.coord.wait_round(cr)
         privacy = self._charge(ledger, out)
-        need = math.ceil(cfg.cohort.target * cfg.cohort.min_fraction)
+        need = math.ceil(cfg.buffer_target * cfg.cohort.min_fraction)
         if run.stop_requested and out.partial.count < need:
             record = RoundRecord.from_outcome(out, RoundStatus.STOPPED)
             record.privacy = privacy
@@ -337,7 +376,25 @@ class RootRunner:
                 cur.update(selected=len(cr.assignments), received=cr.received, target=cr.task.target,
                            deadline_in_s=round(cr.task.deadline_unix - time.time(), 1))
             out["current_round"] = cur
+        if cfg.get("mode", {}).get("kind") == "async":
+            out.update(self._async_status(row.run_id, row.completed_rounds, rounds))
         return out
+
+    def _async_status(self, run_id: str, version: int, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+        """Model version, the open buffer's fill and the staleness of every update applied
+        or buffered so far (asynchronous mode)."""
+        hist: dict[int, int] = {}
+        for r in rounds:
+            if r["status"] == "completed":
+                hist = merge_histograms(hist, {int(k): v for k, v in r.get("staleness", {}).items()})
+        buf: dict[str, Any] = {}
+        cr = self.coord.current
+        if self.run is not None and self.run.run_id == run_id and cr is not None and cr.task.run_id == run_id:
+            buf = {"fill": cr.received, "size": cr.task.target, "serving_version": cr.task.round - 1,
+                   "staleness": {str(k): v for k, v in sorted(dict(cr.staleness).items())}}
+            hist = merge_histograms(hist, dict(cr.staleness))
+        return {"mode": "async", "model_version": version, "buffer": buf,
+                "staleness_histogram": {str(k): v for k, v in hist.items()}}
 
     def nodes_summary(self) -> dict[str, int]:
         clients = sum(1 for c in self.coord.children.values() if c.role.value == "client" and self.coord.live(c))

@@ -54,7 +54,7 @@ def root_task(run_id: str, rnd: int, attempt: int, config: RunConfig, config_jso
     global model in its blob's order (``wire.blob_to_arrays``): that order is the schema's."""
     return RoundTask(run_id=run_id, round=rnd, attempt=attempt, config=config, config_json=config_json,
                      model_blob=blob, model_hash=blob_hash, schema=tuple(schema_of(arrays)),
-                     deadline_unix=now_unix + config.cohort.deadline_s, target=config.cohort.target,
+                     deadline_unix=now_unix + config.cohort.deadline_s, target=config.buffer_target,
                      shared_seed=round_seed(config.seed, rnd, attempt), noise_stddev=noise_stddev)
 
 
@@ -83,6 +83,7 @@ class RoundOutcome:
     seconds: float
     rejected: dict[str, int]
     measurements: dict[str, float] = field(default_factory=dict)  # the aggregator's (clipped, noise, ...)
+    staleness: dict[int, int] = field(default_factory=dict)  # asynchronous mode: updates by staleness
 
 
 def partial_upload(a: TaskAssignment, node_id: str, out: RoundOutcome) -> tuple[UploadHeader, bytes]:
@@ -95,7 +96,8 @@ def partial_upload(a: TaskAssignment, node_id: str, out: RoundOutcome) -> tuple[
         kind=UploadKind.PARTIAL_SUM, schema=a.schema, payload_sizes=sizes, codec=PARTIAL_CODEC,
         payload_sha256=sha256_hex(payload), weight=p.weight, count=p.count,
         metric_sums=dict(p.metrics.sums), metric_weights=dict(p.metrics.weights),
-        bytes_up=out.bytes_up, bytes_down=out.bytes_down, tier_participants=dict(out.tier_participants))
+        bytes_up=out.bytes_up, bytes_down=out.bytes_down, tier_participants=dict(out.tier_participants),
+        staleness=dict(out.staleness))
     return header, payload
 
 
@@ -148,6 +150,7 @@ class RoundRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     simulated: SimulatedCounts | None = None
     privacy: dict[str, Any] | None = None  # epsilon spent after this round, delta, clip norm
+    staleness: dict[int, int] = field(default_factory=dict)  # asynchronous mode: updates by staleness
 
     @classmethod
     def from_outcome(cls, out: RoundOutcome, status: RoundStatus, seconds: float | None = None) -> RoundRecord:
@@ -155,7 +158,8 @@ class RoundRecord:
                    selected=out.selected, dropped=out.dropped, weight=out.partial.weight, bytes_up=out.bytes_up,
                    bytes_down=out.bytes_down, seconds=round(out.seconds if seconds is None else seconds, 3),
                    closed_because=out.reason, tier_participants=dict(out.tier_participants),
-                   rejected=dict(out.rejected), metrics=out.partial.metrics.means())
+                   rejected=dict(out.rejected), metrics=out.partial.metrics.means(),
+                   staleness=dict(sorted(out.staleness.items())))
 
     def as_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -169,6 +173,8 @@ class RoundRecord:
             d["reason"] = self.reason
         if self.privacy is not None:
             d["privacy"] = dict(self.privacy)
+        if self.staleness:
+            d["staleness"] = {str(k): v for k, v in self.staleness.items()}
         if self.simulated is not None:
             s = self.simulated
             d["selected"] = s.selected

@@ -59,7 +59,12 @@ def allocate(target: int, capacities: dict[str, int]) -> dict[str, int]:
 
 def over_select(candidates: list[str], wanted: int, over_selection: float, rng: np.random.Generator) -> list[str]:
     """Pick ceil(wanted * over_selection) of the candidates uniformly at random."""
-    k = min(len(candidates), math.ceil(wanted * over_selection))
+    return pick(candidates, math.ceil(wanted * over_selection), rng)
+
+
+def pick(candidates: list[str], k: int, rng: np.random.Generator) -> list[str]:
+    """Pick ``min(k, len(candidates))`` of the candidates uniformly at random, in their order."""
+    k = min(len(candidates), k)
     if k <= 0:
         return []
     idx = rng.choice(len(candidates), size=k, replace=False)

@@ -43,6 +43,8 @@ CREATE TABLE IF NOT EXISTS runs(run_id TEXT PRIMARY KEY, config_json TEXT NOT NU
 CREATE TABLE IF NOT EXISTS rounds(run_id TEXT NOT NULL, round INTEGER NOT NULL, attempt INTEGER NOT NULL,
     status TEXT NOT NULL, started REAL NOT NULL, finished REAL, record_json TEXT NOT NULL DEFAULT '{}',
     PRIMARY KEY(run_id, round, attempt));
+CREATE TABLE IF NOT EXISTS buffers(run_id TEXT NOT NULL, round INTEGER NOT NULL, seq INTEGER NOT NULL,
+    state_json TEXT NOT NULL, sums BLOB NOT NULL, PRIMARY KEY(run_id, round));
 CREATE TABLE IF NOT EXISTS checkpoints(run_id TEXT NOT NULL, round INTEGER NOT NULL, path TEXT NOT NULL,
     sha256 TEXT NOT NULL, optimizer_path TEXT NOT NULL DEFAULT '', created REAL NOT NULL,
     PRIMARY KEY(run_id, round));
@@ -66,6 +68,17 @@ class RunRow:
     updated: float
     completed_rounds: int
     error: str
+
+
+@dataclass(frozen=True)
+class BufferRow:
+    """An asynchronous run's journaled buffer (``orchard.server.buffer.BufferState``)."""
+
+    run_id: str
+    round: int
+    seq: int
+    state_json: str
+    sums: bytes
 
 
 @dataclass(frozen=True)
@@ -102,6 +115,13 @@ class Store(Protocol):
                        ckpt_path: str, ckpt_sha256: str, optimizer_path: str) -> None: ...
     def index_checkpoint(self, run_id: str, rnd: int, path: str, sha256: str, optimizer_path: str = "") -> None: ...
     def checkpoint(self, run_id: str, rnd: int | None = None) -> CheckpointRow | None: ...
+    # Asynchronous runs: the root's open buffers, journaled after every accepted fold.
+    # ``save_buffer`` keeps the state with the largest ``seq`` per (run, round); with
+    # ``supersede_later`` it also drops the run's buffers of later rounds, in the same
+    # transaction. ``complete_round`` drops the run's buffers up to the completed round.
+    def save_buffer(self, run_id: str, rnd: int, seq: int, state_json: str, sums: bytes,
+                    supersede_later: bool = False) -> None: ...
+    def buffers(self, run_id: str) -> list[BufferRow]: ...
 
 
 class SQLiteStore:
@@ -231,6 +251,7 @@ class SQLiteStore:
                 "INSERT OR REPLACE INTO rounds(run_id, round, attempt, status, started, finished, record_json) "
                 "VALUES(?,?,?,?,?,?,?)", (run_id, rnd, attempt, "completed", started, now, json.dumps(record)))
             self._db.execute("UPDATE runs SET completed_rounds=?, updated=? WHERE run_id=?", (rnd, now, run_id))
+            self._db.execute("DELETE FROM buffers WHERE run_id=? AND round<=?", (run_id, rnd))
             self._db.execute("COMMIT")
         except BaseException:
             self._db.execute("ROLLBACK")
@@ -250,6 +271,26 @@ class SQLiteStore:
                                    "WHERE run_id=? AND round=?", (run_id, rnd)).fetchone()
         return None if row is None else CheckpointRow(*row)
 
+    def save_buffer(self, run_id: str, rnd: int, seq: int, state_json: str, sums: bytes,
+                    supersede_later: bool = False) -> None:
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute(
+                "INSERT INTO buffers(run_id, round, seq, state_json, sums) VALUES(?,?,?,?,?) "
+                "ON CONFLICT(run_id, round) DO UPDATE SET seq=excluded.seq, state_json=excluded.state_json, "
+                "sums=excluded.sums WHERE excluded.seq > buffers.seq", (run_id, rnd, seq, state_json, sums))
+            if supersede_later:
+                self._db.execute("DELETE FROM buffers WHERE run_id=? AND round>?", (run_id, rnd))
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+
+    def buffers(self, run_id: str) -> list[BufferRow]:
+        rows = self._db.execute("SELECT run_id, round, seq, state_json, sums FROM buffers WHERE run_id=? "
+                                "ORDER BY round", (run_id,)).fetchall()
+        return [BufferRow(r[0], int(r[1]), int(r[2]), str(r[3]), bytes(r[4])) for r in rows]
+
 
 class MemoryStore:
     """The store's behaviour in dicts: nothing survives the process."""
@@ -262,6 +303,7 @@ class MemoryStore:
         # (run, round, attempt) -> (status, started, finished, record)
         self._rounds: dict[tuple[str, int, int], tuple[str, float, float | None, dict[str, Any]]] = {}
         self._checkpoints: dict[tuple[str, int], CheckpointRow] = {}
+        self._buffers: dict[tuple[str, int], BufferRow] = {}
 
     def close(self) -> None:
         pass
@@ -351,6 +393,8 @@ class MemoryStore:
         self._checkpoints[(run_id, rnd)] = CheckpointRow(run_id, rnd, ckpt_path, ckpt_sha256, optimizer_path)
         self._rounds[(run_id, rnd, attempt)] = ("completed", started, time.time(), rec)
         self._update_run(run_id, completed_rounds=rnd)
+        for key in [k for k in self._buffers if k[0] == run_id and k[1] <= rnd]:
+            del self._buffers[key]
 
     def index_checkpoint(self, run_id: str, rnd: int, path: str, sha256: str, optimizer_path: str = "") -> None:
         self._checkpoints[(run_id, rnd)] = CheckpointRow(run_id, rnd, path, sha256, optimizer_path)
@@ -360,6 +404,18 @@ class MemoryStore:
             return self._checkpoints.get((run_id, rnd))
         rows = [c for (r, _), c in self._checkpoints.items() if r == run_id]
         return max(rows, key=lambda c: c.round, default=None)
+
+    def save_buffer(self, run_id: str, rnd: int, seq: int, state_json: str, sums: bytes,
+                    supersede_later: bool = False) -> None:
+        prev = self._buffers.get((run_id, rnd))
+        if prev is None or seq > prev.seq:
+            self._buffers[(run_id, rnd)] = BufferRow(run_id, rnd, seq, state_json, bytes(sums))
+        if supersede_later:
+            for key in [k for k in self._buffers if k[0] == run_id and k[1] > rnd]:
+                del self._buffers[key]
+
+    def buffers(self, run_id: str) -> list[BufferRow]:
+        return [b for (r, _), b in sorted(self._buffers.items()) if r == run_id]
 
 
 def atomic_write(path: Path, data: bytes) -> None:

@@ -5,6 +5,8 @@ Returns every problem at once; ``orchard validate`` and ``Control.StartRun`` cal
 
 from __future__ import annotations
 
+import math
+
 from orchard.config import RunConfig
 from orchard.errors import ConfigError
 
@@ -22,6 +24,7 @@ def run_config_problems(cfg: RunConfig) -> list[str]:
             validate_codec_for_secure_aggregation(cfg.codec)
         except ConfigError as err:
             problems += [f"secure_aggregation: {p}" for p in err.problems]
+    problems += async_problems(cfg)
     return problems + aggregation_problems(cfg)
 
 
@@ -36,6 +39,27 @@ def aggregation_problems(cfg: RunConfig) -> list[str]:
         return [f"robust.statistic {stat.name!r} is not linear and a secure cohort reveals only its sum: under "
                 f"secure aggregation use a linear statistic ({linear}), with robust.norm_bound to bound each update"]
     return []
+
+
+def async_problems(cfg: RunConfig) -> list[str]:
+    """Asynchronous mode's impossible combinations, each with what would work."""
+    m = cfg.mode
+    if not m.is_async:
+        return []
+    problems: list[str] = []
+    k = cfg.buffer_target
+    if cfg.secure_aggregation.enabled and math.ceil(k * cfg.cohort.over_selection) < 2:
+        problems.append(
+            f"mode: a secure buffer is one SecAgg+ session over ceil(buffer_size x over_selection) = "
+            f"{math.ceil(k * cfg.cohort.over_selection)} client; the protocol needs at least 2: raise "
+            "mode.buffer_size or cohort.over_selection")
+    if m.staleness not in (None, "hinge") and m.staleness_exponent is not None and m.weighting == "constant":
+        problems.append("mode: staleness = \"constant\" takes no staleness_exponent; remove it or pick "
+                        "\"polynomial\" or \"hinge\"")
+    if m.weighting == "hinge" and m.hinge >= m.max_stale:
+        problems.append(f"mode: hinge_after = {m.hinge} is not below max_staleness = {m.max_stale}: every update "
+                        "that is taken would weigh 1; lower hinge_after or use staleness = \"constant\"")
+    return problems
 
 
 def validate_run_config(cfg: RunConfig) -> None:

@@ -192,6 +192,16 @@ def _semantic_problems(cfg: SimulationConfig) -> list[str]:
     from orchard.server.validation import aggregation_problems
 
     problems += aggregation_problems(run)
+    if run.mode.is_async:
+        # The root's coordinator runs asynchronous mode for any tree; the simulator drives
+        # it for a root with its clients only, without secure aggregation or downlink deltas.
+        for what, bad in (("simulation.aggregators", bool(fan)),
+                          ("secure_aggregation.enabled", run.secure_aggregation.enabled),
+                          ("downlink_delta", run.downlink_delta)):
+            if bad:
+                problems.append(f"{what}: the simulator runs asynchronous mode (run.mode.kind = \"async\") for a "
+                                "root and its clients only; set it off here, or run the tree over gRPC "
+                                "(orchard server/aggregator start), which supports it")
     if run.secure_aggregation.enabled:
         leaves = math.prod(fan) if fan and all(isinstance(f, int) and f > 0 for f in fan) else 1
         per_cohort = cfg.clients_per_round // max(leaves, 1)

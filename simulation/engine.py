@@ -74,9 +74,10 @@ from orchard.compression import build_codec, encode_update
 from orchard.config import RunConfig, ServerConfig
 from orchard.edge_runtime.governor import Governor, run_governed
 from orchard.edge_runtime.policy import DevicePolicy, RoundBudget
-from orchard.errors import OrchardError, SecAggError
+from orchard.errors import OrchardError, SecAggError, StaleUpdateError
 from orchard.messages import TaskAssignment, UploadHeader
 from orchard.secure_agg import Stage
+from orchard.server.admission import check_version
 from orchard.server.cohort import CohortRound
 from orchard.server.coordinator import Coordinator
 from orchard.server.decoding import ClientUpdateDecoder
@@ -158,6 +159,7 @@ class Arrival:
     steps: int | None
     start: str = ""  # the model it trains from: "" the global one, else its downlink reconstruction
     deferred: bool = False  # expected to arrive after its tier closed: trained only if it did not
+    output: ClientOutput | None = None  # asynchronous mode: trained when it pulled its model
 
 
 class Engine:
@@ -203,6 +205,12 @@ class Engine:
         self.run_id = f"sim-{seed}"
         self.config_json = run.model_dump_json()
         self.round_cfg = run
+        # Asynchronous mode: devices still training across buffers, by node; their arrivals
+        # in time order; devices that vanished, with when their tier forgets them.
+        self.busy: dict[str, LiveDevice] = {}
+        self.in_flight: list[tuple[float, int, Arrival]] = []
+        self.silent: dict[str, float] = {}
+        self._arrivals = itertools.count()
 
     def _tier(self, name: str, parent: Tier | None, depth: int) -> Tier:
         h = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
@@ -267,9 +275,165 @@ class Engine:
         new_arrays, rec.metrics = server_step(out.partial, cfg, optimizer)
         return {**rec.as_dict(), "ok": True, "new_arrays": new_arrays}
 
+    # ------------------------------------------------------------------ asynchronous mode
+
+    def buffer(self, rnd: int, attempt: int, arrays: NDArrays, optimizer: ServerOptimizer) -> dict[str, Any]:
+        """One buffer of an asynchronous run (``[run.mode] kind = "async"``): what
+        :meth:`round` is to a synchronous one, with the same record.
+
+        The root coordinator does the asynchronous work (``open_round`` carries the
+        devices still training into the new buffer and tops them up to the concurrency;
+        ``upload_now`` weights each update by its staleness or refuses it past S). Here
+        is only the clock and the devices: fresh devices check in (those still training
+        do not poll), the newly selected pull this version and are trained on it at once
+        (their output waits for their finish time), and arrivals of every version are
+        handed to the root in time order until the buffer closes at K (or its deadline).
+        Devices still training stay for the next buffer; the others go back to the
+        population. Flat trees only (validation says so)."""
+        cfg = self.run
+        stats = SimulatedCounts()
+        t_open = self.time.t
+        blob = wire.arrays_to_blob(arrays)
+        root = self.root
+        self._forget_silent()
+        live = self._check_in(rnd, attempt, stats, self.busy)
+        task = root_task(self.run_id, rnd, attempt, cfg, self.config_json, arrays, blob, sha256_hex(blob),
+                         self.time.wall())
+        root.reset()
+        root.cr = cr = root.coord.open_round(task)
+        fresh = self._dispatch(live, blob, task.schema, task.shared_seed, stats, {})
+        self._train_now(fresh, arrays, live, stats)
+        extensions = 0
+        while not cr.closed:
+            deadline = cr.task.deadline_unix - self.time.origin
+            nxt = self.in_flight[0][0] if self.in_flight else math.inf
+            if deadline <= nxt:
+                self.time.advance_to(deadline)
+                self._heartbeats_async()
+                # At its deadline the buffer closes, or, short of its minimum, the root tops
+                # its clients up from those checked in (more devices check in first) and
+                # waits another deadline: devices poll all the time, not only at a version.
+                extensions += 1
+                more = self._check_in(rnd, attempt + 1000 * extensions, stats, {**self.busy, **live})
+                live.update(more)
+                root.coord.sweep()
+                if cr.closed or extensions > 100:
+                    break
+                idle = {n: d for n, d in live.items() if n not in self.busy and n in root.coord.children}
+                fresh = self._dispatch(idle, blob, task.schema, task.shared_seed, stats, {})
+                self._train_now(fresh, arrays, idle, stats)
+                continue
+            _, _, a = heapq.heappop(self.in_flight)
+            self.time.advance_to(a.finish)
+            self._arrive_async(a, stats)
+        if not cr.closed:
+            root.coord.close_round(cr, "no device could fill the buffer")
+        out = root.coord.outcome(cr)
+        need = math.ceil(cfg.buffer_target * cfg.cohort.min_fraction)
+        ok = out.partial.count >= need and out.partial.weight > 0
+        if ok:
+            self._past_staleness(rnd + 1, stats)
+        for node, dev in live.items():  # checked in, never chosen: back to the population
+            if node not in self.busy and node in root.coord.children:
+                self._release(node, dev)
+        rec = RoundRecord.from_outcome(out, RoundStatus.COMPLETED if ok else RoundStatus.FAILED)
+        stats.simulated_seconds = round(self.time.t - t_open, 3)
+        rec.simulated = stats
+        extra = {"in_flight": len(self.in_flight), "model_version": rnd - 1}
+        if not ok:
+            rec.reason = f"{out.partial.count} of the {need} updates needed arrived; buffer retried"
+            return {**rec.as_dict(), **extra, "ok": False}
+        new_arrays, rec.metrics = server_step(out.partial, cfg, optimizer)
+        return {**rec.as_dict(), **extra, "ok": True, "new_arrays": new_arrays}
+
+    def _train_now(self, fresh: list[Arrival], arrays: NDArrays, live: dict[str, LiveDevice],
+                   stats: SimulatedCounts) -> None:
+        """Train the newly assigned devices on the version they pulled; queue their arrivals.
+        A selected device that does not arrive (vanished, or its governor stopped it before
+        a step) falls silent, and its tier drops it ``node_timeout_s`` later."""
+        arriving = {a.node_id for a in fresh}
+        cr = self.root.cr
+        assert cr is not None
+        for node, dev in live.items():
+            a = cr.assignments.get(node)
+            if a is not None and a.round == cr.task.round and node not in arriving:
+                self.silent[node] = self.time.t + self.server_cfg.node_timeout_s
+                self.busy[node] = dev
+        if not fresh:
+            return
+        outputs = {o.partition: o for o in self.backend.submit([self._job(a) for a in fresh], arrays).result()}
+        for a in fresh:
+            a.output = outputs[a.partition]
+            self.busy[a.node_id] = live[a.node_id]
+            heapq.heappush(self.in_flight, (a.finish, next(self._arrivals), a))
+
+    def _arrive_async(self, a: Arrival, stats: SimulatedCounts) -> None:
+        o = a.output
+        assert o is not None
+        stats.trained += 1
+        if o.header is None:
+            stats.failed_clients += 1
+        else:
+            try:
+                self.root.coord.upload_now(a.node_id, o.header, o.payload)
+                self._keep_state(a.partition, o)
+            except OrchardError as err:
+                name = type(err).__name__
+                stats.rejected[name] = stats.rejected.get(name, 0) + 1
+        self._release(a.node_id, self.busy.pop(a.node_id))
+
+    def _past_staleness(self, rnd: int, stats: SimulatedCounts) -> None:
+        """Before version ``rnd`` opens: a device still training on a version the root's
+        admission would refuse from then on (``check_version``: more than S versions
+        stale) stops now, as a late device of a synchronous round does; its training is
+        counted, its upload refused by name."""
+        assert self.root.cr is not None
+        task, S = self.root.cr.task, self.run.mode.max_stale
+        keep = []
+        for item in self.in_flight:
+            a = item[2]
+            try:
+                check_version(task, False, "", self.run_id, a.assignment.round, S, ahead=rnd - task.round)
+                keep.append(item)
+            except StaleUpdateError as err:
+                stats.trained += 1
+                name = type(err).__name__
+                stats.rejected[name] = stats.rejected.get(name, 0) + 1
+                self._release(a.node_id, self.busy.pop(a.node_id))
+        if len(keep) != len(self.in_flight):
+            self.in_flight = keep
+            heapq.heapify(self.in_flight)
+        for node in list(self.silent):
+            a = self.root.cr.assignments.get(node) if self.root.cr is not None else None
+            if a is None or rnd - a.round > S:
+                del self.silent[node]
+                self._release(node, self.busy.pop(node))
+
+    def _heartbeats_async(self) -> None:
+        """Devices still training heartbeat; a sweep drops only the silent."""
+        for node in self.busy:
+            if node not in self.silent and node in self.root.coord.children:
+                self.root.coord.touch(node)
+
+    def _forget_silent(self) -> None:
+        """Devices that fell silent are forgotten once their tier's timeout has passed."""
+        for node, when in list(self.silent.items()):
+            if when <= self.time.t:
+                del self.silent[node]
+                self._release(node, self.busy.pop(node))
+        self._heartbeats_async()
+        self.root.coord.sweep()
+
+    def _release(self, node: str, dev: LiveDevice) -> None:
+        """A device leaves its tier and goes back to the population (it may check in again)."""
+        self.root.coord.leave(node)
+        dev.clock.advance(max(0.0, self.time.t - dev.clock.monotonic()))
+        self.pop.store(dev)
+
     # ------------------------------------------------------------------ check-in and selection
 
-    def _check_in(self, rnd: int, attempt: int, stats: SimulatedCounts) -> dict[str, LiveDevice]:
+    def _check_in(self, rnd: int, attempt: int, stats: SimulatedCounts,
+                  busy: dict[str, LiveDevice] | None = None) -> dict[str, LiveDevice]:
         cfg = self.run
         want = math.ceil(cfg.cohort.target * cfg.cohort.over_selection * self.checkin_factor)
         live: dict[str, LiveDevice] = {}
@@ -281,6 +445,8 @@ class Engine:
             for i in order[online]:
                 if len(live) >= want:
                     break
+                if busy and f"device-{int(i)}" in busy:
+                    continue  # still training (asynchronous mode): it is not polling
                 dev = self.pop.materialise(int(i), now)
                 state = Population.state_of(dev)
                 if not Population.eligible(state, cfg.eligibility, wall):

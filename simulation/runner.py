@@ -93,7 +93,11 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
                         break
                     round_cfg, noise_stddev = ledger.round_config(run), ledger.noise_stddev
                 t0, c0 = time.perf_counter(), time.process_time()
-                rec = engine.round(rnd, attempt, arrays, optimizer, round_cfg if ledger else None, noise_stddev)
+                # Asynchronous mode: a round is one buffer (one model version).
+                if run.mode.is_async:
+                    rec = engine.buffer(rnd, attempt, arrays, optimizer)
+                else:
+                    rec = engine.round(rnd, attempt, arrays, optimizer, round_cfg if ledger else None, noise_stddev)
                 rec["seconds"] = round(time.perf_counter() - t0, 4)
                 # CPU time of the whole process (all workers): what to compare on a busy host.
                 rec["cpu_seconds"] = round(time.process_time() - c0, 4)

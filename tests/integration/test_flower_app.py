@@ -14,7 +14,7 @@ import numpy as np
 from fed_harness import BackgroundRoot
 
 from orchard import wire
-from orchard.config import CohortConfig, RunConfig
+from orchard.config import CohortConfig, RunConfig, ServerConfig
 from orchard.ops import ControlClient
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -27,7 +27,10 @@ def test_flower_quickstart_app_over_grpc(tmp_path: Path) -> None:
     finally:
         sys.path.remove(str(FIXTURES))
     initial = {k: v.detach().numpy().astype(np.float32) for k, v in fq.Net().state_dict().items()}
-    srv = BackgroundRoot(tmp_path / "root")
+    # The client processes import torch and Flower when their first task starts, before
+    # they heartbeat; on a loaded machine that takes longer than the harness's 5 s node
+    # timeout, so this root waits for them longer.
+    srv = BackgroundRoot(tmp_path / "root", ServerConfig(heartbeat_s=1.0, node_timeout_s=60.0, long_poll_s=2.0))
     env = dict(os.environ, PYTHONPATH=str(FIXTURES), OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-m", "orchard.cli", "client", "start", "--server", srv.root.address,
                                "--insecure", "--flower-app", "flower_quickstart_app:app", "--partition", str(k),

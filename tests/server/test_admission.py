@@ -131,3 +131,27 @@ def test_equal_schemas_pass_and_any_difference_is_named() -> None:
     check_schema(SCHEMA, SCHEMA)
     with pytest.raises(UpdateSchemaError, match="'b' declared shape"):
         check_schema((SCHEMA[0], TensorSpec("b", (3,), "float32")), SCHEMA)
+
+
+def test_async_versions_known_current_stale_and_future() -> None:
+    from orchard.errors import FutureModelVersionError, StaleUpdateError, UnknownModelVersionError
+    from orchard.server.admission import check_version
+
+    t = _task()  # serves version (round) 3
+    assert check_version(t, False, "", "run", 3, 2) == (t, 0)
+    assert check_version(t, False, "", "run", 1, 2) == (t, 2)
+    # A continuation's updates are applied after the next step: one version staler.
+    assert check_version(t, False, "", "run", 2, 2, ahead=1) == (t, 2)
+    with pytest.raises(StaleUpdateError, match="3 versions stale"):
+        check_version(t, False, "", "run", 1, 2, ahead=1)
+    with pytest.raises(StaleUpdateError, match="at most 0 versions old"):
+        check_version(t, False, "", "run", 2, 0)
+    with pytest.raises(FutureModelVersionError, match="round 4 is from the future"):
+        check_version(t, False, "", "run", 4, 2)
+    for run, version in (("other", 3), ("run", 0), ("run", -1)):
+        with pytest.raises(UnknownModelVersionError, match="no model version this tier served"):
+            check_version(t, False, "", run, version, 2)
+    with pytest.raises(RoundClosedError, match="closed"):
+        check_version(t, True, "target reached", "run", 3, 2)
+    with pytest.raises(RoundClosedError, match="no buffer is open"):
+        check_version(None, False, "", "run", 3, 2)

@@ -82,3 +82,25 @@ def test_records_are_copies(store: Store) -> None:
     got = store.rounds("r")[0]
     got["participants"] = 77
     assert store.rounds("r")[0]["participants"] == 2
+
+
+def test_async_buffers_keep_the_newest_state_and_go_with_their_round(store: Store) -> None:
+    store.create_run("run-a", "{}")
+    store.create_run("run-b", "{}")
+    assert store.buffers("run-a") == []
+    store.save_buffer("run-a", 3, 5, '{"n": 5}', b"\x01")
+    store.save_buffer("run-a", 3, 4, '{"n": 4}', b"\x02")  # an older state written late: ignored
+    store.save_buffer("run-a", 4, 6, '{"n": 6}', b"\x03")  # the continuation of a full buffer
+    store.save_buffer("run-b", 1, 1, '{"n": 1}', b"\x04")
+    got = store.buffers("run-a")
+    assert [(b.round, b.seq, b.state_json, b.sums) for b in got] == [(3, 5, '{"n": 5}', b"\x01"),
+                                                                      (4, 6, '{"n": 6}', b"\x03")]
+    # Applying round 3 drops its buffer (and any earlier one) in the same transaction.
+    store.complete_round("run-a", 3, 0, 1.0, {}, "/ck/3", "s3", "")
+    assert [b.round for b in store.buffers("run-a")] == [4]
+    # A merged state replaces the later buffers at once.
+    store.save_buffer("run-a", 4, 9, '{"n": 9}', b"\x05")
+    store.save_buffer("run-a", 5, 10, '{"n": 10}', b"\x06")
+    store.save_buffer("run-a", 4, 11, '{"merged": true}', b"\x07", supersede_later=True)
+    assert [(b.round, b.seq) for b in store.buffers("run-a")] == [(4, 11)]
+    assert [b.round for b in store.buffers("run-b")] == [1]
