@@ -531,6 +531,8 @@ def watch_run(ctl: Any, run_id: str, rounds: int, on_round: Any = None, poll_s: 
             seen = len(done)
             cur = st.get("current_round") or {}
             info = f"round {cur.get('round', '-')}: {cur.get('phase', st['status'])}"
+            if "waiting" in cur:
+                info = f"round {cur.get('round', '-')}: {cur['waiting']['message']}"
             if "received" in cur:
                 info += f" {cur['received']}/{cur['target']} updates"
             prog.update(bar, completed=st["completed_rounds"], info=info)
@@ -561,6 +563,12 @@ def run_status(
 
     out.print(f"run {st['run_id']}: {st['status']} — {st['completed_rounds']}/{st.get('target_rounds')} rounds, "
               f"task {st.get('task')}, codec {st.get('codec')}, secure aggregation {st.get('secure_aggregation')}")
+    cur = st.get("current_round") or {}
+    if cur:
+        line = cur.get("waiting", {}).get("message") or cur.get("phase", "")
+        if "received" in cur:
+            line += f": {cur['received']}/{cur['target']} updates, {cur.get('selected')} selected"
+        out.print(f"round {cur.get('round')} (attempt {cur.get('attempt')}): {line}", highlight=False, soft_wrap=True)
     t = Table("round", "status", "participants", "per tier", "bytes up", "bytes down", "seconds", "metrics")
     for r in st["rounds"]:
         t.add_row(str(r["round"]), r["status"], str(r.get("participants", "")),

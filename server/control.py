@@ -13,6 +13,7 @@ import grpc
 from orchard import wire
 from orchard.config import RunConfig
 from orchard.errors import AuthError, ConfigError, UpdateSchemaError
+from orchard.server import observe
 from orchard.server.auth import Authenticator, bearer_token
 from orchard.server.root import RootRunner
 from orchard.server.servicer import mapped, mapped_stream
@@ -57,7 +58,7 @@ class ControlServicer(pbg.ControlServicer):
     @mapped
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:
         self._admin(context)
-        return pb.StatusReply(status_json=json.dumps(self.runner.status(request.run_id)))
+        return pb.StatusReply(status_json=json.dumps(observe.status(self.runner, request.run_id)))
 
     @mapped
     async def ListNodes(self, request: pb.ListNodesRequest, context: grpc.aio.ServicerContext) -> pb.ListNodesReply:

@@ -31,6 +31,8 @@ def simulate(
     out: Annotated[Path | None, typer.Option("--out", help="Directory for rounds.jsonl, report.json, plots.")] = None,
     base_model: Annotated[Path | None, typer.Option(
         "--base-model", help="Base model dir from `orchard pretrain`: the LoRA task adapts it.")] = None,
+    task_param: Annotated[list[str] | None, typer.Option(
+        "--task-param", help="KEY=VALUE task parameter (repeatable), e.g. alpha=0.1 or with_replacement=true.")] = None,
 ) -> None:
     """Simulate a federation in-process: real client, codec, secure-aggregation and tier code."""
     from orchard.config import load_toml
@@ -44,7 +46,14 @@ def simulate(
         "backend": backend, "workers": workers, "seed": seed, "out": str(out) if out is not None else None,
     }
     try:
+        from orchard.simulation.defaults import fit_population, parse_task_params
+
+        overrides.update({f"run.task_params.{k}": v for k, v in parse_task_params(task_param).items()})
         data = load_toml(config) if config is not None else {}
+        fit = fit_population(data, overrides)
+        for note in fit.notes:
+            console.print(f"[dim]default:[/] {note}", highlight=False)
+        overrides.update(fit.overrides)
         cfg = build_simulation_config(data, overrides)
         if base_model is not None:
             from orchard.cli import base_model_params
