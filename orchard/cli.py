@@ -51,7 +51,7 @@ def _logging(verbose: bool) -> None:
 
 
 def _fail(err: Exception) -> NoReturn:
-    console.print(f"[bold red]error:[/] {err}")
+    console.print(f"[bold red]error:[/] {err}", soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -422,10 +422,13 @@ def _grpc_guard(fn: Any) -> Any:
         try:
             return fn(*a, **k)
         except grpc.RpcError as err:
-            console.print(f"[bold red]error:[/] {err.code().name}: {err.details()}")  # type: ignore[attr-defined]
+            console.print(f"[bold red]error:[/] {err.code().name}: {err.details()}",  # type: ignore[attr-defined]
+                          soft_wrap=True)
             raise typer.Exit(1) from None
         except OrchardError as err:
             _fail(err)
+        except OSError as err:  # e.g. an unreadable --ca-cert
+            _fail(OrchardError(f"{err.strerror or err}: {err.filename}" if err.filename else str(err)))
 
     return wrapper
 
@@ -586,6 +589,95 @@ def run_stop(server: Annotated[str, typer.Option("--server")], run_id: Annotated
     """Stop the current run after its open round."""
     with _control(server, admin_token, ca_cert, insecure, data_dir) as ctl:
         out.print("stopped" if ctl.stop(run_id) else "no such running run")
+
+
+def _run_arg(run: str) -> str:
+    return "" if run == "latest" else run
+
+
+RunArg = Annotated[str, typer.Argument(metavar="RUN", help="A run id (see `orchard run list`), or 'latest'.")]
+
+
+@run_app.command("list")
+@_grpc_guard
+def run_list(server: Annotated[str, typer.Option("--server")],
+             limit: Annotated[int, typer.Option("--limit", min=0, help="Newest N runs (0: all).")] = 0,
+             as_json: Annotated[bool, typer.Option("--json", help="Print the runs as JSON.")] = False,
+             admin_token: AdminToken = None, ca_cert: CaCert = None, insecure: Insecure = False,
+             data_dir: DataDirOpt = None) -> None:
+    """Every run the root has had, newest first."""
+    with _control(server, admin_token, ca_cert, insecure, data_dir) as ctl:
+        runs = ctl.list_runs(limit)
+    if as_json:
+        out.print_json(json.dumps(runs))
+        return
+    if not runs:
+        out.print("no runs yet")
+        return
+    from rich.table import Table
+
+    t = Table()
+    t.add_column("run", no_wrap=True)
+    for col in ("status", "task", "rounds", "started", "error"):
+        t.add_column(col)
+    for r in runs:
+        t.add_row(r["run_id"], r["status"], str(r["task"]), f"{r['completed_rounds']}/{r['target_rounds']}",
+                  time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created"])), r["error"])
+    out.print(t)
+
+
+@run_app.command("logs")
+@_grpc_guard
+def run_logs(run: RunArg,
+             server: Annotated[str, typer.Option("--server")],
+             follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the run ends.")] = False,
+             as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
+             poll_s: Annotated[float, typer.Option("--poll", min=0.05, help="Seconds between polls (--follow).")] = 0.5,
+             admin_token: AdminToken = None, ca_cert: CaCert = None, insecure: Insecure = False,
+             data_dir: DataDirOpt = None) -> None:
+    """A run's log: round openings, waits, outcomes (refusals with reasons), the root's warnings."""
+    with _control(server, admin_token, ca_cert, insecure, data_dir) as ctl:
+        after, ended, quiet_since = 0, False, time.monotonic()
+        while True:
+            records, after, status = ctl.run_log(_run_arg(run), after)
+            for rec in records:
+                ended = ended or rec.get("event") == "run_end"
+                if as_json:
+                    typer.echo(json.dumps(rec))
+                else:
+                    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec["t"]))
+                    out.print(f"{stamp} {rec['level']:<7} {rec['message']}", highlight=False, soft_wrap=True)
+            if records:
+                quiet_since = time.monotonic()
+            # Follow until the run's closing line; a log without one (the root stopped
+            # while the run ran) ends once the run is over and the log has been quiet.
+            if not follow or ended or (status != "running" and time.monotonic() - quiet_since > 3.0):
+                return
+            if not records:
+                time.sleep(poll_s)
+
+
+@run_app.command("pull")
+@_grpc_guard
+def run_pull(run: RunArg,
+             out_dir: Annotated[Path, typer.Option("--out", help="Directory to write (created if absent).")],
+             server: Annotated[str, typer.Option("--server")],
+             rnd: Annotated[int | None, typer.Option("--round", help="Round to pull (0: the initial model; "
+                                                                     "default: the last completed).")] = None,
+             as_json: Annotated[bool, typer.Option("--json", help="Print what was written as JSON.")] = False,
+             admin_token: AdminToken = None, ca_cert: CaCert = None, insecure: Insecure = False,
+             data_dir: DataDirOpt = None) -> None:
+    """Download a run's global model: safetensors, a peft adapter (LoRA tasks), config and report."""
+    from orchard.pull import check_writable, pull_run
+
+    check_writable(out_dir)  # before any network call: a bad --out fails fast
+    with _control(server, admin_token, ca_cert, insecure, data_dir) as ctl:
+        info = pull_run(ctl, _run_arg(run), rnd, out_dir)
+    if as_json:
+        out.print_json(json.dumps({k: v for k, v in info.items() if k != "config"}))
+        return
+    out.print(f"pulled {info['run_id']} round {info['round']} (sha256 {info['sha256'][:12]}…) into {out_dir}: "
+              f"{', '.join(info['files'])}", highlight=False, soft_wrap=True)
 
 
 @nodes_app.command("list")

@@ -39,6 +39,10 @@ class RoundClosedError(OrchardError):
     """An upload or request names a round that is not open (stale, future, or already closed)."""
 
 
+class UnknownRunError(OrchardError):
+    """A request names a run this root has never had (see ``orchard run list``)."""
+
+
 class DuplicateUploadError(OrchardError):
     """A node uploaded twice for the same round; the first upload stands."""
 

@@ -70,6 +70,7 @@ class TierHandle:
     admin_token: str | None = None
     ca_cert: Path | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    log_handlers: list[logging.Handler] = field(default_factory=list)  # removed at stop
 
     @property
     def address(self) -> str:
@@ -78,6 +79,8 @@ class TierHandle:
     async def stop(self, grace: float = 1.0) -> None:
         for t in self.tasks:
             t.cancel()
+        for hd in self.log_handlers:
+            logging.getLogger("orchard.server").removeHandler(hd)
         if self.runner is not None:
             await self.runner.close()
         if self.upstream is not None:
@@ -155,12 +158,17 @@ async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int
     def on_join(node_id: str, role: Role, token_hash: str, caps: dict[str, str]) -> None:
         store.upsert_node(node_id, role.value, token_hash, caps)
 
+    from orchard.server.runlog import attach as attach_runlog
+
+    runlog, runlog_handler, observer = attach_runlog(runner, data_dir)
     server = grpc.aio.server(options=wire.SERVER_GRPC_OPTIONS)
     pbg.add_FleetServicer_to_server(FleetServicer(coord, auth, on_join=on_join), server)
-    pbg.add_ControlServicer_to_server(ControlServicer(runner, auth), server)
+    pbg.add_ControlServicer_to_server(ControlServicer(runner, auth, runlog), server)
     bound = _bind(server, host, port, creds)
     await server.start()
     h = TierHandle("root", server, host, bound, coord, runner=runner, store=store, admin_token=admin, ca_cert=ca)
+    h.log_handlers.append(runlog_handler)
+    h.tasks.append(asyncio.create_task(observer.run()))
     if metrics_port is not None:
         from orchard.server.metrics import serve_metrics
 

@@ -28,6 +28,7 @@ from orchard.errors import (
     SecAggError,
     StoreError,
     UnknownNodeError,
+    UnknownRunError,
     UpdateSchemaError,
 )
 from orchard.messages import Idle
@@ -43,6 +44,7 @@ log = logging.getLogger("orchard.server")
 STATUS_OF: list[tuple[type[OrchardError], grpc.StatusCode]] = [
     (AuthError, grpc.StatusCode.UNAUTHENTICATED),
     (UnknownNodeError, grpc.StatusCode.NOT_FOUND),
+    (UnknownRunError, grpc.StatusCode.NOT_FOUND),
     (DuplicateUploadError, grpc.StatusCode.ALREADY_EXISTS),
     (NotSelectedError, grpc.StatusCode.PERMISSION_DENIED),
     (RoundClosedError, grpc.StatusCode.FAILED_PRECONDITION),

@@ -149,6 +149,13 @@ class Store:
                                "FROM runs ORDER BY created DESC, rowid DESC LIMIT 1").fetchone()
         return None if row is None else RunRow(*row)
 
+    def list_runs(self, limit: int = 0) -> list[RunRow]:
+        """Every run, newest first (``limit`` > 0: only that many)."""
+        sql = ("SELECT run_id, config_json, status, created, updated, completed_rounds, error "
+               "FROM runs ORDER BY created DESC, rowid DESC")
+        rows = self._db.execute(sql + " LIMIT ?", (limit,)).fetchall() if limit > 0 else self._db.execute(sql).fetchall()
+        return [RunRow(*r) for r in rows]
+
     def active_runs(self) -> list[RunRow]:
         rows = self._db.execute("SELECT run_id, config_json, status, created, updated, completed_rounds, error "
                                 "FROM runs WHERE status='running' ORDER BY created").fetchall()
