@@ -464,6 +464,14 @@ def run_start(
     initial_arrays: Annotated[Path | None, typer.Option("--initial-arrays", help="Initial global model (.safetensors), e.g. for a Flower app.")] = None,
     base_model: Annotated[Path | None, typer.Option("--base-model", help="Base model dir from `orchard pretrain`: the LoRA task adapts it.")] = None,
     detach: Annotated[bool, typer.Option("--detach", help="Return once the run is started.")] = False,
+    tensorboard: Annotated[Path | None, typer.Option(
+        "--tensorboard", help="Write per-round metrics, bytes and participation as TensorBoard events here.")] = None,
+    mlflow_uri: Annotated[str | None, typer.Option(
+        "--mlflow-uri", help="Log the same to MLflow at this tracking URI (the mlflow extra).")] = None,
+    mlflow_experiment: Annotated[str, typer.Option("--mlflow-experiment")] = "orchard",
+    evaluate: Annotated[bool, typer.Option(
+        "--evaluate", help="Pull each round's global model and score it on the task's held-out data "
+                           "(shown in the progress line and tracked as eval/accuracy, eval/loss).")] = False,
     admin_token: AdminToken = None,
     ca_cert: CaCert = None,
     insecure: Insecure = False,
@@ -471,6 +479,9 @@ def run_start(
 ) -> None:
     """Start a run against a live root; without --detach, show progress until it ends."""
     from orchard import wire
+
+    if detach and (tensorboard is not None or mlflow_uri or evaluate):
+        _fail(OrchardError("--tensorboard, --mlflow-uri and --evaluate follow the run as it goes: drop --detach"))
 
     cfg = build_run_config(config, {"task": task, "rounds": rounds, "cohort.target": clients_per_round,
                                     "codec.name": codec, "secure_aggregation.enabled": secure_aggregation})
@@ -492,10 +503,45 @@ def run_start(
             from orchard.tasks import get_task
 
             blob = wire.arrays_to_blob(get_task(cfg.task, **cfg.task_params).initial_arrays(cfg.seed))
+        from orchard.tracking import open_trackers
+
+        track = open_trackers(tensorboard, mlflow_uri, "", {
+            "task": cfg.task, "rounds": cfg.rounds, "clients_per_round": cfg.cohort.target, "codec": cfg.codec.name,
+            "secure_aggregation": cfg.secure_aggregation.enabled, "seed": cfg.seed, "task_params": cfg.task_params,
+            "server": server}, mlflow_experiment) if not detach else None
         run_id = ctl.start_run(cfg, blob)
         out.print(f"started {run_id}: task {cfg.task}, {cfg.rounds} rounds, {cfg.cohort.target} clients per round")
         if not detach:
-            watch_run(ctl, run_id, cfg.rounds)
+            assert track is not None
+            track.name_run(run_id)
+            scorer = _round_scorer(ctl, run_id, cfg) if evaluate else None
+
+            def on_round(r: dict[str, Any]) -> None:
+                rec = {**r, **(scorer(r["round"]) if scorer else {})}
+                if scorer:
+                    out.print(f"round {r['round']}: accuracy {rec['accuracy']:.4f}, loss {rec['loss']:.4f}",
+                              highlight=False)
+                track.log_round(r["round"], rec)
+
+            status = "failed"
+            try:
+                status = watch_run(ctl, run_id, cfg.rounds, on_round=on_round)["status"]
+            finally:
+                track.close(status)
+
+
+def _round_scorer(ctl: Any, run_id: str, cfg: Any) -> Any:
+    """Scores a round's global model on the task's held-out data, as the demo does."""
+    from orchard import wire
+    from orchard.tasks import get_task
+
+    task = get_task(cfg.task, **cfg.task_params)
+
+    def score(rnd: int) -> dict[str, float]:
+        ev = task.evaluate(wire.blob_to_arrays(ctl.pull_global(run_id, rnd)))
+        return {"accuracy": float(ev["accuracy"]), "loss": float(ev["loss"])}
+
+    return score
 
 
 def base_model_params(task: str, base_dir: Path) -> dict[str, Any]:
