@@ -285,6 +285,32 @@ def client_start(
     _run_async(main())
 
 
+@client_app.command("health")
+def client_health(
+    bundle: Annotated[Path, typer.Option("--bundle", help="The client's bundle dir.")],
+    timeout_s: Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds to wait for the server.")] = 5.0,
+) -> None:
+    """Exit 0 when the bundle is intact and its server accepts a connection (a container
+    HEALTHCHECK); else print why on one line and exit 1."""
+    import socket
+
+    from orchard.edge_runtime.bundle import read_bundle
+
+    try:
+        b = read_bundle(bundle)
+    except OrchardError as err:
+        console.print(f"[bold red]unhealthy:[/] {err}", soft_wrap=True)
+        raise typer.Exit(1) from None
+    host, _, port = b.config.server_address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as err:
+        console.print(f"[bold red]unhealthy:[/] cannot reach {b.config.server_address}: {err}", soft_wrap=True)
+        raise typer.Exit(1) from None
+    out.print(f"ok: bundle intact, {b.config.server_address} reachable", highlight=False)
+
+
 def _pull_current_adapter(server: str, task: str, run_id: str, admin_token: str | None, ca_cert: Path | None,
                           insecure: bool, data_dir: Path | None) -> tuple[Any, int] | None:
     """(global arrays, round) of the root's latest global model for ``task``, or None when
