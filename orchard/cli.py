@@ -85,6 +85,9 @@ def server_start(
     insecure: Insecure = False,
     tls_dir: Annotated[Path | None, typer.Option("--tls-dir", help="server.pem/server.key/ca.pem (default DATA_DIR/tls, created if absent).")] = None,
     metrics_port: Annotated[int | None, typer.Option("--metrics-port", help="Serve Prometheus metrics on this port.")] = None,
+    dashboard_port: Annotated[int | None, typer.Option(
+        "--dashboard-port", help="Serve the live read-only web dashboard on this port (HTTPS under TLS; needs the "
+                                 "admin token; 0 picks a free port). Off by default.")] = None,
     base_model: Annotated[Path | None, typer.Option(
         "--base-model", help="Base model dir from `orchard pretrain`: runs of a LoRA task adapt it unless they name "
                              "their own.")] = None,
@@ -99,13 +102,17 @@ def server_start(
 
     async def main() -> None:
         h = await start_root(data_dir, host=host, port=port, insecure=insecure, server_cfg=scfg, tls_dir=tls_dir,
-                             metrics_port=metrics_port, base_model=base_model)
+                             metrics_port=metrics_port, base_model=base_model, dashboard_port=dashboard_port)
         console.print(f"[green]root listening on {h.address}[/] ({'INSECURE' if insecure else 'TLS'}); "
                       f"data in {data_dir}")
         if h.admin_token:
             console.print(f"admin token (shown once, also in {data_dir / 'admin.token'}): {h.admin_token}")
         if h.ca_cert:
             console.print(f"clients trust the CA at {h.ca_cert}")
+        if h.dashboard is not None:
+            console.print(f"dashboard: {h.dashboard.scheme}://{host}:{h.dashboard.port}/?token=ADMIN_TOKEN "
+                          f"(the admin token; {'the CA above signs its certificate' if h.ca_cert else 'loopback only'})",
+                          soft_wrap=True)
         await _serve_until_signal(h)
 
     _run_async(main())

@@ -71,6 +71,7 @@ class TierHandle:
     ca_cert: Path | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     log_handlers: list[logging.Handler] = field(default_factory=list)  # removed at stop
+    dashboard: Any = None  # orchard.server.dashboard.Dashboard when --dashboard-port is given
 
     @property
     def address(self) -> str:
@@ -81,6 +82,8 @@ class TierHandle:
             t.cancel()
         for hd in self.log_handlers:
             logging.getLogger("orchard.server").removeHandler(hd)
+        if self.dashboard is not None:
+            await self.dashboard.stop()
         if self.runner is not None:
             await self.runner.close()
         if self.upstream is not None:
@@ -125,7 +128,7 @@ def _admin_token(store: Store, data_dir: Path) -> str | None:
 async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, insecure: bool = False,
                      server_cfg: ServerConfig | None = None, tls_dir: str | Path | None = None,
                      metrics_port: int | None = None, start_grace_s: float = 5.0, seed: int | None = None,
-                     base_model: str | Path | None = None) -> TierHandle:
+                     base_model: str | Path | None = None, dashboard_port: int | None = None) -> TierHandle:
     from orchard.server.control import ControlServicer
     from orchard.server.root import RootRunner, warm_up
 
@@ -140,6 +143,7 @@ async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int
     creds = None
     ca = None
     admin = None
+    paths: TlsPaths | None = None
     if insecure:
         auth = OpenEnrollment()
         log.warning("INSECURE: no TLS, open enrollment, no admin token. Loopback development only.")
@@ -173,12 +177,17 @@ async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int
         from orchard.server.metrics import serve_metrics
 
         h.metrics_port = serve_metrics(coord, "root", host, metrics_port)
+    if dashboard_port is not None:
+        from orchard.server.dashboard import serve_dashboard
+
+        h.dashboard = await serve_dashboard(runner, auth, host, dashboard_port, paths)
     h.tasks.append(asyncio.create_task(_sweeper(coord, runner._wake)))
     await asyncio.get_running_loop().run_in_executor(None, warm_up)
     await runner.resume()
     (data_dir / "server.json").write_text(json.dumps({
         "host": host, "port": bound, "pid": os.getpid(), "tls": not insecure,
-        "ca_cert": str(ca) if ca else None, "metrics_port": h.metrics_port}))
+        "ca_cert": str(ca) if ca else None, "metrics_port": h.metrics_port,
+        "dashboard": f"{h.dashboard.scheme}://{host}:{h.dashboard.port}/" if h.dashboard else None}))
     return h
 
 

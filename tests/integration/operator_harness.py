@@ -13,7 +13,7 @@ from fed_harness import FAST, Federation, add_clients
 from orchard import wire
 from orchard.config import CohortConfig, RunConfig
 from orchard.ops import ControlClient
-from orchard.server.app import TierHandle, start_root
+from orchard.server.app import TierHandle, start_aggregator, start_root
 from orchard.tasks import get_task
 from orchard.trainer import TrainConfig
 
@@ -21,7 +21,7 @@ from orchard.trainer import TrainConfig
 class LiveRoot:
     """A root over TLS (admin token, enrollment tokens) serving from its own event loop."""
 
-    def __init__(self, data_dir: Path, clients: int = 3, **root_kw: Any) -> None:
+    def __init__(self, data_dir: Path, clients: int = 3, aggregators: int = 0, **root_kw: Any) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
@@ -31,11 +31,21 @@ class LiveRoot:
         self.admin = (data_dir / "admin.token").read_text().strip()
         self.ca = data_dir / "tls" / "ca.pem"
         self.fed = Federation()
-        token = self.root.store.issue_token("client") if self.root.store else None
+        assert self.root.store is not None
+        token = self.root.store.issue_token("client")
+        agg_token = self.root.store.issue_token("aggregator")
 
         async def join() -> None:
-            await add_clients(self.fed, self.address, list(range(clients)), clients, token=token, ca=self.ca,
-                              insecure=False)
+            targets = [self.address]
+            for i in range(aggregators):
+                a = await start_aggregator(self.address, token=agg_token, ca_cert=self.ca, tls_dir=data_dir / "tls",
+                                           node_id=f"aggregator-{i}", server_cfg=FAST)
+                self.fed.aggregators.append(a)
+            if self.fed.aggregators:
+                targets = [a.address for a in self.fed.aggregators]
+            for k in range(clients):
+                await add_clients(self.fed, targets[k % len(targets)], [k], clients, token=token, ca=self.ca,
+                                  insecure=False)
 
         self.call(join())
         with self.control() as ctl:

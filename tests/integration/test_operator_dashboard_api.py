@@ -1,0 +1,44 @@
+"""The dashboard's JSON endpoint without a browser: the token rule and a waiting round."""
+
+from __future__ import annotations
+
+import json
+import ssl
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from operator_harness import LiveRoot
+
+
+def get(url: str, ca, token: str | None = None):
+    ctx = ssl.create_default_context(cafile=str(ca))
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"} if token else {})
+    return urllib.request.urlopen(req, context=ctx, timeout=10)
+
+
+def test_state_needs_the_token_and_explains_a_wait(tmp_path) -> None:
+    live = LiveRoot(tmp_path / "root", clients=3, dashboard_port=0)
+    try:
+        url = f"https://localhost:{live.root.dashboard.port}/api/state"  # the root's certificate names localhost
+        with pytest.raises(urllib.error.HTTPError) as e:
+            get(url, live.ca)
+        assert e.value.code == 401
+        with pytest.raises(urllib.error.HTTPError) as e:
+            get(url, live.ca, "orc_admin_wrong")
+        assert e.value.code == 401
+        live.start_run(rounds=1, target=10)  # 3 clients, ceil(0.5 x 10) = 5 needed
+        end = time.monotonic() + 30
+        while True:
+            st = json.load(get(url, live.ca, live.admin))
+            cur = st["current"] or {}
+            if cur.get("waiting") or time.monotonic() > end:
+                break
+            time.sleep(0.1)
+        assert cur["waiting"]["message"] == "3 eligible clients, round needs 5 (min_fraction 0.5 × target 10): waiting"
+        assert st["run"]["status"] == "running" and st["tree"]["eligible"] == 3
+        assert [c["node_id"] for c in st["tree"]["children"]] == ["client-0", "client-1", "client-2"]
+        assert json.loads((tmp_path / "root" / "server.json").read_text())["dashboard"].startswith("https://")
+    finally:
+        live.stop()
