@@ -31,7 +31,8 @@ def invoke(*args: str):
 
 def one_line_error(res, *needles: str) -> None:
     assert res.exit_code != 0, res.output
-    assert "Traceback" not in res.output and res.exception is None or isinstance(res.exception, SystemExit)
+    assert "Traceback" not in res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
     lines = res.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), res.output
     for n in needles:
