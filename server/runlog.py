@@ -140,7 +140,10 @@ class RunObserver:
         self._run_id = run_id
         self._last_wait = ""
         row = self.runner.store.get_run(run_id)
-        self._ended = row is not None and row.status != "running"
+        # The runner holds only a run it started or resumed in this process, so its
+        # closing line is this process's to write, even when the run ended (a short run)
+        # before the first look.
+        self._ended = False
         run = self.runner.run
         if row is not None and row.created >= self.since and run is not None:
             self._opened, self._logged = set(), set()
