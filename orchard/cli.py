@@ -701,7 +701,7 @@ def run_list(server: Annotated[str, typer.Option("--server")],
         t.add_column(col)
     for r in runs:
         t.add_row(r["run_id"], r["status"], str(r["task"]), f"{r['completed_rounds']}/{r['target_rounds']}",
-                  time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r["created"])), r["error"])
+                  time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created"])), r["error"])
     out.print(t)
 
 

@@ -162,15 +162,17 @@ async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int
     def on_join(node_id: str, role: Role, token_hash: str, caps: dict[str, str]) -> None:
         store.upsert_node(node_id, role.value, token_hash, caps)
 
+    from orchard.server.runlog import RunLog
     from orchard.server.runlog import attach as attach_runlog
 
-    runlog, runlog_handler, observer = attach_runlog(runner, data_dir)
+    runlog = RunLog(data_dir)
     server = grpc.aio.server(options=wire.SERVER_GRPC_OPTIONS)
     pbg.add_FleetServicer_to_server(FleetServicer(coord, auth, on_join=on_join), server)
     pbg.add_ControlServicer_to_server(ControlServicer(runner, auth, runlog), server)
     bound = _bind(server, host, port, creds)
     await server.start()
     h = TierHandle("root", server, host, bound, coord, runner=runner, store=store, admin_token=admin, ca_cert=ca)
+    runlog_handler, observer = attach_runlog(runner, runlog)
     h.log_handlers.append(runlog_handler)
     h.tasks.append(asyncio.create_task(observer.run()))
     if metrics_port is not None:
@@ -180,7 +182,12 @@ async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int
     if dashboard_port is not None:
         from orchard.server.dashboard import serve_dashboard
 
-        h.dashboard = await serve_dashboard(runner, auth, host, dashboard_port, paths)
+        try:
+            h.dashboard = await serve_dashboard(runner, auth, host, dashboard_port, paths)
+        except OSError as err:
+            await h.stop(0)
+            raise ConfigError(f"cannot serve the dashboard on {host}:{dashboard_port}: {err.strerror or err}; "
+                              "pick another --dashboard-port") from None
     h.tasks.append(asyncio.create_task(_sweeper(coord, runner._wake)))
     await asyncio.get_running_loop().run_in_executor(None, warm_up)
     await runner.resume()

@@ -202,13 +202,12 @@ class RunObserver:
             await asyncio.sleep(self.interval_s)
 
 
-def attach(runner: RootRunner, data_dir: Path) -> tuple[RunLog, RunLogHandler, RunObserver]:
-    """Start keeping run logs for ``runner``: returns the log, the handler (installed on
-    the ``orchard.server`` logger; remove it at shutdown) and the observer (run its
-    ``run()`` as a task)."""
-    runlog = RunLog(data_dir)
+def attach(runner: RootRunner, runlog: RunLog) -> tuple[RunLogHandler, RunObserver]:
+    """Start keeping run logs for ``runner``: returns the handler (installed on the
+    ``orchard.server`` logger; remove it at shutdown) and the observer (run its ``run()``
+    as a task)."""
     handler = RunLogHandler(runlog, runner)
     # Records reach the handler as far as the loggers' levels let them (INFO with the
     # server's default --verbose); round events come from the observer either way.
     logging.getLogger("orchard.server").addHandler(handler)
-    return runlog, handler, RunObserver(runlog, runner)
+    return handler, RunObserver(runlog, runner)

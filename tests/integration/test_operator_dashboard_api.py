@@ -42,3 +42,22 @@ def test_state_needs_the_token_and_explains_a_wait(tmp_path) -> None:
         assert json.loads((tmp_path / "root" / "server.json").read_text())["dashboard"].startswith("https://")
     finally:
         live.stop()
+
+
+def test_a_taken_dashboard_port_is_refused(tmp_path) -> None:
+    import asyncio
+    import socket
+
+    from orchard.errors import ConfigError
+    from orchard.server.app import start_root
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+
+        async def main() -> None:
+            with pytest.raises(ConfigError, match=f"cannot serve the dashboard on 127.0.0.1:{taken}"):
+                await start_root(tmp_path / "root", dashboard_port=taken)
+
+        asyncio.run(main())
