@@ -61,3 +61,19 @@ def test_a_taken_dashboard_port_is_refused(tmp_path) -> None:
                 await start_root(tmp_path / "root", dashboard_port=taken)
 
         asyncio.run(main())
+
+
+def test_series_show_epsilon_only_when_a_run_reports_it() -> None:
+    from orchard.server.dashboard import rounds_series
+
+    rounds = [{"round": 1, "status": "completed", "bytes_up": 5, "bytes_down": 7, "participants": 2,
+               "metrics": {"train_accuracy": 0.5, "train_loss": 1.0}},
+              {"round": 2, "status": "failed", "metrics": {}},
+              {"round": 2, "status": "completed", "bytes_up": 6, "bytes_down": 8, "participants": 3,
+               "metrics": {"train_accuracy": 0.6, "train_loss": 0.9, "epsilon": 0.7}}]
+    s = rounds_series(rounds)
+    assert s["round"] == [1, 2] and s["accuracy"] == [0.5, 0.6] and s["loss"] == [1.0, 0.9]
+    assert s["bytes_up"] == [5, 6] and s["epsilon"] == [None, 0.7]
+    assert s["source"] == "clients' training metrics, weighted means"
+    assert rounds_series([{**rounds[0], "accuracy": 0.9}])["source"] == "held-out data"
+    assert rounds_series(rounds[:1])["epsilon"] == [None]
