@@ -831,6 +831,11 @@ def demo(
     codec: Annotated[str | None, typer.Option("--codec")] = None,
     secure_aggregation: Annotated[bool, typer.Option("--secure-aggregation/--no-secure-aggregation")] = False,
     insecure: Insecure = False,
+    dashboard_port: Annotated[int | None, typer.Option(
+        "--dashboard-port", help="The root serves its live dashboard on this port (0: a free one); the address, "
+                                 "with the admin token, is printed.")] = None,
+    linger: Annotated[float, typer.Option(
+        "--linger", min=0.0, help="Seconds to keep the federation up after the run (to look at the dashboard).")] = 0.0,
 ) -> None:
     """A real local federation: root, aggregators and clients as processes over TLS."""
     from orchard.demo import DemoSpec, run_demo
@@ -838,7 +843,8 @@ def demo(
     try:
         report = run_demo(DemoSpec(rounds=rounds, aggregators=aggregators, clients=clients, task=task,
                                    out=out_dir, codec=codec, secure_aggregation=secure_aggregation,
-                                   insecure=insecure), console=out)
+                                   insecure=insecure, dashboard_port=dashboard_port, linger_s=linger),
+                          console=out)
     except OrchardError as err:
         _fail(err)
     out.print(f"report: {out_dir / 'report.json'}; plot: {report.get('plot')}")

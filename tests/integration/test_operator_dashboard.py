@@ -95,3 +95,59 @@ def test_dashboard_in_chromium(live) -> None:
                 page.screenshot(path=shot, full_page=True)
         finally:
             browser.close()
+
+
+@pytest.mark.slow
+def test_dashboard_on_the_demo(tmp_path) -> None:
+    """The same page against `orchard demo`: a root, two aggregators and four clients as
+    separate processes over TLS."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    playwright = pytest.importorskip("playwright.sync_api", reason="the playwright package is a dev dependency")
+    out = tmp_path / "demo"
+    rounds = 15
+    log = open(tmp_path / "demo.log", "w")  # noqa: SIM115 - closed below
+    demo = subprocess.Popen([sys.executable, "-m", "orchard.cli", "demo", "--rounds", str(rounds), "--aggregators",
+                             "2", "--clients", "4", "--out", str(out), "--dashboard-port", "0", "--linger", "15"],
+                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    try:
+        info_path = out / "root" / "server.json"
+        end = time.monotonic() + 120
+        while not info_path.is_file() and time.monotonic() < end:
+            assert demo.poll() is None, (tmp_path / "demo.log").read_text()
+            time.sleep(0.2)
+        url = json.loads(info_path.read_text())["dashboard"]
+        token = (out / "root" / "admin.token").read_text().strip()
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+            try:
+                ctx = browser.new_context(ignore_https_errors=True)
+                assert ctx.request.get(url + "api/state").status == 401
+                page = ctx.new_page()
+                page.goto(url + "?token=" + token)
+                seen: list[int] = []
+                end = time.monotonic() + 240
+                while time.monotonic() < end:
+                    v = int(page.locator("#round-counter").get_attribute("data-round") or 0)
+                    if not seen or v != seen[-1]:
+                        seen.append(v)
+                    if v == rounds and page.locator("#run-status").inner_text() == "completed":
+                        break
+                    time.sleep(0.05)
+                assert seen[-1] == rounds and seen == sorted(seen) and len(seen) >= 2, seen
+                tree = page.locator("#tree").inner_text()
+                assert "aggregator-0" in tree and "aggregator-1" in tree
+                page.wait_for_function(f"document.body.dataset.rounds === '{rounds}'")
+                for plot_id in ("plot-accuracy", "plot-bytes"):
+                    assert painted(page, plot_id) > 2000, plot_id
+            finally:
+                browser.close()
+        assert demo.wait(120) == 0, (tmp_path / "demo.log").read_text()[-3000:]
+    finally:
+        if demo.poll() is None:
+            demo.send_signal(signal.SIGINT)  # the demo stops its processes on the way out
+            demo.wait(60)
+        log.close()
