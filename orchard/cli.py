@@ -496,6 +496,8 @@ def run_start(
     secure_aggregation: Annotated[bool | None, typer.Option("--secure-aggregation/--no-secure-aggregation")] = None,
     initial_arrays: Annotated[Path | None, typer.Option("--initial-arrays", help="Initial global model (.safetensors), e.g. for a Flower app.")] = None,
     base_model: Annotated[Path | None, typer.Option("--base-model", help="Base model dir from `orchard pretrain`: the LoRA task adapts it.")] = None,
+    task_param: Annotated[list[str] | None, typer.Option(
+        "--task-param", help="KEY=VALUE task parameter (repeatable), e.g. alpha=0.1; clients build the task with it.")] = None,
     detach: Annotated[bool, typer.Option("--detach", help="Return once the run is started.")] = False,
     tensorboard: Annotated[Path | None, typer.Option(
         "--tensorboard", help="Write per-round metrics, bytes and participation as TensorBoard events here.")] = None,
@@ -516,8 +518,11 @@ def run_start(
     if detach and (tensorboard is not None or mlflow_uri or evaluate):
         _fail(OrchardError("--tensorboard, --mlflow-uri and --evaluate follow the run as it goes: drop --detach"))
 
+    from orchard.simulation.defaults import parse_task_params
+
     cfg = build_run_config(config, {"task": task, "rounds": rounds, "cohort.target": clients_per_round,
-                                    "codec.name": codec, "secure_aggregation.enabled": secure_aggregation})
+                                    "codec.name": codec, "secure_aggregation.enabled": secure_aggregation,
+                                    **{f"task_params.{k}": v for k, v in parse_task_params(task_param).items()}})
     with _control(server, admin_token, ca_cert, insecure, data_dir) as ctl:
         if base_model is None and "base" not in cfg.task_params:
             # The root's own base (`server start --base-model`), for a task that takes one.

@@ -120,3 +120,21 @@ def test_missing_ca_is_refused(live, tmp_path) -> None:
     res = invoke("run", "list", "--server", live.address, "--admin-token", live.admin,
                  "--ca-cert", str(tmp_path / "nope.pem"))
     one_line_error(res, "nope.pem")
+
+
+def test_run_start_takes_task_params(tmp_path) -> None:
+    live = LiveRoot(tmp_path / "root")
+    try:
+        res = invoke("run", "start", *live.cli(), "--task", "digits", "--rounds", "1", "--clients-per-round", "3",
+                     "--task-param", "alpha=0.3", "--task-param", "split_seed=2")
+        assert res.exit_code == 0, res.output
+        (run,) = json.loads(invoke("run", "list", *live.cli(), "--json").output)
+        assert run["status"] == "completed"
+        assert run["config"]["task_params"] == {"alpha": 0.3, "split_seed": 2}
+        # Config problems keep the house format: every problem listed under "invalid configuration".
+        for bad, why in (("nope", "KEY=VALUE"), ("nope=1", "has no parameter 'nope'")):
+            res = invoke("run", "start", *live.cli(), "--task", "digits", "--task-param", bad)
+            assert res.exit_code != 0 and "Traceback" not in res.output and why in res.output, res.output
+            assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
+    finally:
+        live.stop()
