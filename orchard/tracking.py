@@ -16,6 +16,7 @@ so a simulated run and a live one show the same names side by side:
 ``participation/refused``          uploads refused (any reason)
 ``round/seconds``                  wall-clock duration of the round
 ``privacy/epsilon``                the privacy budget spent, when the run reports one
+                                   (``epsilon``, or ``privacy.epsilon`` of a round record)
 ==========================  ==================================================
 
 TensorBoard events are written with ``torch.utils.tensorboard`` (the ``tensorboard``
@@ -45,6 +46,9 @@ def round_scalars(rec: dict[str, Any]) -> dict[str, float]:
         v = rec.get(key)
         if isinstance(v, int | float) and not isinstance(v, bool):
             out[name] = float(v)
+    privacy = rec.get("privacy")
+    if isinstance(privacy, dict) and isinstance(privacy.get("epsilon"), int | float):
+        out["privacy/epsilon"] = float(privacy["epsilon"])  # the budget spent after this round
     if "dropped" not in rec and isinstance(rec.get("vanished"), int):
         out["participation/dropped"] = float(rec["vanished"])  # the simulator's name for it
     rejected = rec.get("rejected")

@@ -73,7 +73,8 @@ def rounds_series(rounds: list[dict[str, Any]]) -> dict[str, Any]:
 
     def metric(r: dict[str, Any], *names: str) -> float | None:
         for n in names:
-            for src in (r, r.get("metrics") or {}):
+            # A round with differential privacy records what it spent under "privacy".
+            for src in (r, r.get("metrics") or {}, r.get("privacy") or {}):
                 v = src.get(n)
                 if isinstance(v, int | float) and not isinstance(v, bool):
                     return float(v)

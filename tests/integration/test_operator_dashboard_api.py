@@ -77,3 +77,12 @@ def test_series_show_epsilon_only_when_a_run_reports_it() -> None:
     assert s["source"] == "clients' training metrics, weighted means"
     assert rounds_series([{**rounds[0], "accuracy": 0.9}])["source"] == "held-out data"
     assert rounds_series(rounds[:1])["epsilon"] == [None]
+
+
+def test_epsilon_is_read_from_a_rounds_privacy_record() -> None:
+    from orchard.server.dashboard import rounds_series
+    from orchard.tracking import round_scalars
+
+    rec = {"round": 1, "status": "completed", "privacy": {"epsilon": 0.42, "delta": 1e-5, "clip_norm": 1.0}}
+    assert rounds_series([rec])["epsilon"] == [0.42]
+    assert round_scalars(rec)["privacy/epsilon"] == 0.42
