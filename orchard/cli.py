@@ -51,7 +51,7 @@ def _logging(verbose: bool) -> None:
 
 
 def _fail(err: Exception) -> NoReturn:
-    console.print(f"[bold red]error:[/] {err}")
+    console.print(f"[bold red]error:[/] {err}", soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -85,6 +85,9 @@ def server_start(
     insecure: Insecure = False,
     tls_dir: Annotated[Path | None, typer.Option("--tls-dir", help="server.pem/server.key/ca.pem (default DATA_DIR/tls, created if absent).")] = None,
     metrics_port: Annotated[int | None, typer.Option("--metrics-port", help="Serve Prometheus metrics on this port.")] = None,
+    dashboard_port: Annotated[int | None, typer.Option(
+        "--dashboard-port", help="Serve the live read-only web dashboard on this port (HTTPS under TLS; needs the "
+                                 "admin token; 0 picks a free port). Off by default.")] = None,
     base_model: Annotated[Path | None, typer.Option(
         "--base-model", help="Base model dir from `orchard pretrain`: runs of a LoRA task adapt it unless they name "
                              "their own.")] = None,
@@ -99,13 +102,17 @@ def server_start(
 
     async def main() -> None:
         h = await start_root(data_dir, host=host, port=port, insecure=insecure, server_cfg=scfg, tls_dir=tls_dir,
-                             metrics_port=metrics_port, base_model=base_model)
+                             metrics_port=metrics_port, base_model=base_model, dashboard_port=dashboard_port)
         console.print(f"[green]root listening on {h.address}[/] ({'INSECURE' if insecure else 'TLS'}); "
                       f"data in {data_dir}")
         if h.admin_token:
             console.print(f"admin token (shown once, also in {data_dir / 'admin.token'}): {h.admin_token}")
         if h.ca_cert:
             console.print(f"clients trust the CA at {h.ca_cert}")
+        if h.dashboard is not None:
+            console.print(f"dashboard: {h.dashboard.scheme}://{host}:{h.dashboard.port}/?token=ADMIN_TOKEN "
+                          f"(the admin token; {'the CA above signs its certificate' if h.ca_cert else 'loopback only'})",
+                          soft_wrap=True)
         await _serve_until_signal(h)
 
     _run_async(main())
@@ -285,6 +292,32 @@ def client_start(
     _run_async(main())
 
 
+@client_app.command("health")
+def client_health(
+    bundle: Annotated[Path, typer.Option("--bundle", help="The client's bundle dir.")],
+    timeout_s: Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds to wait for the server.")] = 5.0,
+) -> None:
+    """Exit 0 when the bundle is intact and its server accepts a connection (a container
+    HEALTHCHECK); else print why on one line and exit 1."""
+    import socket
+
+    from orchard.edge_runtime.bundle import read_bundle
+
+    try:
+        b = read_bundle(bundle)
+    except OrchardError as err:
+        console.print(f"[bold red]unhealthy:[/] {err}", soft_wrap=True)
+        raise typer.Exit(1) from None
+    host, _, port = b.config.server_address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as err:
+        console.print(f"[bold red]unhealthy:[/] cannot reach {b.config.server_address}: {err}", soft_wrap=True)
+        raise typer.Exit(1) from None
+    out.print(f"ok: bundle intact, {b.config.server_address} reachable", highlight=False)
+
+
 def _pull_current_adapter(server: str, task: str, run_id: str, admin_token: str | None, ca_cert: Path | None,
                           insecure: bool, data_dir: Path | None) -> tuple[Any, int] | None:
     """(global arrays, round) of the root's latest global model for ``task``, or None when
@@ -422,10 +455,13 @@ def _grpc_guard(fn: Any) -> Any:
         try:
             return fn(*a, **k)
         except grpc.RpcError as err:
-            console.print(f"[bold red]error:[/] {err.code().name}: {err.details()}")  # type: ignore[attr-defined]
+            console.print(f"[bold red]error:[/] {err.code().name}: {err.details()}",  # type: ignore[attr-defined]
+                          soft_wrap=True)
             raise typer.Exit(1) from None
         except OrchardError as err:
             _fail(err)
+        except OSError as err:  # e.g. an unreadable --ca-cert
+            _fail(OrchardError(f"{err.strerror or err}: {err.filename}" if err.filename else str(err)))
 
     return wrapper
 
@@ -460,7 +496,17 @@ def run_start(
     secure_aggregation: Annotated[bool | None, typer.Option("--secure-aggregation/--no-secure-aggregation")] = None,
     initial_arrays: Annotated[Path | None, typer.Option("--initial-arrays", help="Initial global model (.safetensors), e.g. for a Flower app.")] = None,
     base_model: Annotated[Path | None, typer.Option("--base-model", help="Base model dir from `orchard pretrain`: the LoRA task adapts it.")] = None,
+    task_param: Annotated[list[str] | None, typer.Option(
+        "--task-param", help="KEY=VALUE task parameter (repeatable), e.g. alpha=0.1; clients build the task with it.")] = None,
     detach: Annotated[bool, typer.Option("--detach", help="Return once the run is started.")] = False,
+    tensorboard: Annotated[Path | None, typer.Option(
+        "--tensorboard", help="Write per-round metrics, bytes and participation as TensorBoard events here.")] = None,
+    mlflow_uri: Annotated[str | None, typer.Option(
+        "--mlflow-uri", help="Log the same to MLflow at this tracking URI (the mlflow extra).")] = None,
+    mlflow_experiment: Annotated[str, typer.Option("--mlflow-experiment")] = "orchard",
+    evaluate: Annotated[bool, typer.Option(
+        "--evaluate", help="Pull each round's global model and score it on the task's held-out data "
+                           "(shown in the progress line and tracked as eval/accuracy, eval/loss).")] = False,
     admin_token: AdminToken = None,
     ca_cert: CaCert = None,
     insecure: Insecure = False,
@@ -469,8 +515,14 @@ def run_start(
     """Start a run against a live root; without --detach, show progress until it ends."""
     from orchard import wire
 
+    if detach and (tensorboard is not None or mlflow_uri or evaluate):
+        _fail(OrchardError("--tensorboard, --mlflow-uri and --evaluate follow the run as it goes: drop --detach"))
+
+    from orchard.simulation.defaults import parse_task_params
+
     cfg = build_run_config(config, {"task": task, "rounds": rounds, "cohort.target": clients_per_round,
-                                    "codec.name": codec, "secure_aggregation.enabled": secure_aggregation})
+                                    "codec.name": codec, "secure_aggregation.enabled": secure_aggregation,
+                                    **{f"task_params.{k}": v for k, v in parse_task_params(task_param).items()}})
     with _control(server, admin_token, ca_cert, insecure, data_dir) as ctl:
         if base_model is None and "base" not in cfg.task_params:
             # The root's own base (`server start --base-model`), for a task that takes one.
@@ -489,10 +541,45 @@ def run_start(
             from orchard.tasks import get_task
 
             blob = wire.arrays_to_blob(get_task(cfg.task, **cfg.task_params).initial_arrays(cfg.seed))
+        from orchard.tracking import open_trackers
+
+        track = open_trackers(tensorboard, mlflow_uri, "", {
+            "task": cfg.task, "rounds": cfg.rounds, "clients_per_round": cfg.cohort.target, "codec": cfg.codec.name,
+            "secure_aggregation": cfg.secure_aggregation.enabled, "seed": cfg.seed, "task_params": cfg.task_params,
+            "server": server}, mlflow_experiment) if not detach else None
         run_id = ctl.start_run(cfg, blob)
         out.print(f"started {run_id}: task {cfg.task}, {cfg.rounds} rounds, {cfg.cohort.target} clients per round")
         if not detach:
-            watch_run(ctl, run_id, cfg.rounds)
+            assert track is not None
+            track.name_run(run_id)
+            scorer = _round_scorer(ctl, run_id, cfg) if evaluate else None
+
+            def on_round(r: dict[str, Any]) -> None:
+                rec = {**r, **(scorer(r["round"]) if scorer else {})}
+                if scorer:
+                    out.print(f"round {r['round']}: accuracy {rec['accuracy']:.4f}, loss {rec['loss']:.4f}",
+                              highlight=False)
+                track.log_round(r["round"], rec)
+
+            status = "failed"
+            try:
+                status = watch_run(ctl, run_id, cfg.rounds, on_round=on_round)["status"]
+            finally:
+                track.close(status)
+
+
+def _round_scorer(ctl: Any, run_id: str, cfg: Any) -> Any:
+    """Scores a round's global model on the task's held-out data, as the demo does."""
+    from orchard import wire
+    from orchard.tasks import get_task
+
+    task = get_task(cfg.task, **cfg.task_params)
+
+    def score(rnd: int) -> dict[str, float]:
+        ev = task.evaluate(wire.blob_to_arrays(ctl.pull_global(run_id, rnd)))
+        return {"accuracy": float(ev["accuracy"]), "loss": float(ev["loss"])}
+
+    return score
 
 
 def base_model_params(task: str, base_dir: Path) -> dict[str, Any]:
@@ -531,6 +618,8 @@ def watch_run(ctl: Any, run_id: str, rounds: int, on_round: Any = None, poll_s: 
             seen = len(done)
             cur = st.get("current_round") or {}
             info = f"round {cur.get('round', '-')}: {cur.get('phase', st['status'])}"
+            if "waiting" in cur:
+                info = f"round {cur.get('round', '-')}: {cur['waiting']['message']}"
             if "received" in cur:
                 info += f" {cur['received']}/{cur['target']} updates"
             prog.update(bar, completed=st["completed_rounds"], info=info)
@@ -565,6 +654,12 @@ def run_status(
         pv = st["privacy"]
         target = f" of the target {pv['target_epsilon']}" if pv.get("target_epsilon") else ""
         out.print(f"privacy: {pv['mode']} DP, epsilon {pv['epsilon']:.4g} spent{target} (delta {pv['delta']:g})")
+    cur = st.get("current_round") or {}
+    if cur:
+        line = cur.get("waiting", {}).get("message") or cur.get("phase", "")
+        if "received" in cur:
+            line += f": {cur['received']}/{cur['target']} updates, {cur.get('selected')} selected"
+        out.print(f"round {cur.get('round')} (attempt {cur.get('attempt')}): {line}", highlight=False, soft_wrap=True)
     t = Table("round", "status", "participants", "per tier", "bytes up", "bytes down", "seconds", "metrics")
     for r in st["rounds"]:
         t.add_row(str(r["round"]), r["status"], str(r.get("participants", "")),
@@ -588,6 +683,95 @@ def run_stop(server: Annotated[str, typer.Option("--server")], run_id: Annotated
     """Stop the current run after its open round."""
     with _control(server, admin_token, ca_cert, insecure, data_dir) as ctl:
         out.print("stopped" if ctl.stop(run_id) else "no such running run")
+
+
+def _run_arg(run: str) -> str:
+    return "" if run == "latest" else run
+
+
+RunArg = Annotated[str, typer.Argument(metavar="RUN", help="A run id (see `orchard run list`), or 'latest'.")]
+
+
+@run_app.command("list")
+@_grpc_guard
+def run_list(server: Annotated[str, typer.Option("--server")],
+             limit: Annotated[int, typer.Option("--limit", min=0, help="Newest N runs (0: all).")] = 0,
+             as_json: Annotated[bool, typer.Option("--json", help="Print the runs as JSON.")] = False,
+             admin_token: AdminToken = None, ca_cert: CaCert = None, insecure: Insecure = False,
+             data_dir: DataDirOpt = None) -> None:
+    """Every run the root has had, newest first."""
+    with _control(server, admin_token, ca_cert, insecure, data_dir) as ctl:
+        runs = ctl.list_runs(limit)
+    if as_json:
+        out.print_json(json.dumps(runs))
+        return
+    if not runs:
+        out.print("no runs yet")
+        return
+    from rich.table import Table
+
+    t = Table()
+    t.add_column("run", no_wrap=True)
+    for col in ("status", "task", "rounds", "started", "error"):
+        t.add_column(col)
+    for r in runs:
+        t.add_row(r["run_id"], r["status"], str(r["task"]), f"{r['completed_rounds']}/{r['target_rounds']}",
+                  time.strftime("%Y-%m-%d %H:%M", time.localtime(r["created"])), r["error"])
+    out.print(t)
+
+
+@run_app.command("logs")
+@_grpc_guard
+def run_logs(run: RunArg,
+             server: Annotated[str, typer.Option("--server")],
+             follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the run ends.")] = False,
+             as_json: Annotated[bool, typer.Option("--json", help="One JSON object per line.")] = False,
+             poll_s: Annotated[float, typer.Option("--poll", min=0.05, help="Seconds between polls (--follow).")] = 0.5,
+             admin_token: AdminToken = None, ca_cert: CaCert = None, insecure: Insecure = False,
+             data_dir: DataDirOpt = None) -> None:
+    """A run's log: round openings, waits, outcomes (refusals with reasons), the root's warnings."""
+    with _control(server, admin_token, ca_cert, insecure, data_dir) as ctl:
+        after, ended, quiet_since = 0, False, time.monotonic()
+        while True:
+            records, after, status = ctl.run_log(_run_arg(run), after)
+            for rec in records:
+                ended = ended or rec.get("event") == "run_end"
+                if as_json:
+                    typer.echo(json.dumps(rec))
+                else:
+                    stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec["t"]))
+                    out.print(f"{stamp} {rec['level']:<7} {rec['message']}", highlight=False, soft_wrap=True)
+            if records:
+                quiet_since = time.monotonic()
+            # Follow until the run's closing line; a log without one (the root stopped
+            # while the run ran) ends once the run is over and the log has been quiet.
+            if not follow or ended or (status != "running" and time.monotonic() - quiet_since > 3.0):
+                return
+            if not records:
+                time.sleep(poll_s)
+
+
+@run_app.command("pull")
+@_grpc_guard
+def run_pull(run: RunArg,
+             out_dir: Annotated[Path, typer.Option("--out", help="Directory to write (created if absent).")],
+             server: Annotated[str, typer.Option("--server")],
+             rnd: Annotated[int | None, typer.Option("--round", help="Round to pull (0: the initial model; "
+                                                                     "default: the last completed).")] = None,
+             as_json: Annotated[bool, typer.Option("--json", help="Print what was written as JSON.")] = False,
+             admin_token: AdminToken = None, ca_cert: CaCert = None, insecure: Insecure = False,
+             data_dir: DataDirOpt = None) -> None:
+    """Download a run's global model: safetensors, a peft adapter (LoRA tasks), config and report."""
+    from orchard.pull import check_writable, pull_run
+
+    check_writable(out_dir)  # before any network call: a bad --out fails fast
+    with _control(server, admin_token, ca_cert, insecure, data_dir) as ctl:
+        info = pull_run(ctl, _run_arg(run), rnd, out_dir)
+    if as_json:
+        out.print_json(json.dumps({k: v for k, v in info.items() if k != "config"}))
+        return
+    out.print(f"pulled {info['run_id']} round {info['round']} (sha256 {info['sha256'][:12]}…) into {out_dir}: "
+              f"{', '.join(info['files'])}", highlight=False, soft_wrap=True)
 
 
 @nodes_app.command("list")
@@ -665,6 +849,11 @@ def demo(
     dp_epsilon: Annotated[float | None, typer.Option(
         "--dp-epsilon", help="Differential privacy to this epsilon over the run (delta 1e-5): central, or "
                              "distributed with --secure-aggregation.")] = None,
+    dashboard_port: Annotated[int | None, typer.Option(
+        "--dashboard-port", help="The root serves its live dashboard on this port (0: a free one); the address, "
+                                 "with the admin token, is printed.")] = None,
+    linger: Annotated[float, typer.Option(
+        "--linger", min=0.0, help="Seconds to keep the federation up after the run (to look at the dashboard).")] = 0.0,
 ) -> None:
     """A real local federation: root, aggregators and clients as processes over TLS."""
     from orchard.demo import DemoSpec, run_demo
@@ -672,7 +861,9 @@ def demo(
     try:
         report = run_demo(DemoSpec(rounds=rounds, aggregators=aggregators, clients=clients, task=task,
                                    out=out_dir, codec=codec, secure_aggregation=secure_aggregation,
-                                   insecure=insecure, dp_epsilon=dp_epsilon), console=out)
+                                   insecure=insecure, dp_epsilon=dp_epsilon, dashboard_port=dashboard_port,
+                                   linger_s=linger),
+                          console=out)
     except OrchardError as err:
         _fail(err)
     out.print(f"report: {out_dir / 'report.json'}; plot: {report.get('plot')}")

@@ -47,6 +47,8 @@ class DemoSpec:
     # Differential privacy to this epsilon over the run (delta 1e-5): central DP, or
     # distributed DP with secure aggregation. Every client takes part in every round.
     dp_epsilon: float | None = None
+    dashboard_port: int | None = None  # the root serves its dashboard here (0: a free port)
+    linger_s: float = 0.0  # keep the federation up this long after the run, to look at the dashboard
 
 
 class DemoError(OrchardError):
@@ -143,10 +145,15 @@ def run_demo(spec: DemoSpec, console: Console | None = None) -> dict[str, Any]:
     try:
         console.print(f"[bold]orchard demo[/]: root + {spec.aggregators} aggregators + {spec.clients} clients, "
                       f"task {spec.task}, {spec.rounds} rounds, {'INSECURE' if spec.insecure else 'TLS'}")
-        procs.start("root", ["server", "start", "--data-dir", str(root_dir), "--port", "0", *tls, *sec])
+        dash = ["--dashboard-port", str(spec.dashboard_port)] if spec.dashboard_port is not None else []
+        procs.start("root", ["server", "start", "--data-dir", str(root_dir), "--port", "0", *tls, *sec, *dash])
         info = _wait_for(lambda: json.loads((root_dir / "server.json").read_text())
                          if (root_dir / "server.json").is_file() else None, "the root", procs, spec.start_timeout_s)
         root_addr = f"127.0.0.1:{info['port']}"
+        if info.get("dashboard"):
+            token = "" if spec.insecure else "?token=" + (root_dir / "admin.token").read_text().strip()
+            console.print(f"dashboard: {info['dashboard']}{token}"
+                          + ("" if spec.insecure else f" (its certificate is signed by {ca})"), soft_wrap=True)
         cred = (["--ca-cert", str(ca)] if ca else [])
         agg_addrs = []
         for i in range(spec.aggregators):
@@ -173,6 +180,9 @@ def run_demo(spec: DemoSpec, console: Console | None = None) -> dict[str, Any]:
             console.print(f"all {spec.clients} clients joined; run {run_id} started")
             rows = _follow(ctl, run_id, spec, task, procs, console)
             status = ctl.status(run_id)
+            if spec.linger_s > 0:
+                console.print(f"the federation stays up for {spec.linger_s:g} s (--linger)")
+                time.sleep(spec.linger_s)
     finally:
         procs.stop()
     report = {"run_id": run_id, "task": spec.task, "clients": spec.clients, "aggregators": spec.aggregators,

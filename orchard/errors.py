@@ -49,6 +49,8 @@ class FutureModelVersionError(RoundClosedError):
 
 class StaleUpdateError(RoundClosedError):
     """An asynchronous update was trained on a model version more than ``max_staleness`` versions old."""
+class UnknownRunError(OrchardError):
+    """A request names a run this root has never had (see ``orchard run list``)."""
 
 
 class DuplicateUploadError(OrchardError):

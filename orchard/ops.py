@@ -83,3 +83,12 @@ class ControlClient:
         if h and wire.sha256_hex(blob) != h:
             raise IntegrityError("downloaded global model does not match its sha256")
         return blob
+
+    def list_runs(self, limit: int = 0) -> list[dict[str, Any]]:
+        return json.loads(self._stub.ListRuns(pb.ListRunsRequest(limit=limit), metadata=self._meta,
+                                              timeout=30).runs_json)
+
+    def run_log(self, run_id: str = "", after: int = 0) -> tuple[list[dict[str, Any]], int, str]:
+        """(log records from byte offset ``after``, the offset to continue from, the run's status)."""
+        r = self._stub.RunLog(pb.RunLogRequest(run_id=run_id, after=after), metadata=self._meta, timeout=30)
+        return [json.loads(line) for line in r.lines], int(r.next), r.run_status

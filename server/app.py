@@ -70,6 +70,8 @@ class TierHandle:
     admin_token: str | None = None
     ca_cert: Path | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    log_handlers: list[logging.Handler] = field(default_factory=list)  # removed at stop
+    dashboard: Any = None  # orchard.server.dashboard.Dashboard when --dashboard-port is given
 
     @property
     def address(self) -> str:
@@ -78,6 +80,10 @@ class TierHandle:
     async def stop(self, grace: float = 1.0) -> None:
         for t in self.tasks:
             t.cancel()
+        for hd in self.log_handlers:
+            logging.getLogger("orchard.server").removeHandler(hd)
+        if self.dashboard is not None:
+            await self.dashboard.stop()
         if self.runner is not None:
             await self.runner.close()
         if self.upstream is not None:
@@ -122,7 +128,7 @@ def _admin_token(store: Store, data_dir: Path) -> str | None:
 async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, insecure: bool = False,
                      server_cfg: ServerConfig | None = None, tls_dir: str | Path | None = None,
                      metrics_port: int | None = None, start_grace_s: float = 5.0, seed: int | None = None,
-                     base_model: str | Path | None = None) -> TierHandle:
+                     base_model: str | Path | None = None, dashboard_port: int | None = None) -> TierHandle:
     from orchard.server.control import ControlServicer
     from orchard.server.root import RootRunner, warm_up
 
@@ -137,6 +143,7 @@ async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int
     creds = None
     ca = None
     admin = None
+    paths: TlsPaths | None = None
     if insecure:
         auth = OpenEnrollment()
         log.warning("INSECURE: no TLS, open enrollment, no admin token. Loopback development only.")
@@ -155,22 +162,39 @@ async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int
     def on_join(node_id: str, role: Role, token_hash: str, caps: dict[str, str]) -> None:
         store.upsert_node(node_id, role.value, token_hash, caps)
 
+    from orchard.server.runlog import RunLog
+    from orchard.server.runlog import attach as attach_runlog
+
+    runlog = RunLog(data_dir)
     server = grpc.aio.server(options=wire.SERVER_GRPC_OPTIONS)
     pbg.add_FleetServicer_to_server(FleetServicer(coord, auth, on_join=on_join), server)
-    pbg.add_ControlServicer_to_server(ControlServicer(runner, auth), server)
+    pbg.add_ControlServicer_to_server(ControlServicer(runner, auth, runlog), server)
     bound = _bind(server, host, port, creds)
     await server.start()
     h = TierHandle("root", server, host, bound, coord, runner=runner, store=store, admin_token=admin, ca_cert=ca)
+    runlog_handler, observer = attach_runlog(runner, runlog)
+    h.log_handlers.append(runlog_handler)
+    h.tasks.append(asyncio.create_task(observer.run()))
     if metrics_port is not None:
         from orchard.server.metrics import serve_metrics
 
         h.metrics_port = serve_metrics(coord, "root", host, metrics_port)
+    if dashboard_port is not None:
+        from orchard.server.dashboard import serve_dashboard
+
+        try:
+            h.dashboard = await serve_dashboard(runner, auth, host, dashboard_port, paths)
+        except OSError as err:
+            await h.stop(0)
+            raise ConfigError(f"cannot serve the dashboard on {host}:{dashboard_port}: {err.strerror or err}; "
+                              "pick another --dashboard-port") from None
     h.tasks.append(asyncio.create_task(_sweeper(coord, runner._wake)))
     await asyncio.get_running_loop().run_in_executor(None, warm_up)
     await runner.resume()
     (data_dir / "server.json").write_text(json.dumps({
         "host": host, "port": bound, "pid": os.getpid(), "tls": not insecure,
-        "ca_cert": str(ca) if ca else None, "metrics_port": h.metrics_port}))
+        "ca_cert": str(ca) if ca else None, "metrics_port": h.metrics_port,
+        "dashboard": f"{h.dashboard.scheme}://{host}:{h.dashboard.port}/" if h.dashboard else None}))
     return h
 
 

@@ -12,9 +12,11 @@ import grpc
 
 from orchard import wire
 from orchard.config import RunConfig
-from orchard.errors import AuthError, ConfigError, UpdateSchemaError
+from orchard.errors import AuthError, ConfigError, UnknownRunError, UpdateSchemaError
+from orchard.server import observe
 from orchard.server.auth import Authenticator, bearer_token
 from orchard.server.root import RootRunner
+from orchard.server.runlog import RunLog
 from orchard.server.servicer import mapped, mapped_stream
 from orchard.server.validation import validate_run_config
 from orchard.v1 import orchard_pb2 as pb
@@ -24,9 +26,10 @@ MAX_INITIAL_MODEL_BYTES = 8 << 30
 
 
 class ControlServicer(pbg.ControlServicer):
-    def __init__(self, runner: RootRunner, auth: Authenticator) -> None:
+    def __init__(self, runner: RootRunner, auth: Authenticator, runlog: RunLog | None = None) -> None:
         self.runner = runner
         self.auth = auth
+        self.runlog = runlog or RunLog(runner.data_dir)
 
     def _admin(self, context: grpc.aio.ServicerContext) -> None:
         if not self.auth.admin_ok(bearer_token(context.invocation_metadata())):
@@ -57,7 +60,7 @@ class ControlServicer(pbg.ControlServicer):
     @mapped
     async def Status(self, request: pb.StatusRequest, context: grpc.aio.ServicerContext) -> pb.StatusReply:
         self._admin(context)
-        return pb.StatusReply(status_json=json.dumps(self.runner.status(request.run_id)))
+        return pb.StatusReply(status_json=json.dumps(observe.status(self.runner, request.run_id)))
 
     @mapped
     async def ListNodes(self, request: pb.ListNodesRequest, context: grpc.aio.ServicerContext) -> pb.ListNodesReply:
@@ -82,3 +85,25 @@ class ControlServicer(pbg.ControlServicer):
         h = wire.sha256_hex(blob)
         for off, data in wire.iter_chunks(blob, self.runner.server_cfg.chunk_bytes):
             yield pb.Chunk(data=data, offset=off, total_bytes=len(blob), blob_sha256=h)
+
+    @mapped
+    async def ListRuns(self, request: pb.ListRunsRequest, context: grpc.aio.ServicerContext) -> pb.ListRunsReply:
+        self._admin(context)
+        runs = []
+        for row in self.runner.store.list_runs(max(0, request.limit)):
+            cfg = json.loads(row.config_json)
+            runs.append({"run_id": row.run_id, "status": row.status, "task": cfg.get("task"),
+                         "completed_rounds": row.completed_rounds, "target_rounds": cfg.get("rounds"),
+                         "created": row.created, "updated": row.updated, "error": row.error, "config": cfg})
+        return pb.ListRunsReply(runs_json=json.dumps(runs))
+
+    @mapped
+    async def RunLog(self, request: pb.RunLogRequest, context: grpc.aio.ServicerContext) -> pb.RunLogReply:
+        self._admin(context)
+        row = self.runner.store.get_run(request.run_id) if request.run_id else self.runner.store.latest_run()
+        if row is None:
+            raise UnknownRunError(f"no run {request.run_id!r} on this server; `orchard run list` shows its runs"
+                                  if request.run_id else "this server has no run yet")
+        max_bytes = request.max_lines * 512 if request.max_lines > 0 else 256 << 10
+        lines, nxt = self.runlog.read(row.run_id, request.after, max_bytes)
+        return pb.RunLogReply(lines=lines, next=nxt, run_status=row.status)

@@ -31,6 +31,7 @@ from orchard.errors import (
     StoreError,
     UnknownModelVersionError,
     UnknownNodeError,
+    UnknownRunError,
     UpdateSchemaError,
 )
 from orchard.messages import Idle
@@ -46,6 +47,7 @@ log = logging.getLogger("orchard.server")
 STATUS_OF: list[tuple[type[OrchardError], grpc.StatusCode]] = [
     (AuthError, grpc.StatusCode.UNAUTHENTICATED),
     (UnknownNodeError, grpc.StatusCode.NOT_FOUND),
+    (UnknownRunError, grpc.StatusCode.NOT_FOUND),
     (DuplicateUploadError, grpc.StatusCode.ALREADY_EXISTS),
     (NotSelectedError, grpc.StatusCode.PERMISSION_DENIED),
     # Asynchronous mode's refusals, each its own code (subclasses of RoundClosedError: before it).

@@ -105,6 +105,7 @@ class Store(Protocol):
     def set_run_status(self, run_id: str, status: str, error: str = "") -> None: ...
     def get_run(self, run_id: str) -> RunRow | None: ...
     def latest_run(self) -> RunRow | None: ...
+    def list_runs(self, limit: int = 0) -> list[RunRow]: ...
     def active_runs(self) -> list[RunRow]: ...
     def record_round(self, run_id: str, rnd: int, attempt: int, status: str, started: float,
                      finished: float | None, record: dict[str, Any]) -> None: ...
@@ -203,6 +204,13 @@ class SQLiteStore:
         row = self._db.execute("SELECT run_id, config_json, status, created, updated, completed_rounds, error "
                                "FROM runs ORDER BY created DESC, rowid DESC LIMIT 1").fetchone()
         return None if row is None else RunRow(*row)
+
+    def list_runs(self, limit: int = 0) -> list[RunRow]:
+        """Every run, newest first (``limit`` > 0: only that many)."""
+        sql = ("SELECT run_id, config_json, status, created, updated, completed_rounds, error "
+               "FROM runs ORDER BY created DESC, rowid DESC")
+        rows = self._db.execute(sql + " LIMIT ?", (limit,)).fetchall() if limit > 0 else self._db.execute(sql).fetchall()
+        return [RunRow(*r) for r in rows]
 
     def active_runs(self) -> list[RunRow]:
         rows = self._db.execute("SELECT run_id, config_json, status, created, updated, completed_rounds, error "
@@ -356,6 +364,10 @@ class MemoryStore:
 
     def latest_run(self) -> RunRow | None:
         return next(reversed(self._runs.values()), None)
+
+    def list_runs(self, limit: int = 0) -> list[RunRow]:
+        rows = list(reversed(self._runs.values()))
+        return rows[:limit] if limit > 0 else rows
 
     def active_runs(self) -> list[RunRow]:
         return [r for r in self._runs.values() if r.status == "running"]

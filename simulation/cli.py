@@ -31,6 +31,13 @@ def simulate(
     out: Annotated[Path | None, typer.Option("--out", help="Directory for rounds.jsonl, report.json, plots.")] = None,
     base_model: Annotated[Path | None, typer.Option(
         "--base-model", help="Base model dir from `orchard pretrain`: the LoRA task adapts it.")] = None,
+    task_param: Annotated[list[str] | None, typer.Option(
+        "--task-param", help="KEY=VALUE task parameter (repeatable), e.g. alpha=0.1 or with_replacement=true.")] = None,
+    tensorboard: Annotated[Path | None, typer.Option(
+        "--tensorboard", help="Write per-round metrics, bytes and participation as TensorBoard events here.")] = None,
+    mlflow_uri: Annotated[str | None, typer.Option(
+        "--mlflow-uri", help="Log the same to MLflow at this tracking URI (the mlflow extra).")] = None,
+    mlflow_experiment: Annotated[str, typer.Option("--mlflow-experiment")] = "orchard",
 ) -> None:
     """Simulate a federation in-process: real client, codec, secure-aggregation and tier code."""
     from orchard.config import load_toml
@@ -44,7 +51,14 @@ def simulate(
         "backend": backend, "workers": workers, "seed": seed, "out": str(out) if out is not None else None,
     }
     try:
+        from orchard.simulation.defaults import fit_population, parse_task_params
+
+        overrides.update({f"run.task_params.{k}": v for k, v in parse_task_params(task_param).items()})
         data = load_toml(config) if config is not None else {}
+        fit = fit_population(data, overrides)
+        for note in fit.notes:
+            console.print(f"[dim]default:[/] {note}", highlight=False)
+        overrides.update(fit.overrides)
         cfg = build_simulation_config(data, overrides)
         if base_model is not None:
             from orchard.cli import base_model_params
@@ -53,7 +67,19 @@ def simulate(
             cfg = build_simulation_config(data, {**overrides, **{f"run.task_params.{k}": v for k, v in params.items()}})
         if cfg.out is None:
             cfg = cfg.model_copy(update={"out": Path("sim-out")})
-        report = _run_with_progress(cfg, run_simulation, console)
+        from orchard.tracking import open_trackers
+
+        track = open_trackers(tensorboard, mlflow_uri, f"simulate-{cfg.run.task}-seed{cfg.seed}",
+                              {"task": cfg.run.task, "clients": cfg.clients, "clients_per_round": cfg.clients_per_round,
+                               "rounds": cfg.rounds, "aggregators": cfg.aggregators, "codec": cfg.run.codec.name,
+                               "secure_aggregation": cfg.run.secure_aggregation.enabled, "seed": cfg.seed,
+                               "task_params": cfg.run.task_params}, mlflow_experiment)
+        status = "failed"
+        try:
+            report = _run_with_progress(cfg, run_simulation, console, track)
+            status = report.status
+        finally:
+            track.close(status)
     except OrchardError as err:
         console.print(f"[bold red]error:[/] {err}")
         raise typer.Exit(1) from None
@@ -64,7 +90,7 @@ def simulate(
         raise typer.Exit(1)
 
 
-def _run_with_progress(cfg: Any, run: Any, console: Console) -> Any:
+def _run_with_progress(cfg: Any, run: Any, console: Console, track: Any = None) -> Any:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     console.print(f"[bold]orchard simulate[/]: {cfg.run.task}, {cfg.clients} devices, {cfg.clients_per_round} per "
@@ -76,6 +102,8 @@ def _run_with_progress(cfg: Any, run: Any, console: Console) -> Any:
         bar = prog.add_task("rounds", total=cfg.rounds, info="")
 
         def on_round(row: dict[str, Any]) -> None:
+            if track:
+                track.log_round(row["round"], row)
             acc = "-" if row.get("accuracy") is None else f"{row['accuracy']:.4f}"
             prog.update(bar, advance=1, info=f"round {row['round']}: {row['participants']} clients, accuracy {acc}, "
                                               f"{row.get('clients_per_second') or 0:.0f} clients/s")

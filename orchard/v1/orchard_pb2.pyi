@@ -386,3 +386,35 @@ class PullGlobalRequest(_message.Message):
     run_id: str
     round: int
     def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ...) -> None: ...
+
+class ListRunsRequest(_message.Message):
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+
+class ListRunsReply(_message.Message):
+    __slots__ = ("runs_json",)
+    RUNS_JSON_FIELD_NUMBER: _ClassVar[int]
+    runs_json: str
+    def __init__(self, runs_json: _Optional[str] = ...) -> None: ...
+
+class RunLogRequest(_message.Message):
+    __slots__ = ("run_id", "after", "max_lines")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    MAX_LINES_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    after: int
+    max_lines: int
+    def __init__(self, run_id: _Optional[str] = ..., after: _Optional[int] = ..., max_lines: _Optional[int] = ...) -> None: ...
+
+class RunLogReply(_message.Message):
+    __slots__ = ("lines", "next", "run_status")
+    LINES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
+    RUN_STATUS_FIELD_NUMBER: _ClassVar[int]
+    lines: _containers.RepeatedScalarFieldContainer[str]
+    next: int
+    run_status: str
+    def __init__(self, lines: _Optional[_Iterable[str]] = ..., next: _Optional[int] = ..., run_status: _Optional[str] = ...) -> None: ...

@@ -390,6 +390,16 @@ class ControlStub:
                 request_serializer=orchard_dot_v1_dot_orchard__pb2.PullGlobalRequest.SerializeToString,
                 response_deserializer=orchard_dot_v1_dot_orchard__pb2.Chunk.FromString,
                 _registered_method=True)
+        self.ListRuns = channel.unary_unary(
+                '/orchard.v1.Control/ListRuns',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.ListRunsRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.ListRunsReply.FromString,
+                _registered_method=True)
+        self.RunLog = channel.unary_unary(
+                '/orchard.v1.Control/RunLog',
+                request_serializer=orchard_dot_v1_dot_orchard__pb2.RunLogRequest.SerializeToString,
+                response_deserializer=orchard_dot_v1_dot_orchard__pb2.RunLogReply.FromString,
+                _registered_method=True)
 
 
 class ControlServicer:
@@ -425,6 +435,18 @@ class ControlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListRuns(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RunLog(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ControlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -452,6 +474,16 @@ def add_ControlServicer_to_server(servicer, server):
                     servicer.PullGlobal,
                     request_deserializer=orchard_dot_v1_dot_orchard__pb2.PullGlobalRequest.FromString,
                     response_serializer=orchard_dot_v1_dot_orchard__pb2.Chunk.SerializeToString,
+            ),
+            'ListRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRuns,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.ListRunsRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.ListRunsReply.SerializeToString,
+            ),
+            'RunLog': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunLog,
+                    request_deserializer=orchard_dot_v1_dot_orchard__pb2.RunLogRequest.FromString,
+                    response_serializer=orchard_dot_v1_dot_orchard__pb2.RunLogReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -589,6 +621,60 @@ class Control:
             '/orchard.v1.Control/PullGlobal',
             orchard_dot_v1_dot_orchard__pb2.PullGlobalRequest.SerializeToString,
             orchard_dot_v1_dot_orchard__pb2.Chunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Control/ListRuns',
+            orchard_dot_v1_dot_orchard__pb2.ListRunsRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.ListRunsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/orchard.v1.Control/RunLog',
+            orchard_dot_v1_dot_orchard__pb2.RunLogRequest.SerializeToString,
+            orchard_dot_v1_dot_orchard__pb2.RunLogReply.FromString,
             options,
             channel_credentials,
             insecure,

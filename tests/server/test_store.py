@@ -46,6 +46,8 @@ def test_runs_rounds_and_checkpoints(store: Store) -> None:
     store.create_run("run-a", '{"rounds": 2}')
     store.create_run("run-b", '{"rounds": 3}')
     assert store.latest_run().run_id == "run-b"  # type: ignore[union-attr]
+    assert [r.run_id for r in store.list_runs()] == ["run-b", "run-a"]
+    assert [r.run_id for r in store.list_runs(limit=1)] == ["run-b"]
     assert [r.run_id for r in store.active_runs()] == ["run-a", "run-b"]
     store.set_run_status("run-a", "failed", "boom")
     row = store.get_run("run-a")
