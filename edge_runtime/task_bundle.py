@@ -90,7 +90,7 @@ def write_task_bundle(
     ca_cert: str | os.PathLike[str] | bytes | None = None,
     enrollment_token: str | None = None,
     training_program: bool = True,
-    micro_batch: int = 4,
+    micro_batch: int = 8,
     overwrite: bool = False,
 ) -> ClientBundle:
     """Export ``task``'s base with LoRA inputs and write a bundle for it.

@@ -344,3 +344,18 @@ def test_device_process_imports_no_torch(ffa: Bundled, tmp_path: Path) -> None:
     out = np.load(tmp_path / "out.npz")
     for i, k in enumerate(ffa.task.trainable):
         assert float(np.abs(out[f"a{i}"] - ref.arrays[k]).max()) <= 1e-5
+
+
+@pytest.mark.slow
+def test_benchmark_script_runs_and_meets_its_bars(tmp_path: Path) -> None:
+    """``benchmarks/edge.py --runtime executorch --quick`` on the shipped Shakespeare base."""
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "edge.py"
+    out = tmp_path / "et.json"
+    res = subprocess.run([sys.executable, str(script), "--runtime", "executorch", "--quick", "--json", str(out)],
+                         capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert got["grad_max_abs_diff"] <= 1e-4 and got["adapter_max_abs_diff_after_steps"] <= 1e-3
+    assert got["governor_thermal_overshoot_c"] <= 1.0 and got["governor_battery_floor_violations"] == 0
+    assert got["device_torch_modules_loaded"] == [] and got["device_peak_rss_mb"] > 0
+    assert got["program_bytes"] > 0 and got["et_step_ms"] > 0 and got["torch_step_ms"] > 0
