@@ -51,6 +51,10 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
         raise ConfigError(problems)
     run = cfg.run_config()
     task = get_task(run.task, **run.task_params)
+    if cfg.runtime == "executorch":  # clients train through the task's ExecuTorch program
+        from orchard.edge_runtime.et_task import ExecuTorchTask
+
+        task = ExecuTorchTask(task)
     arrays = task.initial_arrays(run.seed)
     population = Population(cfg.clients, cfg.all_profiles(), cfg.devices, cfg.seed,
                             _flops_per_example(task, arrays), cfg.start_hour * 3600.0)
