@@ -10,6 +10,8 @@ Layout::
       adapter.safetensors    the same tensors for a torch trainer on the device
       ca.pem                 CA certificate for the server's TLS (if given)
       enrollment.token       enrollment token, mode 0600 (if given)
+      train_program.json     ExecuTorch training program manifest (if written; it
+      train.pte              names the program's digest: see ``et_program``)
 
 ``client.json`` is written last and names the digests of the model and adapter, so a
 directory without it is an unfinished bundle, and a swapped or truncated file is
@@ -76,6 +78,9 @@ class ClientBundleConfig(_Strict):
     adapter_version: int = Field(ge=0)
     ca_cert: str | None = None
     enrollment_token: str | None = None
+    # The ExecuTorch training program's manifest (which in turn names the program's
+    # digest); None in a bundle for inference and torch training only.
+    training_program: BundleFile | None = None
 
 
 @dataclass(frozen=True)
@@ -183,13 +188,16 @@ def write_bundle(
     policy: DevicePolicy | None = None,
     ca_cert: str | os.PathLike[str] | bytes | None = None,
     enrollment_token: str | None = None,
+    training_program: str | None = None,
     overwrite: bool = False,
 ) -> ClientBundle:
     """Write a client bundle to ``bundle_dir`` and return it.
 
     ``model_path`` is a base model from ``onnx_export.export_lora_model``; ``adapter``
     holds its LoRA tensors by input name (checked against the model before anything
-    is written). ``ca_cert`` is a PEM file path or PEM bytes.
+    is written). ``ca_cert`` is a PEM file path or PEM bytes. ``training_program`` is
+    the file name of a training-program manifest already written into ``bundle_dir``
+    (``et_export``); ``client.json`` records its digest.
     """
     root = Path(bundle_dir)
     if (root / CONFIG_FILE).exists() and not overwrite:
@@ -229,6 +237,8 @@ def write_bundle(
             adapter_version=adapter_version,
             ca_cert=ca_name,
             enrollment_token=token_name,
+            training_program=None if training_program is None else BundleFile(
+                name=training_program, sha256=_sha256(root / training_program)),
         )
     except ValidationError as err:
         raise ConfigError(
@@ -262,7 +272,10 @@ def read_bundle(bundle_dir: str | os.PathLike[str], *, verify: bool = True) -> C
         ) from None
     bundle = ClientBundle(root, config)
     if verify:
-        for f in (config.model, config.adapter_onnx, config.adapter_safetensors):
+        named = [config.model, config.adapter_onnx, config.adapter_safetensors]
+        if config.training_program is not None:
+            named.append(config.training_program)
+        for f in named:
             p = root / f.name
             if not p.is_file():
                 raise BundleError(f"{p} is named in {CONFIG_FILE} but missing")

@@ -9,8 +9,10 @@ tensors are loaded into the task's adapted model (whose frozen ``A`` comes from 
 run's shared seed) and read back by state-dict key (:func:`onnx_adapter_of`).
 
 Besides the files ``bundle.py`` describes, a task bundle holds the sidecars of
-:mod:`orchard.edge_runtime.bundle_task` (the task, the tokenizer of a text task),
-written before ``client.json`` so that a bundle with a config is complete.
+:mod:`orchard.edge_runtime.bundle_task` (the task, the tokenizer of a text task) and,
+unless asked not to, the task's ExecuTorch training program
+(:mod:`orchard.edge_runtime.et_export`), all written before ``client.json`` so that a
+bundle with a config is complete.
 """
 
 from __future__ import annotations
@@ -87,12 +89,16 @@ def write_task_bundle(
     policy: DevicePolicy | None = None,
     ca_cert: str | os.PathLike[str] | bytes | None = None,
     enrollment_token: str | None = None,
+    training_program: bool = True,
+    micro_batch: int = 8,
     overwrite: bool = False,
 ) -> ClientBundle:
     """Export ``task``'s base with LoRA inputs and write a bundle for it.
 
     ``global_arrays`` is the run's current global adapter (from the root); None ships
-    the task's initial adapter (``B = 0``: the bare base), version 0.
+    the task's initial adapter (``B = 0``: the bare base), version 0. With
+    ``training_program`` the bundle also holds the task's ExecuTorch training program
+    (``micro_batch`` rows per run of the program), for ``--runtime executorch``.
     """
     root = Path(bundle_dir)
     if (root / CONFIG_FILE).exists() and not overwrite:
@@ -116,6 +122,22 @@ def write_task_bundle(
     if vocab is not None:
         tok = CharTokenizer(vocab)
         _write_atomic(root / TOKENIZER_FILE, json.dumps(tok.to_dict(), ensure_ascii=False).encode())
+    program_manifest = None
+    if training_program:
+        if not sequence or context is None or vocab is None:
+            raise BundleError(
+                f"task {task.name!r} is not a next-token text task: the training program is exported for "
+                "those only; pass training_program=False (--no-training-program)"
+            )
+        from .et_export import export_training_program
+        from .et_program import MANIFEST_FILE
+
+        export_training_program(
+            _lora_model(task), task.trainable, root, task=task.name,
+            lora_variant=str(task.params.get("lora_variant", "ffa")), lora_rank=int(task.params.get("lora_rank", 8)),
+            seq_len=context, vocab_size=len(vocab), micro_batch=micro_batch,
+        )
+        program_manifest = MANIFEST_FILE
     with tempfile.TemporaryDirectory(prefix="orchard-export-") as tmp:
         info = export_lora_model(model, example, Path(tmp) / "model.onnx", dynamic_axes=axes)
         return write_bundle(
@@ -127,5 +149,6 @@ def write_task_bundle(
             policy=policy,
             ca_cert=ca_cert,
             enrollment_token=enrollment_token,
+            training_program=program_manifest,
             overwrite=overwrite,
         )

@@ -219,6 +219,10 @@ def client_start(
     bundle: Annotated[Path | None, typer.Option("--bundle", help="Run from a client bundle dir (server, token, CA, policy).")] = None,
     policy: Annotated[Path | None, typer.Option("--policy", help="Device policy TOML: train under its budgets (overrides the bundle's).")] = None,
     systemd: Annotated[bool, typer.Option("--systemd", help="Print a systemd unit for this bundle and exit.")] = False,
+    runtime: Annotated[str, typer.Option("--runtime", help="torch, or executorch: train through the bundle's "
+                                         "ExecuTorch training program, without torch.")] = "torch",
+    data: Annotated[Path | None, typer.Option("--data", help="With --runtime executorch: the device's own data "
+                                              "(its text, or an .npz of x and y token windows).")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     verbose: Annotated[bool, typer.Option("--verbose", "-v")] = True,
 ) -> None:
@@ -226,7 +230,19 @@ def client_start(
     _logging(verbose)
     device_policy = None
     task_params: dict[str, Any] = {}
+    device_factory: Any = None
     try:
+        if runtime not in ("torch", "executorch"):
+            raise OrchardError(f"--runtime must be torch or executorch, got {runtime!r}")
+        if runtime == "executorch":
+            if bundle is None or flower_app is not None:
+                raise OrchardError("--runtime executorch trains a bundle's training program: pass --bundle DIR "
+                                   "(and no --flower-app)")
+            from orchard.edge_runtime.et_trainer import executorch_trainer_factory
+
+            # Loads and checks the bundle's training program now: a bad bundle is
+            # refused before the client joins.
+            device_factory = executorch_trainer_factory(bundle, data_path=data, seed=seed)
         if bundle is not None:
             from orchard.edge_runtime.bundle import read_bundle, systemd_unit
             from orchard.edge_runtime.bundle_task import read_bundle_task
@@ -269,13 +285,14 @@ def client_start(
         # the actual device.
         edge = EdgeGovernance(default_provider(), device_policy)
 
-    _warm_up(task, partition, num_partitions, seed, task_params)
+    if device_factory is None:
+        _warm_up(task, partition, num_partitions, seed, task_params)
 
     async def main() -> None:
         link = FleetLink(LinkConfig(target=server, role=Role.CLIENT, token=token, ca_cert=ca_cert, insecure=insecure,
                                     node_id=node_id, capabilities=(("task", task or "flower"),)))
-        rt = ClientRuntime(link, _trainer_factory(task, flower_app, partition, num_partitions, seed),
-                           partition_id=partition, state_dir=state_dir, seed=seed, edge=edge)
+        factory = device_factory or _trainer_factory(task, flower_app, partition, num_partitions, seed)
+        rt = ClientRuntime(link, factory, partition_id=partition, state_dir=state_dir, seed=seed, edge=edge)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -361,8 +378,11 @@ def client_bundle(
     run_id: Annotated[str, typer.Option("--run-id", help="Run whose global adapter to ship (default: the latest).")] = "",
     insecure: Insecure = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing bundle.")] = False,
+    training_program: Annotated[bool, typer.Option("--training-program/--no-training-program",
+                                                   help="Also write the task's ExecuTorch training program.")] = True,
 ) -> None:
-    """Write what a device needs: base ONNX model, current adapter, config with budgets, CA, token.
+    """Write what a device needs: base ONNX model, current adapter, config with budgets, CA, token,
+    and the task's ExecuTorch training program (for --runtime executorch).
 
     With --admin-token or --data-dir (or --insecure) the adapter is the root's latest
     global model; otherwise, or when the root is not reachable, the task's initial one."""
@@ -382,7 +402,7 @@ def client_bundle(
         arrays, version = pulled if pulled is not None else (None, 0)
         b = write_task_bundle(out_dir, task=get_task(task, **params), server_address=server, global_arrays=arrays,
                               adapter_version=version, policy=device_policy, ca_cert=ca_cert,
-                              enrollment_token=token, overwrite=overwrite)
+                              enrollment_token=token, training_program=training_program, overwrite=overwrite)
     except json.JSONDecodeError as err:
         _fail(OrchardError(f"--task-params is not JSON: {err}"))
     except OrchardError as err:

@@ -27,6 +27,8 @@ def simulate(
     codec: Annotated[str | None, typer.Option("--codec")] = None,
     backend: Annotated[str | None, typer.Option("--backend", help="local, process or ray")] = None,
     workers: Annotated[int | None, typer.Option("--workers")] = None,
+    runtime: Annotated[str | None, typer.Option(
+        "--runtime", help="torch, or executorch: clients train through the task's ExecuTorch program")] = None,
     seed: Annotated[int | None, typer.Option("--seed")] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Directory for rounds.jsonl, report.json, plots.")] = None,
     base_model: Annotated[Path | None, typer.Option(
@@ -48,7 +50,7 @@ def simulate(
     overrides: dict[str, Any] = {
         "run.task": task, "clients": clients, "clients_per_round": clients_per_round, "rounds": rounds,
         "aggregators": aggregators, "run.secure_aggregation.enabled": secure_aggregation, "run.codec.name": codec,
-        "backend": backend, "workers": workers, "seed": seed, "out": str(out) if out is not None else None,
+        "backend": backend, "workers": workers, "runtime": runtime, "seed": seed, "out": str(out) if out is not None else None,
     }
     try:
         from orchard.simulation.defaults import fit_population, parse_task_params

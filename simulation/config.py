@@ -126,6 +126,9 @@ class SimulationConfig(_Strict):
     vectorize: bool = True  # train small models many clients at a time (torch.func.vmap)
     chunk_size: int = Field(512, ge=1)  # clients per training job: what is materialised at once
     governor: bool = True  # pace training with the edge runtime's governor on each device
+    # "executorch": clients train through the task's ExecuTorch training program (what a
+    # phone-class device runs), not torch autograd; local backend only.
+    runtime: Literal["torch", "executorch"] = "torch"
     out: Path | None = None
     devices: dict[str, float] = Field(default_factory=lambda: dict(DEFAULT_MIX))
     profiles: dict[str, DeviceProfile] = Field(default_factory=dict)  # add or replace kinds
@@ -167,6 +170,9 @@ def _semantic_problems(cfg: SimulationConfig) -> list[str]:
     if cfg.clients_per_round > cfg.clients:
         problems.append(f"simulation.clients_per_round ({cfg.clients_per_round}) exceeds the population "
                         f"simulation.clients ({cfg.clients})")
+    if cfg.runtime == "executorch" and cfg.backend != "local":
+        problems.append(f"simulation.runtime 'executorch' runs on the local backend only, got backend "
+                        f"{cfg.backend!r}: set backend = 'local'")
     fan = cfg.fanout()
     if any(not isinstance(f, int) or f < 1 for f in fan):
         problems.append(f"simulation.aggregators: every tier needs >= 1 aggregator, got {cfg.aggregators}")

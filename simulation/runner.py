@@ -54,6 +54,10 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
         raise ConfigError(problems)
     run = cfg.run_config()
     task = get_task(run.task, **run.task_params)
+    if cfg.runtime == "executorch":  # clients train through the task's ExecuTorch program
+        from orchard.edge_runtime.et_task import ExecuTorchTask
+
+        task = ExecuTorchTask(task)
     # The global model as a root holds it: read back from its blob, so its tensors (and
     # every round's schema) come in the blob's canonical order, as on the gRPC path.
     arrays = wire.blob_to_arrays(wire.arrays_to_blob(task.initial_arrays(run.seed)))
