@@ -125,7 +125,8 @@ class ClientBundle:
         return p.read_text().strip()
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file, read in 1 MiB blocks."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -167,8 +168,8 @@ def _write_adapter_files(
         st_tmp = Path(tmp) / ADAPTER_SAFETENSORS_FILE
         write_onnx_adapter(arrays, onnx_tmp, adapter_version=version)
         save_file(arrays, str(st_tmp), metadata={"adapter_version": str(version)})
-        onnx_file = BundleFile(name=ADAPTER_ONNX_FILE, sha256=_sha256(onnx_tmp))
-        st_file = BundleFile(name=ADAPTER_SAFETENSORS_FILE, sha256=_sha256(st_tmp))
+        onnx_file = BundleFile(name=ADAPTER_ONNX_FILE, sha256=file_sha256(onnx_tmp))
+        st_file = BundleFile(name=ADAPTER_SAFETENSORS_FILE, sha256=file_sha256(st_tmp))
         os.replace(onnx_tmp, root / ADAPTER_ONNX_FILE)
         os.replace(st_tmp, root / ADAPTER_SAFETENSORS_FILE)
     return onnx_file, st_file
@@ -229,7 +230,7 @@ def write_bundle(
         config = ClientBundleConfig(
             server_address=server_address,
             policy=policy or DevicePolicy(),
-            model=BundleFile(name=MODEL_FILE, sha256=_sha256(root / MODEL_FILE)),
+            model=BundleFile(name=MODEL_FILE, sha256=file_sha256(root / MODEL_FILE)),
             input_name=base.input_name,
             output_name=base.output_name,
             adapter_onnx=onnx_file,
@@ -238,7 +239,7 @@ def write_bundle(
             ca_cert=ca_name,
             enrollment_token=token_name,
             training_program=None if training_program is None else BundleFile(
-                name=training_program, sha256=_sha256(root / training_program)),
+                name=training_program, sha256=file_sha256(root / training_program)),
         )
     except ValidationError as err:
         raise ConfigError(
@@ -279,7 +280,7 @@ def read_bundle(bundle_dir: str | os.PathLike[str], *, verify: bool = True) -> C
             p = root / f.name
             if not p.is_file():
                 raise BundleError(f"{p} is named in {CONFIG_FILE} but missing")
-            digest = _sha256(p)
+            digest = file_sha256(p)
             if digest != f.sha256:
                 raise IntegrityError(
                     f"{p} has sha256 {digest}, {CONFIG_FILE} expects {f.sha256}: re-create the bundle"

@@ -47,7 +47,7 @@ from torch import nn
 
 from orchard.errors import OrchardError
 
-from .bundle import BundleFile, _sha256, _write_atomic
+from .bundle import BundleFile, _write_atomic, file_sha256
 from .et_program import (
     INPUT_NAMES,
     MANIFEST_FILE,
@@ -233,7 +233,7 @@ def export_training_program(
     root.mkdir(parents=True, exist_ok=True)
     _write_atomic(root / PROGRAM_FILE, et.buffer)
     manifest = TrainingManifest(
-        program=BundleFile(name=PROGRAM_FILE, sha256=_sha256(root / PROGRAM_FILE)),
+        program=BundleFile(name=PROGRAM_FILE, sha256=file_sha256(root / PROGRAM_FILE)),
         method=METHOD,
         task=task,
         lora_variant=lora_variant,

@@ -31,7 +31,6 @@ through :mod:`orchard.edge_runtime.et_native`.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Mapping
@@ -41,7 +40,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .bundle import BundleError, BundleFile
+from .bundle import BundleError, BundleFile, file_sha256
 from .et_native import NativeMethod, NativeProgram, NativeRuntimeError
 
 PROGRAM_FILE = "train.pte"
@@ -91,14 +90,6 @@ class TrainingManifest(_Strict):
     loss: str  # the loss, in words (the formula in this module's docstring)
     executorch_version: str
     base_sha256: str  # the frozen base baked into the program (its safetensors)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_manifest(bundle_dir: str | os.PathLike[str]) -> TrainingManifest:
@@ -214,7 +205,7 @@ def load_training_program(
         raise TrainingProgramError(
             f"{path} is missing: {MANIFEST_FILE} names it as the training program; re-create the bundle"
         )
-    digest = _sha256(path)
+    digest = file_sha256(path)
     if digest != manifest.program.sha256:
         raise TrainingProgramError(
             f"{path} has sha256 {digest}, {MANIFEST_FILE} expects {manifest.program.sha256}: "

@@ -265,7 +265,8 @@ def load_simulation_config(path: str | Path, overrides: dict[str, Any] | None = 
     return build_simulation_config(data, overrides or {})
 
 
-def build_simulation_config(data: dict[str, Any], overrides: dict[str, Any]) -> SimulationConfig:
+def merged_simulation_table(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``data``'s ``[simulation]`` table with dotted overrides applied (None skipped)."""
     import copy
 
     sim = copy.deepcopy(dict(data.get("simulation", {})))
@@ -277,4 +278,8 @@ def build_simulation_config(data: dict[str, Any], overrides: dict[str, Any]) -> 
         for p in parents:
             d = d.setdefault(p, {})
         d[leaf] = v
-    return parse_simulation_config({**data, "simulation": sim})
+    return sim
+
+
+def build_simulation_config(data: dict[str, Any], overrides: dict[str, Any]) -> SimulationConfig:
+    return parse_simulation_config({**data, "simulation": merged_simulation_table(data, overrides)})

@@ -18,13 +18,13 @@ it is: an explicit ``with_replacement = false`` still fails with the task's mess
 
 from __future__ import annotations
 
-import copy
 import tomllib
 from dataclasses import dataclass, field
 from typing import Any
 
 from orchard.config import RunConfig
 from orchard.errors import ConfigError
+from orchard.simulation.config import merged_simulation_table
 
 
 def parse_task_params(items: list[str] | None) -> dict[str, Any]:
@@ -53,19 +53,6 @@ class PopulationFit:
     notes: list[str] = field(default_factory=list)
 
 
-def _merged(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    sim = copy.deepcopy(dict(data.get("simulation", {})))
-    for dotted, v in overrides.items():
-        if v is None:
-            continue
-        d = sim
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            d = d.setdefault(p, {})
-        d[leaf] = v
-    return sim
-
-
 def fit_population(data: dict[str, Any], overrides: dict[str, Any]) -> PopulationFit:
     """What to add to ``overrides`` so that the simulation's task can split its population.
 
@@ -74,7 +61,7 @@ def fit_population(data: dict[str, Any], overrides: dict[str, Any]) -> Populatio
     from orchard.simulation.config import SimulationConfig
     from orchard.tasks import get_task, task_params
 
-    sim = _merged(data, overrides)
+    sim = merged_simulation_table(data, overrides)
     run = sim.get("run", {})
     task_name = run.get("task", RunConfig().task)
     params = dict(run.get("task_params", {}))
