@@ -40,6 +40,12 @@ table prints both and their ratio (this checkout / REV, medians), the regression
 for a change that should not cost throughput.
 
     python benchmarks/simulation.py --against d387a09 --per-round 10000 [--repeat 3] [--json PATH]
+
+On a GPU (``--device cuda``): the vectorised path on cuda against the CPU path in the same
+run, for the digits MLP and the MNIST CNN at 100,000 clients per round, with the largest
+difference between the two global models.
+
+    python benchmarks/simulation.py --device cuda [--per-round 100000] [--json PATH]
 """
 
 from __future__ import annotations
@@ -60,20 +66,26 @@ from typing import Any
 
 
 def _case(clients_per_round: int, population: int, aggregators: int, rounds: int, vectorize: bool,
-          governor: bool, workers: int, backend: str) -> dict[str, Any]:
+          governor: bool, workers: int, backend: str, task: str = "digits", device: str = "cpu",
+          save: str | None = None) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
     from orchard.config import RunConfig
     from orchard.simulation import SimulationConfig, run_simulation
 
-    run = RunConfig(task="digits", task_params={"with_replacement": True, "samples_per_client": 20},
+    run = RunConfig(task=task, task_params={"with_replacement": True, "samples_per_client": 20},
                     train={"epochs": 1, "batch_size": 10, "learning_rate": 0.1, "optimizer": "sgd"})
     cfg = SimulationConfig(clients=population, clients_per_round=clients_per_round, rounds=rounds + 1,
                            aggregators=aggregators, vectorize=vectorize, governor=governor, workers=workers,
-                           backend=backend, chunk_size=512, evaluate_every=0, progress=False, run=run)
+                           backend=backend, chunk_size=512, evaluate_every=0, progress=False, run=run,
+                           device=device)  # type: ignore[arg-type]
     t0 = time.perf_counter()
     report = run_simulation(cfg)
+    if save:
+        import numpy as np
+
+        np.savez(save, **report.final_arrays)
     measured = report.rounds[1:]
     secs = sum(r["seconds"] for r in measured)
     cpu = sum(r["cpu_seconds"] for r in measured)
@@ -82,6 +94,8 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
 
     return {
         "code": str(Path(engine_module.__file__).resolve().parents[1]),  # which checkout ran
+        "task": task,
+        "device": device,
         "path": "vectorized" if vectorize else "per-client",
         "clients_per_round": clients_per_round,
         "population": population,
@@ -246,6 +260,40 @@ def _against(a: argparse.Namespace) -> None:
                        "load_average": {"before": list(load_before), "after": list(load_after)}}, f, indent=2)
 
 
+def _devices(a: argparse.Namespace) -> None:
+    """The vectorised path on ``a.device`` against the CPU path, same run, per task: clients
+    per second, and the largest difference between the two global models."""
+    import numpy as np
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="orchard-device-") as tmp:
+        for task in ("digits", "mnist"):
+            models = {}
+            for device in (a.device, "cpu"):
+                path = str(Path(tmp) / f"{task}-{device}.npz")
+                r = _spawn(dict(clients_per_round=a.per_round[0], population=a.population,
+                                aggregators=max(1, a.per_round[0] // 250), rounds=a.rounds, vectorize=True,
+                                governor=not a.no_governor, workers=a.workers, backend=a.backend, task=task,
+                                device=device, save=path))
+                if "clients_per_second" not in r:
+                    raise SystemExit(f"{task} on {device} failed:\n{r.get('error', '')}")
+                rows.append(r)
+                models[device] = dict(np.load(path))
+            diff = max(float(np.abs(models[a.device][k] - models["cpu"][k]).max()) for k in models["cpu"])
+            rows[-2]["max_abs_diff_vs_cpu"] = diff
+    print(f"{'task':<8} {'device':<6} {'per round':>9} {'clients/s':>10} {'s/round':>8} {'x cpu':>7} {'max |diff|':>11}")
+    for i in range(0, len(rows), 2):
+        dev, cpu = rows[i], rows[i + 1]
+        for r in (dev, cpu):
+            ratio = r["clients_per_second"] / cpu["clients_per_second"]
+            diff = r.get("max_abs_diff_vs_cpu")
+            print(f"{r['task']:<8} {r['device']:<6} {r['clients_per_round']:>9} {r['clients_per_second']:>10.0f} "
+                  f"{r['seconds_per_round']:>8.2f} {ratio:>7.2f} {'-' if diff is None else format(diff, '.2e'):>11}")
+    if a.json_path:
+        with open(a.json_path, "w") as f:
+            json.dump({"device": a.device, "cases": rows, "population": a.population}, f, indent=2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", dest="json_path", default=None)
@@ -271,6 +319,9 @@ def main() -> None:
     ap.add_argument("--against", default=None, metavar="REV",
                     help="compare this checkout with the code at git revision REV, alternating runs")
     ap.add_argument("--repeat", type=int, default=3, help="with --against: runs of each side per case")
+    ap.add_argument("--device", default=None, choices=["cuda", "cpu"],
+                    help="the vectorised path on a GPU against the CPU path, digits and MNIST, at --per-round "
+                         "(default 100000 here)")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.case:
@@ -278,6 +329,12 @@ def main() -> None:
         return
     if a.against:
         _against(a)
+        return
+    if a.device:
+        if a.per_round == [1000, 10_000]:  # the default: the GPU case's own size
+            a.per_round = [100_000]
+        a.population = max(a.population, a.per_round[0])
+        _devices(a)
         return
     per_round = [1000] if a.quick else a.per_round
     rounds = 1 if a.quick else a.rounds

@@ -38,10 +38,11 @@ class Backend(Protocol):
 class LocalBackend:
     """Jobs on the caller's thread (``workers=1``) or on ``workers`` threads of this process."""
 
-    def __init__(self, task: Task, population: int, cfg: RunConfig, workers: int, vectorize: bool) -> None:
+    def __init__(self, task: Task, population: int, cfg: RunConfig, workers: int, vectorize: bool,
+                 device: str = "cpu") -> None:
         self._run: Callable[[list[ClientJob], NDArrays, Mapping[str, NDArrays] | None], list[ClientOutput]] = (
             lambda jobs, arrays, starts: run_jobs(task, population, cfg, self._codec, arrays, jobs, vectorize,
-                                                  starts))
+                                                  starts, device))
         self._codec = build_codec(cfg.codec)
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="orchard-sim") if workers > 1 else None
 
@@ -65,20 +66,20 @@ _WORKER: dict[str, Any] = {}  # per worker process: the task, config and codec i
 
 
 def _process_init(task_name: str, task_params: dict[str, Any], cfg_json: str, population: int,
-                  vectorize: bool) -> None:
+                  vectorize: bool, device: str = "cpu") -> None:
     import torch
 
     torch.set_num_threads(1)
     cfg = RunConfig.model_validate_json(cfg_json)
     _WORKER.update(task=get_task(task_name, **task_params), cfg=cfg, codec=build_codec(cfg.codec),
-                   population=population, vectorize=vectorize)
+                   population=population, vectorize=vectorize, device=device)
 
 
 def _process_run(jobs: list[ClientJob], arrays: NDArrays,
                  starts: Mapping[str, NDArrays] | None) -> PackedOutputs:
     w = _WORKER
     return PackedOutputs(run_jobs(w["task"], w["population"], w["cfg"], w["codec"], arrays, jobs, w["vectorize"],
-                                  starts))
+                                  starts, w["device"]))
 
 
 class _Unpacked(Future[list[ClientOutput]]):
@@ -119,14 +120,15 @@ class ProcessBackend:
     builds the task once (spawned, so no torch state is shared by fork)."""
 
     def __init__(self, task_name: str, task_params: dict[str, Any], population: int, cfg: RunConfig,
-                 workers: int, vectorize: bool, task: Task | None = None) -> None:
+                 workers: int, vectorize: bool, task: Task | None = None, device: str = "cpu") -> None:
         import multiprocessing as mp
         from concurrent.futures import ProcessPoolExecutor
 
         self._here = (task, population, cfg, build_codec(cfg.codec), vectorize) if task is not None else None
+        self._device = device
         self._pool = ProcessPoolExecutor(
             max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_process_init,
-            initargs=(task_name, dict(task_params), cfg.model_dump_json(), population, vectorize))
+            initargs=(task_name, dict(task_params), cfg.model_dump_json(), population, vectorize, device))
 
     def submit(self, jobs: list[ClientJob], global_arrays: NDArrays,
                starts: Mapping[str, NDArrays] | None = None) -> Future[list[ClientOutput]]:
@@ -146,7 +148,7 @@ class ProcessBackend:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as in a worker: the workers have the other cores
         try:
-            return run_jobs(task, population, cfg, codec, global_arrays, jobs, vectorize, starts)
+            return run_jobs(task, population, cfg, codec, global_arrays, jobs, vectorize, starts, self._device)
         finally:
             torch.set_num_threads(threads)
 
@@ -210,11 +212,11 @@ class RayBackend:
 
 
 def make_backend(kind: str, task: Task, task_name: str, task_params: dict[str, Any], population: int,
-                 cfg: RunConfig, workers: int, vectorize: bool) -> Backend:
+                 cfg: RunConfig, workers: int, vectorize: bool, device: str = "cpu") -> Backend:
     if kind == "ray":
         return RayBackend(task_name, task_params, population, cfg, workers, vectorize)
     if kind == "local":
-        return LocalBackend(task, population, cfg, workers, vectorize)
+        return LocalBackend(task, population, cfg, workers, vectorize, device)
     if kind == "process":
-        return ProcessBackend(task_name, task_params, population, cfg, workers, vectorize, task)
+        return ProcessBackend(task_name, task_params, population, cfg, workers, vectorize, task, device)
     raise ConfigError(f"unknown backend {kind!r}; expected 'local', 'process' or 'ray'")

@@ -106,7 +106,7 @@ def _train_config(cfg: RunConfig, job: ClientJob) -> tuple[int, TrainConfig]:
 
 def run_jobs(task: Task, population: int, cfg: RunConfig, codec: Codec, global_arrays: NDArrays,
              jobs: list[ClientJob], vectorize: bool,
-             starts: Mapping[str, NDArrays] | None = None) -> list[ClientOutput]:
+             starts: Mapping[str, NDArrays] | None = None, device: str = "cpu") -> list[ClientOutput]:
     """Train and encode every job; a client whose training fails sends nothing (as on a device).
 
     A job whose ``start`` is set trains from ``starts[start]`` (the model it rebuilt from
@@ -121,7 +121,7 @@ def run_jobs(task: Task, population: int, cfg: RunConfig, codec: Codec, global_a
     for idx in groups.values():
         start = models[idx[0]]
         if vectorize and vectorized.supports(trainers[idx[0]], seeds_cfgs[idx[0]][1]):
-            got = vectorized.train_many([trainers[i] for i in idx], start, [seeds_cfgs[i][1] for i in idx])
+            got = vectorized.train_many([trainers[i] for i in idx], start, [seeds_cfgs[i][1] for i in idx], device)
             for i, r in zip(idx, got, strict=True):
                 results[i] = r
             continue

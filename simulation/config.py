@@ -124,6 +124,8 @@ class SimulationConfig(_Strict):
     backend: Literal["local", "process", "ray"] = "local"
     workers: int = Field(1, ge=1)  # concurrent training jobs
     vectorize: bool = True  # train small models many clients at a time (torch.func.vmap)
+    # Where the vectorised path trains: "cpu", or "cuda" (a GPU; local or process backend).
+    device: Literal["cpu", "cuda"] = "cpu"
     chunk_size: int = Field(512, ge=1)  # clients per training job: what is materialised at once
     governor: bool = True  # pace training with the edge runtime's governor on each device
     # "executorch": clients train through the task's ExecuTorch training program (what a
@@ -188,6 +190,15 @@ def _semantic_problems(cfg: SimulationConfig) -> list[str]:
                         "(define new ones under [simulation.profiles.NAME])")
     if any(v < 0 for v in cfg.devices.values()) or sum(cfg.devices.values()) <= 0:
         problems.append(f"simulation.devices: shares must be >= 0 with a positive total, got {cfg.devices}")
+    if cfg.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append("simulation.device: 'cuda' needs a CUDA GPU and a CUDA build of torch; this machine has "
+                            "none (torch.cuda.is_available() is False): use device = 'cpu'")
+        if cfg.backend == "ray" or not cfg.vectorize:
+            problems.append("simulation.device: 'cuda' runs the vectorised path on the local or process backend: "
+                            "set vectorize = true and backend = 'local' or 'process'")
     if cfg.backend == "ray":
         import importlib.util
 

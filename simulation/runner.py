@@ -64,7 +64,7 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
     population = Population(cfg.clients, cfg.all_profiles(), cfg.devices, cfg.seed,
                             _flops_per_example(task, arrays), cfg.start_hour * 3600.0)
     backend = make_backend(cfg.backend, task, run.task, dict(run.task_params), cfg.clients, run, cfg.workers,
-                           cfg.vectorize)
+                           cfg.vectorize, cfg.device)
     out: Path | None = cfg.out
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)

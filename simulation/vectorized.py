@@ -79,16 +79,22 @@ def _plan(n: int, config: TrainConfig) -> list[tuple[int, int]]:
 
 
 def train_group(trainers: Sequence[TorchTrainer], global_arrays: NDArrays,
-                configs: Sequence[TrainConfig]) -> list[TrainResult]:
+                configs: Sequence[TrainConfig], device: str = "cpu") -> list[TrainResult]:
     """Train clients that share a model structure, a dataset size and a step plan.
 
     ``configs[i]`` differ only in ``seed`` (each client's round seed); the caller groups
-    clients by (dataset size, steps) — see :func:`train_many`.
+    clients by (dataset size, steps) — see :func:`train_many`. ``device``: where the
+    stacked parameters, data and steps live ("cpu", or "cuda" when one is present); the
+    batch orders are drawn on the CPU either way, as TorchTrainer draws them, and the
+    results come back as CPU arrays.
     """
     first, cfg = trainers[0], configs[0]
     model = first.model
     names = first.trainable
     load_arrays(model, global_arrays, names)  # the module only supplies structure
+    dev = torch.device(device)
+    if dev.type != "cpu":
+        model = model.to(dev)  # buffers with it; parameters are passed in explicitly
     c = len(trainers)
     n = len(first.train_data)
     plan = _plan(n, cfg)
@@ -103,9 +109,10 @@ def train_group(trainers: Sequence[TorchTrainer], global_arrays: NDArrays,
             gen = torch.Generator().manual_seed(_seed_from(t.seed, tc.seed))
             for e in range(epochs):
                 torch.randperm(n, generator=gen, out=perms[e, i])
-    x_all = torch.stack([t.train_data.x for t in trainers])  # (C, n, ...)
-    y_all = torch.stack([t.train_data.y for t in trainers])
-    g = {k: torch.from_numpy(np.ascontiguousarray(global_arrays[k], dtype=np.float32)) for k in names}
+    x_all = torch.stack([t.train_data.x for t in trainers]).to(dev)  # (C, n, ...)
+    y_all = torch.stack([t.train_data.y for t in trainers]).to(dev)
+    perms = perms.to(dev)
+    g = {k: torch.from_numpy(np.ascontiguousarray(global_arrays[k], dtype=np.float32)).to(dev) for k in names}
     anchors = {k: v.unsqueeze(0) for k, v in g.items()}
     # Every client starts from the global model: until the first step, their parameters
     # are one broadcast view (vmap's in_dims None), so the first forward pass is one
@@ -114,10 +121,10 @@ def train_group(trainers: Sequence[TorchTrainer], global_arrays: NDArrays,
     mu, wd, lr = cfg.proximal_mu, cfg.weight_decay, cfg.learning_rate
     loss_fn = grad(lambda p, x, y: _loss(model, p, x, y), has_aux=True)
     step_fn, first_fn = vmap(loss_fn), vmap(loss_fn, in_dims=(None, 0, 0))
-    loss_sum = torch.zeros(c, dtype=torch.float64)
-    correct = torch.zeros(c, dtype=torch.int64)
+    loss_sum = torch.zeros(c, dtype=torch.float64, device=dev)
+    correct = torch.zeros(c, dtype=torch.int64, device=dev)
     seen = 0
-    rows = torch.arange(c).unsqueeze(1)
+    rows = torch.arange(c, device=dev).unsqueeze(1)
     for i, (epoch, start) in enumerate(plan):
         if n <= cfg.batch_size:
             x, y = x_all, y_all  # one batch: TorchTrainer skips the gather too
@@ -145,7 +152,7 @@ def train_group(trainers: Sequence[TorchTrainer], global_arrays: NDArrays,
     if not plan:  # no step: every client keeps the global model
         params = {k: v.repeat(c, *([1] * (v.dim() - 1))) for k, v in anchors.items()}
     out = []
-    arrays = {k: v.numpy() for k, v in params.items()}
+    arrays = {k: v.cpu().numpy() for k, v in params.items()}
     losses, hits_total = loss_sum.tolist(), correct.tolist()
     for i in range(c):
         # Views into the stacked parameters: the caller takes a delta (a new array) at once.
@@ -158,7 +165,7 @@ def train_group(trainers: Sequence[TorchTrainer], global_arrays: NDArrays,
 
 
 def train_many(trainers: Sequence[TorchTrainer], global_arrays: NDArrays,
-               configs: Sequence[TrainConfig]) -> list[TrainResult]:
+               configs: Sequence[TrainConfig], device: str = "cpu") -> list[TrainResult]:
     """Group by (dataset size, steps, hyperparameters) and train each group at once."""
     groups: dict[tuple, list[int]] = {}
     for i, (t, c) in enumerate(zip(trainers, configs, strict=True)):
@@ -172,6 +179,6 @@ def train_many(trainers: Sequence[TorchTrainer], global_arrays: NDArrays,
                 results[i] = trainers[i].train(global_arrays, configs[i])
             continue
         for i, r in zip(idx, train_group([trainers[i] for i in idx], global_arrays,
-                                         [configs[i] for i in idx]), strict=True):
+                                         [configs[i] for i in idx], device), strict=True):
             results[i] = r
     return [r for r in results if r is not None]

@@ -376,7 +376,7 @@ def test_engine_trains_while_it_waits_on_a_slow_worker(monkeypatch: pytest.Monke
 
     made: list[SlowWorker] = []
 
-    def make(kind, task, task_name, task_params, population, cfg, workers, vectorize):  # type: ignore[no-untyped-def]
+    def make(kind, task, task_name, task_params, population, cfg, workers, vectorize, device="cpu"):  # type: ignore[no-untyped-def]
         made.append(SlowWorker(task, population, cfg, 1, vectorize))
         return made[-1]
 

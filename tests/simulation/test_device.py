@@ -1,0 +1,39 @@
+"""The simulator's vectorised path on a chosen device: cpu everywhere, cuda when one is present."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from orchard.simulation import SimulationConfig, run_simulation, simulation_problems
+
+RUN = {"task": "digits", "task_params": {"with_replacement": True, "samples_per_client": 20},
+       "train": {"epochs": 1, "batch_size": 10, "learning_rate": 0.1}}
+
+
+def _cfg(device: str) -> dict:
+    return {"simulation": dict(clients=200, clients_per_round=40, rounds=2, aggregators=2, progress=False,
+                               device=device, run=RUN)}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: cuda is accepted here")
+def test_cuda_without_a_gpu_is_refused_with_what_to_do() -> None:
+    problems = simulation_problems(_cfg("cuda"))
+    assert any("simulation.device" in p and "device = 'cpu'" in p for p in problems), problems
+
+
+def test_cuda_is_refused_where_the_vectorised_path_does_not_run() -> None:
+    cfg = _cfg("cuda")
+    cfg["simulation"].update(backend="ray")
+    assert any("backend = 'local' or 'process'" in p for p in simulation_problems(cfg))
+
+
+@pytest.mark.gpu
+def test_the_cuda_path_gives_the_cpu_model_within_float_tolerance() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    cpu = run_simulation(SimulationConfig.model_validate(_cfg("cpu")["simulation"]))
+    gpu = run_simulation(SimulationConfig.model_validate(_cfg("cuda")["simulation"]))
+    for k, v in cpu.final_arrays.items():
+        np.testing.assert_allclose(gpu.final_arrays[k], v, rtol=1e-4, atol=1e-5)
