@@ -37,7 +37,7 @@ the accountant sees (negligible at the scales chosen here).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import numpy as np
@@ -311,6 +311,8 @@ class PrivacyLedger:
     count_stddev: float | None = None  # adaptive clipping's noise on the clipped count
     rounds: int = 0  # round attempts charged
     epsilon: float = 0.0
+    # The accountant's last answer, (rounds, epsilon): check_next and charge ask for the same one.
+    _last: tuple[int, float] | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def plan(cls, cfg: RunConfig, population: int | None = None) -> PrivacyLedger | None:
@@ -345,7 +347,12 @@ class PrivacyLedger:
                    delta=p.delta, target_epsilon=p.target_epsilon, clip_norm=p.clip_norm, count_stddev=count_stddev)
 
     def epsilon_after(self, rounds: int) -> float:
-        return epsilon_spent(self.noise_multiplier, self.sampling_rate, rounds, self.delta)
+        """Epsilon after ``rounds`` charged rounds (the accountant's)."""
+        if self._last is not None and self._last[0] == rounds:
+            return self._last[1]
+        eps = epsilon_spent(self.noise_multiplier, self.sampling_rate, rounds, self.delta)
+        self._last = (rounds, eps)
+        return eps
 
     def check_next(self) -> None:
         """Raise PrivacyBudgetExceeded if one more round would spend more than the target."""
@@ -370,11 +377,14 @@ class PrivacyLedger:
         """The Gaussian noise the root adds to a round's sum: central DP only."""
         return self.update_noise_multiplier * self.clip_norm if self.mode == "central" else 0.0
 
-    def charge(self) -> float:
-        """Account one more round attempt; the epsilon spent so far."""
+    def charge(self) -> dict[str, float]:
+        """Account one more round attempt; what the round's record says of its privacy:
+        the epsilon spent so far, delta, the clip norm it ran with, the noise multiplier."""
+        clip_norm = self.clip_norm
         self.rounds += 1
         self.epsilon = self.epsilon_after(self.rounds)
-        return self.epsilon
+        return {"epsilon": round(self.epsilon, 6), "delta": self.delta, "clip_norm": clip_norm,
+                "noise_multiplier": self.noise_multiplier}
 
     def adapt(self, below_fraction: float | None, clients: int, target_quantile: float, learning_rate: float,
               rng: np.random.Generator) -> None:

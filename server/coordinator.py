@@ -759,8 +759,9 @@ class Coordinator:
                 cr.acc.accumulate(arrays, h.weight * factor, checked=True)  # the decoder checked it
                 cr.acc.partial.weight += h.weight - h.weight * factor
                 cr.acc.partial.metrics.merge(ms)
-        cr.accepted.append((h.node_id, h.task_id))
         if cr.task.config.mode.is_async:
+            # Which (node, task) pairs are in the buffer: the journal's, against retried uploads.
+            cr.accepted.append((h.node_id, h.task_id))
             # A partial's updates: their staleness below plus the partial's own here.
             inside = {k + s: n for k, n in h.staleness.items()} if h.staleness else {s: h.count}
             for k, n in inside.items():

@@ -333,11 +333,7 @@ class RootRunner:
         """Charge an attempt that opened (its sums may have left the tiers) to the ledger."""
         if ledger is None:
             return None
-        clip_norm = ledger.clip_norm
-        ledger.charge()
-        return {"epsilon": round(ledger.epsilon, 6), "delta": ledger.delta, "clip_norm": clip_norm,
-                "noise_multiplier": ledger.noise_multiplier, **{k: v for k, v in out.measurements.items()
-                                                                 if k in ("clipped", "noise_stddev")}}
+        return {**ledger.charge(), **{k: v for k, v in out.measurements.items() if k in ("clipped", "noise_stddev")}}
 
     # ------------------------------------------------------------------ status
 

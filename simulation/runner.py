@@ -106,14 +106,12 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
                 # CPU time of the whole process (all workers): what to compare on a busy host.
                 rec["cpu_seconds"] = round(time.process_time() - c0, 4)
                 if ledger is not None:
-                    clip_norm = ledger.clip_norm
-                    ledger.charge()
+                    privacy = ledger.charge()
                     adaptive = run.privacy.adaptive
                     if rec["ok"] and adaptive is not None:
                         ledger.adapt(rec["metrics"].get(CLIP_BELOW), rec["participants"], adaptive.target_quantile,
                                      adaptive.learning_rate, noise_rng)
-                    rec["privacy"] = {"epsilon": round(ledger.epsilon, 6), "delta": ledger.delta,
-                                      "clip_norm": clip_norm, "noise_multiplier": ledger.noise_multiplier}
+                    rec["privacy"] = privacy
                     report.privacy = ledger.as_dict()
                 engine.time.advance_to(engine.time.t + cfg.round_gap_s)
                 if rec["ok"]:

@@ -31,8 +31,7 @@ def test_cuda_is_refused_where_the_vectorised_path_does_not_run() -> None:
 
 @pytest.mark.gpu
 def test_the_cuda_path_gives_the_cpu_model_within_float_tolerance() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
+    # tests/conftest.py skips gpu-marked tests, with the reason, where there is no CUDA device.
     cpu = run_simulation(SimulationConfig.model_validate(_cfg("cpu")["simulation"]))
     gpu = run_simulation(SimulationConfig.model_validate(_cfg("cuda")["simulation"]))
     for k, v in cpu.final_arrays.items():
