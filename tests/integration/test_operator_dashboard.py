@@ -8,6 +8,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from operator_harness import LiveRoot
@@ -42,6 +43,20 @@ def painted(page, plot_id: str) -> int:
     }""", plot_id)
 
 
+
+def _watch_rounds(page: Any, rounds: int, timeout_s: float, every_s: float) -> list[int]:
+    """The round counter's successive values until it shows ``rounds`` on a completed run."""
+    seen: list[int] = []
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        v = int(page.locator("#round-counter").get_attribute("data-round") or 0)
+        if not seen or v != seen[-1]:
+            seen.append(v)
+        if v == rounds and page.locator("#run-status").inner_text() == "completed":
+            break
+        time.sleep(every_s)
+    return seen
+
 def test_dashboard_in_chromium(live) -> None:
     playwright = pytest.importorskip("playwright.sync_api", reason="the playwright package is a dev dependency")
     url = f"https://127.0.0.1:{live.root.dashboard.port}/"
@@ -69,15 +84,7 @@ def test_dashboard_in_chromium(live) -> None:
 
             rounds = 12
             run_id = live.start_run(rounds=rounds, target=4)
-            seen: list[int] = []
-            end = time.monotonic() + 120
-            while time.monotonic() < end:
-                v = int(page.locator("#round-counter").get_attribute("data-round") or 0)
-                if not seen or v != seen[-1]:
-                    seen.append(v)
-                if v == rounds and page.locator("#run-status").inner_text() == "completed":
-                    break
-                time.sleep(0.1)
+            seen = _watch_rounds(page, rounds, timeout_s=120, every_s=0.1)
             assert seen[-1] == rounds, seen
             assert len(seen) >= 2 and seen == sorted(seen), f"the counter should advance: {seen}"
             assert page.locator("#run-id").inner_text() == run_id
@@ -128,15 +135,7 @@ def test_dashboard_on_the_demo(tmp_path) -> None:
                 assert ctx.request.get(url + "api/state").status == 401
                 page = ctx.new_page()
                 page.goto(url + "?token=" + token)
-                seen: list[int] = []
-                end = time.monotonic() + 240
-                while time.monotonic() < end:
-                    v = int(page.locator("#round-counter").get_attribute("data-round") or 0)
-                    if not seen or v != seen[-1]:
-                        seen.append(v)
-                    if v == rounds and page.locator("#run-status").inner_text() == "completed":
-                        break
-                    time.sleep(0.05)
+                seen = _watch_rounds(page, rounds, timeout_s=240, every_s=0.05)
                 assert seen[-1] == rounds and seen == sorted(seen) and len(seen) >= 2, seen
                 tree = page.locator("#tree").inner_text()
                 assert "aggregator-0" in tree and "aggregator-1" in tree
