@@ -20,6 +20,7 @@ from orchard.compression import build_codec
 from orchard.config import RunConfig
 from orchard.errors import ConfigError, OrchardError
 from orchard.simulation.clients import ClientJob, ClientOutput, PackedOutputs, run_jobs
+from orchard.simulation.gcpause import cyclic_gc_paused
 from orchard.tasks import Task, get_task
 from orchard.typing import NDArrays
 
@@ -78,8 +79,9 @@ def _process_init(task_name: str, task_params: dict[str, Any], cfg_json: str, po
 def _process_run(jobs: list[ClientJob], arrays: NDArrays,
                  starts: Mapping[str, NDArrays] | None) -> PackedOutputs:
     w = _WORKER
-    return PackedOutputs(run_jobs(w["task"], w["population"], w["cfg"], w["codec"], arrays, jobs, w["vectorize"],
-                                  starts, w["device"]))
+    with cyclic_gc_paused():
+        return PackedOutputs(run_jobs(w["task"], w["population"], w["cfg"], w["codec"], arrays, jobs,
+                                      w["vectorize"], starts, w["device"]))
 
 
 class _Unpacked(Future[list[ClientOutput]]):

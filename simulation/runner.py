@@ -19,6 +19,7 @@ from orchard.errors import ConfigError, PrivacyBudgetExceeded
 from orchard.simulation.backends import make_backend
 from orchard.simulation.config import SimulationConfig, simulation_problems
 from orchard.simulation.engine import Engine
+from orchard.simulation.gcpause import cyclic_gc_paused
 from orchard.simulation.population import Population
 from orchard.simulation.report import SimulationReport, append_round, write_report
 from orchard.tasks import get_task
@@ -98,10 +99,12 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
                     round_cfg, noise_stddev = ledger.round_config(run), ledger.noise_stddev
                 t0, c0 = time.perf_counter(), time.process_time()
                 # Asynchronous mode: a round is one buffer (one model version).
-                if run.mode.is_async:
-                    rec = engine.buffer(rnd, attempt, arrays, optimizer)
-                else:
-                    rec = engine.round(rnd, attempt, arrays, optimizer, round_cfg if ledger else None, noise_stddev)
+                with cyclic_gc_paused():
+                    if run.mode.is_async:
+                        rec = engine.buffer(rnd, attempt, arrays, optimizer)
+                    else:
+                        rec = engine.round(rnd, attempt, arrays, optimizer, round_cfg if ledger else None,
+                                           noise_stddev)
                 rec["seconds"] = round(time.perf_counter() - t0, 4)
                 # CPU time of the whole process (all workers): what to compare on a busy host.
                 rec["cpu_seconds"] = round(time.process_time() - c0, 4)
