@@ -344,6 +344,22 @@ class SimulatedDeviceParams:
         if problems:
             raise ConfigError(problems)
 
+    def with_state(
+        self, battery_percent: float, plugged: bool, temperature_c: float | None
+    ) -> SimulatedDeviceParams:
+        """These parameters (a device kind's, checked when they were made) for one device
+        in a given state: a simulator makes one per device and round, so only the field
+        that differs per device and has a range, the battery, is checked again."""
+        if not 0.0 <= battery_percent <= 100.0:
+            raise ConfigError(f"battery_percent must be in [0, 100], got {battery_percent}")
+        p = object.__new__(SimulatedDeviceParams)
+        d = p.__dict__
+        d.update(self.__dict__)
+        d["battery_percent"] = battery_percent
+        d["plugged"] = plugged
+        d["temperature_c"] = temperature_c
+        return p
+
 
 class SimulatedDevice:
     """A battery and a thermal mass driven by an explicit virtual clock.

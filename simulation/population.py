@@ -88,6 +88,14 @@ class Population:
         # it is frozen).
         self._thermal = [ThermalParams(ambient_c=p.ambient_c, r_th_c_per_w=p.r_th_c_per_w, tau_s=p.tau_s)
                          for p in self.profiles]
+        # Per kind, the device parameters (checked once, here); materialise sets each
+        # device's own battery, charger and temperature on a copy.
+        self._params = [SimulatedDeviceParams(
+            capacity_wh=p.capacity_wh, charge_power_w=p.charge_power_w, idle_power_w=p.idle_power_w,
+            active_power_w=p.active_power_w,
+            seconds_per_unit=1.0,  # work is counted in seconds at full speed (see LiveDevice)
+            thermal=th, unmetered_network=p.unmetered_network, idle=True)
+            for p, th in zip(self.profiles, self._thermal, strict=True)]
         self._flops_per_s = [p.gflops * 1e9 for p in self.profiles]
 
     # ------------------------------------------------------------------ who is around
@@ -144,18 +152,10 @@ class Population:
         k = int(self.kind[i])
         prof = self.profiles[k]
         t0 = float(self.updated[i])
-        params = SimulatedDeviceParams(
-            capacity_wh=prof.capacity_wh,
+        params = self._params[k].with_state(
             battery_percent=min(max(float(self.battery[i]), 0.0), 100.0) if prof.battery else 100.0,
             plugged=self.plugged_at(i, t0),
-            charge_power_w=prof.charge_power_w,
-            idle_power_w=prof.idle_power_w,
-            active_power_w=prof.active_power_w,
-            seconds_per_unit=1.0,  # work is counted in seconds at full speed (see LiveDevice)
-            thermal=self._thermal[k],
             temperature_c=float(self.temperature[i]),
-            unmetered_network=prof.unmetered_network,
-            idle=True,
         )
         clock = VirtualClock(start=t0)
         dev = SimulatedDevice(params, clock)
@@ -187,9 +187,7 @@ class Population:
             # A mains box has no battery to report: unknown, never a guess.
             return DeviceState(battery_percent=None, charging=True, temperature_c=st.temperature_c,
                                unmetered_network=st.unmetered_network, idle=st.idle)
-        return DeviceState(battery_percent=st.battery_percent, charging=st.charging,
-                           temperature_c=st.temperature_c, unmetered_network=st.unmetered_network,
-                           idle=st.idle, extra=dict(st.extra))
+        return st  # the device's reading: a value nobody mutates (see SimulatedDevice.read)
 
     @staticmethod
     def eligible(state: DeviceState, eligibility: EligibilityConfig, wall_s: float) -> bool:
