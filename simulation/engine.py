@@ -103,6 +103,8 @@ _FIRST_CHUNK = 64  # clients in the first training job of a round (see Engine._p
 _HELP_BATCH = 64  # clients the engine trains at a time while it waits on a worker
 _HELD_HERE_MAX = 1024  # at most this many clients trained by the engine and not yet folded
 _TOKEN = "simulated"  # every simulated node presents the same (unchecked) credential
+_AHEAD_BATCH = 256  # clients per job trained ahead, on an idle worker, while devices are dispatched
+_AHEAD_MAX = 4096  # at most this many clients trained ahead per round (their uploads wait in memory)
 
 
 class VirtualTime:
@@ -211,6 +213,11 @@ class Engine:
         self.in_flight: list[tuple[float, int, Arrival]] = []
         self.silent: dict[str, float] = {}
         self._arrivals = itertools.count()
+        # Clients trained ahead of their turn (see _train_ahead): their jobs in flight,
+        # with the partitions in each, and the outputs that came back, by partition.
+        self._ahead_jobs: deque[tuple[set[int], Future[list[ClientOutput]]]] = deque()
+        self._ahead: dict[int, ClientOutput] = {}
+        self._ahead_parts: set[int] = set()
 
     def _tier(self, name: str, parent: Tier | None, depth: int) -> Tier:
         h = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
@@ -254,7 +261,7 @@ class Engine:
         self.root.cr = self.root.coord.open_round(task)
         self._open_below(self.root, blob)
         starts: dict[str, tuple[bytes, NDArrays]] = {}  # downlink reconstructions, by sha256
-        arrivals = self._dispatch(live, blob, schema, shared_seed, stats, starts)
+        arrivals = self._dispatch(live, blob, schema, shared_seed, stats, starts, ahead_of=arrays)
         for leaf in self.leaves:
             if leaf.secure:
                 self._secure_answer(leaf)  # the key stages, while the clients train
@@ -496,9 +503,16 @@ class Engine:
         return len(pack(list(payloads.values()))[0])
 
     def _dispatch(self, live: dict[str, LiveDevice], blob: bytes, schema: tuple, shared_seed: int,
-                  stats: SimulatedCounts, starts: dict[str, tuple[bytes, NDArrays]]) -> list[Arrival]:
-        """Hand out assignments; simulate each selected device's download, training time and upload."""
+                  stats: SimulatedCounts, starts: dict[str, tuple[bytes, NDArrays]],
+                  ahead_of: NDArrays | None = None) -> list[Arrival]:
+        """Hand out assignments; simulate each selected device's download, training time and upload.
+
+        ``ahead_of``: the round's global model, to train clients ahead on an idle worker
+        while the rest are dispatched (:meth:`_train_ahead`); None to train none ahead."""
         up_bytes = self._payload_estimate(schema, shared_seed)
+        self._forget_ahead()
+        ahead = ahead_of is not None and getattr(self.backend, "run_here", None) is not None
+        queued: list[Arrival] = []
         if self.run.downlink_delta:
             self._prune_held()
         t_open = self.time.t
@@ -544,8 +558,58 @@ class Engine:
                 leaf.waiting += 1
                 leaf.working.add(node)
                 arrivals.append(Arrival(finish, part, node, leaf, a, steps if steps < planned else None, start))
+                if ahead:
+                    queued.append(arrivals[-1])
+                    if len(queued) >= _AHEAD_BATCH:
+                        assert ahead_of is not None
+                        queued = self._train_ahead(queued, ahead_of, starts)
         arrivals.sort(key=lambda x: (x.finish, x.partition))
         return arrivals
+
+    # ------------------------------------------------------------------ training ahead
+
+    def _train_ahead(self, queued: list[Arrival], arrays: NDArrays,
+                     starts: dict[str, tuple[bytes, NDArrays]]) -> list[Arrival]:
+        """Hand the worker a job of dispatched clients while it would sit idle (devices are
+        still being dispatched, so no client's turn is known yet); returns what is left
+        queued. A client's output is a pure function of its job, which is fixed once the
+        device is dispatched (its steps, codec state and start model), so training it
+        early changes nothing; one that turns out never to be needed (its tier closes
+        first) was trained for nothing, which costs an idle core only. At most one such
+        job waits behind the one running, and at most ``_AHEAD_MAX`` clients a round."""
+        while self._ahead_jobs and self._ahead_jobs[0][1].done():
+            self._collect_ahead(self._ahead_jobs.popleft()[1])
+        if len(self._ahead_jobs) >= 2:  # the worker is busy: keep the newest clients for later
+            return queued[-_AHEAD_BATCH:]
+        if len(self._ahead_parts) + len(queued) > _AHEAD_MAX:
+            return []
+        jobs = [self._job(a) for a in queued]
+        need = {a.start for a in queued if a.start}
+        fut = self.backend.submit(jobs, arrays, {k: v[1] for k, v in starts.items() if k in need} or None)
+        parts = {a.partition for a in queued}
+        self._ahead_parts |= parts
+        self._ahead_jobs.append((parts, fut))
+        return []
+
+    def _collect_ahead(self, fut: Future[list[ClientOutput]]) -> None:
+        for o in fut.result():
+            self._ahead[o.partition] = o
+
+    def _trained_ahead(self, partition: int) -> ClientOutput | None:
+        """The output of a client trained ahead (waiting for its job if need be), or None."""
+        if partition not in self._ahead_parts:
+            return None
+        while partition not in self._ahead:
+            self._collect_ahead(self._ahead_jobs.popleft()[1])
+        return self._ahead.pop(partition)
+
+    def _forget_ahead(self) -> None:
+        """Drop what was trained ahead for an earlier round (an attempt that ended early)."""
+        for _, fut in self._ahead_jobs:
+            fut.cancel()
+        self._ahead_jobs.clear()
+        self._ahead.clear()
+        self._ahead_parts.clear()
 
     def _pull(self, leaf: Tier, device: int, blob: bytes,
               starts: dict[str, tuple[bytes, NDArrays]]) -> tuple[int, str]:
@@ -637,6 +701,7 @@ class Engine:
         # clients trained here and not folded yet.
         run_here = getattr(self.backend, "run_here", None)
         in_flight = unfolded = 0
+        ahead = self._ahead_parts  # trained while the round was dispatched
 
         def take(size: int) -> list[Arrival]:
             nonlocal cursor
@@ -656,7 +721,7 @@ class Engine:
                 size, limit = limit, min(self.chunk_size, 2 * limit)
                 batch = take(size)
                 if batch:
-                    jobs = [self._job(a) for a in batch if not a.deferred]
+                    jobs = [self._job(a) for a in batch if not a.deferred and a.partition not in ahead]
                     if jobs:
                         pending.append((batch, self.backend.submit(jobs, arrays, starts or None), True, 0))
                         in_flight += 1
@@ -671,7 +736,7 @@ class Engine:
                 batch = take(_HELP_BATCH)
                 if not batch:
                     continue
-                jobs = [self._job(a) for a in batch if not a.deferred]
+                jobs = [self._job(a) for a in batch if not a.deferred and a.partition not in ahead]
                 pending.append((batch, _done(run_here(jobs, arrays, starts or None) if jobs else []), False,
                                 len(jobs)))
                 unfolded += len(jobs)
@@ -707,20 +772,23 @@ class Engine:
                     stats.late += 1
                     continue
                 self.time.advance_to(a.finish)
+                o = outputs.pop(a.partition, None) or self._trained_ahead(a.partition)
                 if a.deferred:
                     if a.leaf.cr is None or a.leaf.cr.closed:  # as expected
                         self._never_trained(a, stats)
                         continue
                     # Its tier is still open (an upload before it failed or was refused):
                     # train it now, as it would have been (here when the backend can).
-                    job = [self._job(a)]
-                    (o,) = (run_here(job, arrays, starts or None) if run_here is not None
-                            else self.backend.submit(job, arrays, starts or None).result())
-                    outputs[a.partition] = o
-                self._arrive(a, outputs.pop(a.partition), events, seq, stats)
+                    if o is None:
+                        job = [self._job(a)]
+                        (o,) = (run_here(job, arrays, starts or None) if run_here is not None
+                                else self.backend.submit(job, arrays, starts or None).result())
+                assert o is not None  # every client not deferred was in a job
+                self._arrive(a, o, events, seq, stats)
             outputs.clear()
         for _, fut, _, _ in pending:
             fut.cancel()
+        self._forget_ahead()
 
     @staticmethod
     def _never_trained(a: Arrival, stats: SimulatedCounts) -> None:

@@ -344,6 +344,34 @@ def test_process_backend_matches_local() -> None:
         np.testing.assert_array_equal(remote.final_arrays[k], v)
 
 
+def test_clients_trained_ahead_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With worker processes, the engine hands the idle worker jobs of clients while it is
+    # still dispatching devices (small jobs here, so it happens in a 40-client round):
+    # some are later expected late and never needed. The model, the participants and the
+    # bytes are the same as training every client at its turn, in this process.
+    import orchard.simulation.engine as engine
+
+    monkeypatch.setattr(engine, "_AHEAD_BATCH", 4)
+    monkeypatch.setattr(engine, "_AHEAD_MAX", 24)
+    ahead: list[int] = []
+    real = engine.Engine._train_ahead
+
+    def counting(self: engine.Engine, queued: list, *a: object) -> list:
+        ahead.append(len(self._ahead_parts))
+        return real(self, queued, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.Engine, "_train_ahead", counting)
+    local = run_simulation(_sim(rounds=2, chunk_size=16))
+    assert not ahead  # in-process backends train nothing ahead
+    remote = run_simulation(_sim(rounds=2, chunk_size=16, backend="process", workers=1))
+    assert ahead and max(ahead) > 0
+    assert [r["participants"] for r in remote.rounds] == [r["participants"] for r in local.rounds]
+    assert [r["trained"] for r in remote.rounds] == [r["trained"] for r in local.rounds]
+    assert [r["bytes_up"] for r in remote.rounds] == [r["bytes_up"] for r in local.rounds]
+    for k, v in local.final_arrays.items():
+        np.testing.assert_array_equal(remote.final_arrays[k], v)
+
+
 def test_engine_trains_while_it_waits_on_a_slow_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     # A backend whose worker is slow (each job takes 50 ms, on a thread) and that can run
     # jobs in the engine's process: the engine trains the next clients itself while it
