@@ -100,10 +100,10 @@ from orchard.updates import pack
 from orchard.wire import sha256_hex
 
 _FIRST_CHUNK = 64  # clients in the first training job of a round (see Engine._process)
-_HELP_BATCH = 64  # clients the engine trains at a time while it waits on a worker
+_HELP_BATCH = 160  # clients the engine trains at a time while it waits on a worker (one vmap slice)
 _HELD_HERE_MAX = 1024  # at most this many clients trained by the engine and not yet folded
 _TOKEN = "simulated"  # every simulated node presents the same (unchecked) credential
-_AHEAD_BATCH = 256  # clients per job trained ahead, on an idle worker, while devices are dispatched
+_AHEAD_BATCH = 320  # clients per job trained ahead, on an idle worker, while devices are dispatched
 _AHEAD_MAX = 4096  # at most this many clients trained ahead per round (their uploads wait in memory)
 
 

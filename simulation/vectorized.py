@@ -36,6 +36,8 @@ from orchard.tasks.torch_trainer import TorchTrainer, _seed_from, load_arrays
 from orchard.trainer import TrainConfig, TrainResult
 from orchard.typing import NDArrays
 
+_CPU_CLIENTS = 160  # clients per vmap call on a CPU (see train_many)
+
 _STATEFUL_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
                      nn.modules.batchnorm._BatchNorm)
 
@@ -173,12 +175,18 @@ def train_many(trainers: Sequence[TorchTrainer], global_arrays: NDArrays,
                c.proximal_mu)
         groups.setdefault(key, []).append(i)
     results: list[TrainResult | None] = [None] * len(trainers)
+    # On a CPU, groups train in slices of _CPU_CLIENTS: the stacked parameters and
+    # activations of ~150 small-model clients stay in cache, so a client costs ~40% less
+    # than in a slice of 512. A client's result does not depend on the slice it is in.
+    size = _CPU_CLIENTS if torch.device(device).type == "cpu" else len(trainers)
     for idx in groups.values():
         if len(trainers[idx[0]].train_data) == 0:
             for i in idx:  # nothing to train on: TorchTrainer's own answer
                 results[i] = trainers[i].train(global_arrays, configs[i])
             continue
-        for i, r in zip(idx, train_group([trainers[i] for i in idx], global_arrays,
-                                         [configs[i] for i in idx], device), strict=True):
-            results[i] = r
+        for lo in range(0, len(idx), size):
+            part = idx[lo:lo + size]
+            for i, r in zip(part, train_group([trainers[i] for i in part], global_arrays,
+                                              [configs[i] for i in part], device), strict=True):
+                results[i] = r
     return [r for r in results if r is not None]

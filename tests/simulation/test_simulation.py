@@ -97,6 +97,23 @@ def test_vectorized_equals_per_client(cfg: TrainConfig) -> None:
         assert f.metrics["train_accuracy"] == pytest.approx(ref.metrics["train_accuracy"])
 
 
+def test_vectorized_slices_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On a CPU a group trains in slices (cache-sized); a client's result is the same
+    # whatever slice it is trained in.
+    import orchard.simulation.vectorized as vectorized
+
+    cfg = TrainConfig(epochs=2, batch_size=4, learning_rate=0.1)
+    trainers, g = _trainers(24)
+    cfgs = [dataclasses.replace(cfg, seed=train_seed(0, 1, i)) for i in range(24)]
+    whole = train_many(trainers, g, cfgs)
+    monkeypatch.setattr(vectorized, "_CPU_CLIENTS", 5)
+    sliced = train_many(trainers, g, cfgs)
+    for a, b in zip(whole, sliced, strict=True):
+        assert a.metrics == b.metrics
+        for k in g:
+            np.testing.assert_array_equal(a.arrays[k], b.arrays[k])
+
+
 def test_vectorized_uploads_equal_per_client_uploads() -> None:
     """Through build_upload and the codec: the decoded updates agree to float tolerance."""
     task = get_task("digits", **DIGITS)
