@@ -12,6 +12,7 @@ its job and the engine folds uploads in simulated-time order, not completion ord
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any, Protocol
@@ -20,7 +21,6 @@ from orchard.compression import build_codec
 from orchard.config import RunConfig
 from orchard.errors import ConfigError, OrchardError
 from orchard.simulation.clients import ClientJob, ClientOutput, PackedOutputs, run_jobs
-from orchard.simulation.gcpause import cyclic_gc_paused
 from orchard.tasks import Task, get_task
 from orchard.typing import NDArrays
 
@@ -74,14 +74,19 @@ def _process_init(task_name: str, task_params: dict[str, Any], cfg_json: str, po
     cfg = RunConfig.model_validate_json(cfg_json)
     _WORKER.update(task=get_task(task_name, **task_params), cfg=cfg, codec=build_codec(cfg.codec),
                    population=population, vectorize=vectorize, device=device)
+    # A worker only runs jobs: the cyclic collector stays off (it would run hundreds of
+    # passes over each job's allocations, and over the pickling of its outputs, which
+    # happens after _process_run returns); each job starts by collecting the young
+    # generations, which hold what the previous one left.
+    gc.disable()
 
 
 def _process_run(jobs: list[ClientJob], arrays: NDArrays,
                  starts: Mapping[str, NDArrays] | None) -> PackedOutputs:
     w = _WORKER
-    with cyclic_gc_paused():
-        return PackedOutputs(run_jobs(w["task"], w["population"], w["cfg"], w["codec"], arrays, jobs,
-                                      w["vectorize"], starts, w["device"]))
+    gc.collect(1)
+    return PackedOutputs(run_jobs(w["task"], w["population"], w["cfg"], w["codec"], arrays, jobs,
+                                  w["vectorize"], starts, w["device"]))
 
 
 class _Unpacked(Future[list[ClientOutput]]):

@@ -17,14 +17,14 @@ from orchard.client.update import train_seed
 from orchard.compression import build_codec, decode_update
 from orchard.config import CodecSpec, CohortConfig, RunConfig
 from orchard.errors import OrchardError
-from orchard.messages import TaskAssignment
+from orchard.messages import TaskAssignment, UploadHeader, UploadKind
 from orchard.simulation import DeviceProfile, SimulationConfig, run_simulation, simulation_problems
 from orchard.simulation.clients import ClientJob, run_jobs
 from orchard.simulation.vectorized import supports, train_many
 from orchard.tasks import get_task
 from orchard.tasks.torch_trainer import TensorData, TorchTrainer
 from orchard.trainer import TrainConfig
-from orchard.typing import schema_of
+from orchard.typing import TensorSpec, schema_of
 from orchard.updates import split
 
 DIGITS = {"with_replacement": True, "samples_per_client": 20}
@@ -443,9 +443,15 @@ def test_packed_outputs_round_trip() -> None:
             ClientOutput(5, "device-5", None, b"\x01\x02\x03", {"w": {"residual": np.ones(2)}},
                          metrics={"train_loss": 0.5}),
             ClientOutput(7, "device-7", None, bytes(range(256)) * 80)]
+    header = UploadHeader(node_id="device-9", run_id="r", round=2, attempt=0, task_id="t",
+                          kind=UploadKind.CLIENT_UPDATE, schema=(TensorSpec("w", (2,), "float32"),),
+                          payload_sizes=(4,), codec="float32", payload_sha256="ab", weight=3.0, count=1,
+                          metric_sums={"train_loss": 1.5}, metric_weights={"train_loss": 3.0})
+    outs.append(ClientOutput(9, "device-9", header, b"\x00\x01\x02\x03"))
     back = pickle.loads(pickle.dumps(PackedOutputs(outs))).unpack()
-    assert [(o.partition, o.node_id, o.payload, o.error, o.metrics) for o in back] == \
-        [(o.partition, o.node_id, o.payload, o.error, o.metrics) for o in outs]
+    assert [(o.partition, o.node_id, o.header, o.payload, o.error, o.metrics) for o in back] == \
+        [(o.partition, o.node_id, o.header, o.payload, o.error, o.metrics) for o in outs]
+    assert type(back[3].header) is UploadHeader and back[3].header.total_bytes == 4
     assert all(type(o.payload) is bytes for o in back)
     np.testing.assert_array_equal(back[1].codec_state["w"]["residual"], np.ones(2))
 
