@@ -95,6 +95,48 @@ def iter_chunks(blob: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES, offset: int
         yield 0, b""
 
 
+# A serialised UploadPart that carries data starts with this tag: field 2, length-delimited.
+_DATA_TAG = 0x12
+
+
+def upload_part_data(raw: bytes) -> memoryview | None:
+    """The bytes of a serialised ``UploadPart`` that holds its ``data`` field and nothing
+    else, as a view of ``raw`` (no copy); None for any other message (a header, or data
+    with other fields beside it), which the protobuf parser then reads.
+
+    Such a message is exactly one record: the tag, a varint length, and that many bytes
+    to the end. Parsing it with protobuf would copy the bytes twice (into the message,
+    then out of it); a tier takes a thousand megabyte-sized parts per round."""
+    if len(raw) < 2 or raw[0] != _DATA_TAG:
+        return None
+    n, shift, i = 0, 0, 1
+    while True:
+        if i >= len(raw) or shift > 35:  # a length needs at most 5 varint bytes here
+            return None
+        b = raw[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        if b < 0x80:
+            break
+        shift += 7
+    if i + n != len(raw):
+        return None
+    return memoryview(raw)[i:]
+
+
+def parse_upload_part(raw: bytes) -> pb.UploadPart | memoryview:
+    """gRPC's request deserializer for PushUpdate: a data part's bytes as a view of the
+    received message (:func:`upload_part_data`), any other part as a parsed message."""
+    data = upload_part_data(raw)
+    return data if data is not None else pb.UploadPart.FromString(raw)
+
+
+def serialize_chunk(chunk: pb.Chunk | bytes) -> bytes:
+    """gRPC's response serializer for PullModel: a chunk, or one serialised already
+    (a tier serialises each chunk of a model once, however many nodes pull it)."""
+    return chunk if isinstance(chunk, bytes) else chunk.SerializeToString()
+
+
 class ChunkAssembler:
     """Reassembles a stream into one buffer, checking offsets, sizes and the final sha256.
 
@@ -119,7 +161,7 @@ class ChunkAssembler:
     def received(self) -> int:
         return self._n
 
-    def add(self, data: bytes, offset: int | None = None) -> None:
+    def add(self, data: bytes | memoryview, offset: int | None = None) -> None:
         if len(data) > MAX_CHUNK_BYTES:
             raise PayloadTooLargeError(f"chunk of {len(data)} bytes exceeds the {MAX_CHUNK_BYTES}-byte chunk limit")
         if offset is not None and offset != self._n:
