@@ -137,31 +137,45 @@ def serialize_chunk(chunk: pb.Chunk | bytes) -> bytes:
     return chunk if isinstance(chunk, bytes) else chunk.SerializeToString()
 
 
-class ChunkAssembler:
-    """Reassembles a stream into one buffer, checking offsets, sizes and the final sha256.
+def check_payload(payload: bytes | bytearray | memoryview, expected_bytes: int, expected_sha256: str) -> None:
+    """IntegrityError unless ``payload`` has the size and sha256 its header declared."""
+    if len(payload) != expected_bytes:
+        raise IntegrityError(f"payload of {len(payload)} bytes, the header declares {expected_bytes}")
+    got = sha256_hex(payload)
+    if got != expected_sha256.lower():
+        raise IntegrityError(f"payload sha256 {got[:16]}... does not match the declared {expected_sha256[:16]}...")
 
-    ``expected_bytes`` is declared up front (header); the buffer is allocated once at
-    that size, so a stream can never grow past what it declared.
+
+class ChunkAssembler:
+    """Reassembles a stream into one payload, checking offsets, sizes and the final sha256.
+
+    ``expected_bytes`` is declared up front (header) and every chunk is checked against it
+    as it arrives, so a stream can never hold more than it declared. Chunks are kept as
+    they came (gRPC's message buffers, or views of them) and joined once at the end: one
+    copy, and none for a payload that came in one chunk. With ``expected_sha256=None``
+    the hash is left to the caller (:func:`check_payload`): a tier checks uploads where it
+    decodes them, off its event loop.
     """
 
-    def __init__(self, expected_bytes: int, expected_sha256: str, max_bytes: int) -> None:
+    def __init__(self, expected_bytes: int, expected_sha256: str | None, max_bytes: int) -> None:
         if expected_bytes < 0:
             raise IntegrityError(f"declared size must be >= 0, got {expected_bytes}")
         if expected_bytes > max_bytes:
             raise PayloadTooLargeError(
                 f"stream declares {expected_bytes} bytes; this server accepts at most {max_bytes}"
             )
-        self._buf = bytearray(expected_bytes)
+        self._parts: list[bytes | memoryview] = []
         self._n = 0
-        self._hash = hashlib.sha256()
+        self._hash = hashlib.sha256() if expected_sha256 is not None else None
         self.expected_bytes = expected_bytes
-        self.expected_sha256 = expected_sha256.lower()
+        self.expected_sha256 = expected_sha256.lower() if expected_sha256 is not None else None
 
     @property
     def received(self) -> int:
         return self._n
 
     def add(self, data: bytes | memoryview, offset: int | None = None) -> None:
+        """Take one chunk. It is kept, not copied: the caller must not change it."""
         if len(data) > MAX_CHUNK_BYTES:
             raise PayloadTooLargeError(f"chunk of {len(data)} bytes exceeds the {MAX_CHUNK_BYTES}-byte chunk limit")
         if offset is not None and offset != self._n:
@@ -171,19 +185,28 @@ class ChunkAssembler:
             raise PayloadTooLargeError(
                 f"stream sent more than its declared {self.expected_bytes} bytes (at least {end})"
             )
-        self._buf[self._n : end] = data
-        self._hash.update(data)
+        if data:
+            self._parts.append(data)
+        if self._hash is not None:
+            self._hash.update(data)
         self._n = end
 
-    def finish(self) -> bytearray:
+    def finish(self) -> bytes | memoryview:
+        """The payload: the one chunk itself, or the chunks joined (read-only either way)."""
         if self._n != self.expected_bytes:
             raise IntegrityError(
                 f"stream ended after {self._n} of {self.expected_bytes} declared bytes (truncated); send it again"
             )
-        got = self._hash.hexdigest()
-        if got != self.expected_sha256:
-            raise IntegrityError(f"payload sha256 {got[:16]}... does not match the declared {self.expected_sha256[:16]}...")
-        return self._buf  # handed over, not copied: the assembler is done with it
+        if self._hash is not None and self.expected_sha256 is not None:
+            got = self._hash.hexdigest()
+            if got != self.expected_sha256:
+                raise IntegrityError(
+                    f"payload sha256 {got[:16]}... does not match the declared {self.expected_sha256[:16]}..."
+                )
+        parts, self._parts = self._parts, []
+        if len(parts) == 1:
+            return parts[0]
+        return b"".join(parts)
 
 
 # ------------------------------------------------------------------ proto conversions

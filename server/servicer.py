@@ -209,7 +209,8 @@ class FleetServicer(pbg.FleetServicer):
         # Staged uploads are bounded: a tier never holds more than max_inflight_uploads payloads.
         with self.coord.upload(header.node_id, header) as slot:
             async with self.coord.upload_slots:
-                asm = wire.ChunkAssembler(header.total_bytes, header.payload_sha256, self.coord.cfg.max_upload_bytes)
+                # Sizes are checked as chunks arrive; the sha256, where the payload is decoded.
+                asm = wire.ChunkAssembler(header.total_bytes, None, self.coord.cfg.max_upload_bytes)
                 async for part in request_iterator:
                     if isinstance(part, memoryview):  # a data part, as a view of the message (parse_upload_part)
                         asm.add(part)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from orchard import wire
+from orchard.errors import IntegrityError, PayloadTooLargeError
 from orchard.server.downlink import ModelReply, full_reply
 from orchard.server.servicer import ChunkCache
 from orchard.v1 import orchard_pb2 as pb
@@ -81,3 +82,47 @@ def test_chunk_cache_keeps_a_delta_apart_from_the_full_model() -> None:
     head = pb.Chunk.FromString(b[0][1])
     assert (head.delta_from, head.target_hash, head.result_sha256, head.encoding) == ("b", "t", "r", "{}")
     assert pb.Chunk.FromString(a[0][1]).delta_from == ""
+
+
+def test_assembler_joins_chunks_once_and_keeps_a_single_chunk() -> None:
+    payload = bytes(range(256)) * 20
+    sha = wire.sha256_hex(payload)
+    one = wire.ChunkAssembler(len(payload), sha, 1 << 20)
+    view = memoryview(b"xx" + payload)[2:]
+    one.add(view)
+    assert one.finish() is view  # one chunk: the payload is that chunk, not a copy
+    many = wire.ChunkAssembler(len(payload), sha, 1 << 20)
+    for off, data in wire.iter_chunks(payload, 1000):
+        many.add(memoryview(data), off)
+    assert many.finish() == payload
+
+
+@pytest.mark.parametrize("sha", ["declared", None])
+def test_assembler_refuses_what_the_header_did_not_declare(sha: str | None) -> None:
+    payload = b"p" * 3000
+    declared = wire.sha256_hex(payload) if sha else None
+    over = wire.ChunkAssembler(100, declared, 1 << 20)
+    with pytest.raises(PayloadTooLargeError, match="more than its declared"):
+        over.add(payload)
+    short = wire.ChunkAssembler(len(payload), declared, 1 << 20)
+    short.add(payload[:10])
+    with pytest.raises(IntegrityError, match="truncated"):
+        short.finish()
+    with pytest.raises(PayloadTooLargeError, match="accepts at most"):
+        wire.ChunkAssembler(len(payload), declared, 100)
+
+
+def test_assembler_checks_the_hash_only_when_given_one() -> None:
+    payload = b"q" * 3000
+    bad = wire.ChunkAssembler(len(payload), "0" * 64, 1 << 20)
+    bad.add(payload)
+    with pytest.raises(IntegrityError, match="sha256"):
+        bad.finish()
+    deferred = wire.ChunkAssembler(len(payload), None, 1 << 20)
+    deferred.add(payload)
+    got = deferred.finish()
+    wire.check_payload(got, len(payload), wire.sha256_hex(payload))  # the caller's check passes...
+    with pytest.raises(IntegrityError, match="sha256"):
+        wire.check_payload(got, len(payload), "0" * 64)  # ...and refuses a wrong hash
+    with pytest.raises(IntegrityError, match="declares"):
+        wire.check_payload(got, len(payload) + 1, wire.sha256_hex(payload))
