@@ -187,7 +187,9 @@ class Coordinator:
         self.children[node_id] = Child(node_id, role, token_hash, device, self._mono(),
                                        pool_size=0 if role is Role.AGGREGATOR else 1,
                                        pool_eligible=0 if role is Role.AGGREGATOR else 1)
-        self._notify()
+        # No long-poller is woken: what one is waiting for (its own assignment) does not
+        # change when another node joins, and waking them all on every join makes a
+        # thousand joins cost a million wake-ups.
         return node_id
 
     def child(self, node_id: str, token_hash: str | None = None) -> Child:
