@@ -146,13 +146,19 @@ def check_payload(payload: bytes | bytearray | memoryview, expected_bytes: int, 
         raise IntegrityError(f"payload sha256 {got[:16]}... does not match the declared {expected_sha256[:16]}...")
 
 
+# An assembler keeps a chunk this large as it came, and copies smaller ones together.
+KEEP_CHUNK_BYTES = 64 << 10
+
+
 class ChunkAssembler:
     """Reassembles a stream into one payload, checking offsets, sizes and the final sha256.
 
     ``expected_bytes`` is declared up front (header) and every chunk is checked against it
-    as it arrives, so a stream can never hold more than it declared. Chunks are kept as
-    they came (gRPC's message buffers, or views of them) and joined once at the end: one
-    copy, and none for a payload that came in one chunk. With ``expected_sha256=None``
+    as it arrives, so a stream can never hold more than it declared. Chunks of at least
+    :data:`KEEP_CHUNK_BYTES` are kept as they came (gRPC's message buffers, or views of
+    them) and joined once at the end: one copy, and none for a payload that came in one
+    chunk. Smaller chunks are copied together as they come, so a stream of tiny chunks
+    holds its bytes and a few objects, not an object per chunk. With ``expected_sha256=None``
     the hash is left to the caller (:func:`check_payload`): a tier checks uploads where it
     decodes them, off its event loop.
     """
@@ -164,7 +170,7 @@ class ChunkAssembler:
             raise PayloadTooLargeError(
                 f"stream declares {expected_bytes} bytes; this server accepts at most {max_bytes}"
             )
-        self._parts: list[bytes | memoryview] = []
+        self._parts: list[bytes | bytearray | memoryview] = []
         self._n = 0
         self._hash = hashlib.sha256() if expected_sha256 is not None else None
         self.expected_bytes = expected_bytes
@@ -185,13 +191,19 @@ class ChunkAssembler:
             raise PayloadTooLargeError(
                 f"stream sent more than its declared {self.expected_bytes} bytes (at least {end})"
             )
-        if data:
+        if len(data) >= KEEP_CHUNK_BYTES:
             self._parts.append(data)
+        elif data:
+            tail = self._parts[-1] if self._parts else None
+            if not isinstance(tail, bytearray):
+                tail = bytearray()
+                self._parts.append(tail)
+            tail += data
         if self._hash is not None:
             self._hash.update(data)
         self._n = end
 
-    def finish(self) -> bytes | memoryview:
+    def finish(self) -> bytes | bytearray | memoryview:
         """The payload: the one chunk itself, or the chunks joined (read-only either way)."""
         if self._n != self.expected_bytes:
             raise IntegrityError(

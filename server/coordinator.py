@@ -77,7 +77,7 @@ from orchard.wire import check_payload
 T = TypeVar("T")
 
 # Decodes a client's payload into a float32 delta (codec-specific; see orchard.server.decoding).
-ClientDecoder = Callable[[UploadHeader, bytes | memoryview, RoundTask], NDArrays]
+ClientDecoder = Callable[[UploadHeader, bytes | bytearray | memoryview, RoundTask], NDArrays]
 
 
 @dataclass
@@ -603,7 +603,7 @@ class Coordinator:
     def reject(self, err: OrchardError) -> None:
         self._reject(self.current, type(err).__name__)
 
-    def _decode(self, slot: UploadSlot, payload: bytes | memoryview, task: RoundTask) -> NDArrays | CheckedUpload:
+    def _decode(self, slot: UploadSlot, payload: bytes | bytearray | memoryview, task: RoundTask) -> NDArrays | CheckedUpload:
         """Everything that is checked before a fold: a decoded update or partial, or a
         client's payload checked for the compressed sum. ``task``: the round the update
         was trained in (its shared seed decodes it)."""
@@ -653,7 +653,7 @@ class Coordinator:
         _, s = check_version(cr.task, False, "", h.run_id, h.round, m.max_stale, int(cr.continuation))
         return s, staleness_weight(s, m.weighting, m.exponent, m.hinge)
 
-    async def complete_upload(self, slot: UploadSlot, payload: bytes | memoryview) -> None:
+    async def complete_upload(self, slot: UploadSlot, payload: bytes | bytearray | memoryview) -> None:
         """Check (size and sha256 against the header), decode and fold a fully received payload."""
         h, a = slot.header, slot.assignment
         try:

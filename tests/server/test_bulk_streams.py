@@ -85,16 +85,28 @@ def test_chunk_cache_keeps_a_delta_apart_from_the_full_model() -> None:
 
 
 def test_assembler_joins_chunks_once_and_keeps_a_single_chunk() -> None:
-    payload = bytes(range(256)) * 20
+    payload = bytes(range(256)) * 1024  # 256 KiB
     sha = wire.sha256_hex(payload)
     one = wire.ChunkAssembler(len(payload), sha, 1 << 20)
     view = memoryview(b"xx" + payload)[2:]
     one.add(view)
     assert one.finish() is view  # one chunk: the payload is that chunk, not a copy
-    many = wire.ChunkAssembler(len(payload), sha, 1 << 20)
-    for off, data in wire.iter_chunks(payload, 1000):
-        many.add(memoryview(data), off)
-    assert many.finish() == payload
+    for size in (wire.KEEP_CHUNK_BYTES, 1000, 100_000, 7):  # kept, copied, kept with a copied tail, mixed
+        many = wire.ChunkAssembler(len(payload), sha, 1 << 20)
+        for off, data in wire.iter_chunks(payload, size):
+            many.add(memoryview(data), off)
+        assert bytes(many.finish()) == payload
+
+
+def test_assembler_holds_tiny_chunks_in_one_buffer() -> None:
+    """A stream of one-byte chunks must not cost an object per chunk: they are copied
+    together, so the assembler holds its bytes in one buffer."""
+    payload = bytes(range(256)) * 64
+    asm = wire.ChunkAssembler(len(payload), None, 1 << 20)
+    for i in range(len(payload)):
+        asm.add(payload[i : i + 1])
+    assert len(asm._parts) == 1
+    assert asm.finish() == payload
 
 
 @pytest.mark.parametrize("sha", ["declared", None])
