@@ -1,39 +1,54 @@
 """Transport benchmark: one aggregator, N concurrent clients, each pushing a 1 MiB update.
 
-Three processes on loopback, all over real gRPC (``--insecure``):
+Processes on loopback, all over real gRPC (``--insecure``):
 
 - a root (``orchard server start``) and one aggregator (``orchard aggregator start``)
   below it, each in its own process so that its memory and CPU are its own;
-- a load generator: one process, N asyncio coroutines, each a real
-  :class:`orchard.link.FleetLink` client that joins the aggregator, long-polls for the
-  task, pulls the 1 MiB model (chunked, sha256-checked), builds a 1 MiB float32 delta
-  (no training: ``base * scale_i`` with a fixed seed), encodes it with
-  :func:`orchard.client.update.build_upload` and the float32 codec, and pushes it.
+- a load generator: one process, N asyncio coroutines, one TCP connection each. Each
+  joins the aggregator and long-polls for the task with the real client link
+  (:class:`orchard.link.FleetLink`), pulls the 1 MiB model (chunked) and pushes a 1 MiB
+  float32 update (no training: client i sends ``base * scale_of(i)``).
+
+The generator is built to cost the servers' side as little as it can, so that the
+servers bound the round: the 16 distinct updates are encoded once each by the client's
+own upload builder (:func:`orchard.client.update.build_upload`) and serialised once,
+and every client streams the same message objects, with only its header its own; the
+first model pull is verified in full (sha256 against the model's hash), every later one
+is compared with it byte for byte.
 
 The model is one float32 tensor of 262,144 elements (1 MiB). The run has one round,
 cohort target N, no over-selection, so the round closes when the N-th update is folded
 at the aggregator and its partial sum is folded at the root. The new global model is
 pulled afterwards and compared with ``initial + mean(delta_i)``: the numbers only count
-if every update really arrived.
+if every update really arrived, was checked and was summed.
 
-Measured per N:
+Primary figures, at N:
 
-- round_seconds: the root's own round time (open to close, from ``status``), which
-  includes the aggregator pulling the task, N pulls, N uploads and the partial sum;
-  wall_seconds: ``start_run`` to ``completed`` as seen by the operator;
-- upload MB/s: N x 1 MiB / (first upload start .. last upload accepted), download MB/s
-  the same over the model pulls (MB = 10^6 bytes);
-- resident memory of each process: a baseline before any client connects, with N
-  clients connected and idle, and the peak (sampled every 50 ms and the kernel's
-  ``VmHWM``, whichever is higher);
-- CPU seconds of each process over the scenario.
+- the servers' CPU seconds per GB ingested: root and aggregator CPU (user + system,
+  every thread) from the run's start to the round's end, over the update bytes the
+  aggregator took in (GB = 10^9 bytes). The round also sends the model down to every
+  client, so the same seconds pay for as many bytes again the other way;
+- the aggregator's peak RSS (sampled every 50 ms and the kernel's ``VmHWM``, whichever is
+  higher);
+- the round's time (the root's own, open to close, from ``status``);
+- the generator's CPU seconds over the same span: with the servers', over the core count,
+  the least wall time the round could take on this machine.
 
-Targets (2-core machine): the round closes in at most 15 s with 1,000 clients, the
-aggregator's peak RSS is at most 500 MiB, and memory grows with clients only by
-per-connection state. The last is checked against the small run of the same benchmark:
-(peak at N - peak at N_small) / (N - N_small) must stay under a quarter of one update
-(256 KiB per client). A tier that kept every client's update (O(clients x model)
-instead of O(model)) would grow by at least 1 MiB per client.
+Baseline, in the same run: the same generator drives the same N connections through the
+same pulls and pushes of the same bytes against a bare gRPC Python server (``--sink``:
+pre-serialised model chunks out, raw upload messages in, counted and dropped; the tiers'
+server options). Its CPU seconds per GB are the floor of the transport itself; the
+servers' figure is reported as a ratio to it.
+
+Also measured: upload and download MB/s (MB = 10^6 bytes), each process's RSS before
+any client connects and with N clients connected and idle, and how the aggregator's and
+the root's peak grows from the small run to N: (peak at N - peak at N_small) /
+(N - N_small) must stay under a quarter of one update (256 KiB per client); a tier that
+kept every client's update (O(clients x model) instead of O(model)) would grow by at
+least 1 MiB per client.
+
+Targets (2-core machine, 1,000 clients): servers at most 3 CPU-s per GB, aggregator peak
+RSS at most 300 MiB, round at most 10 s.
 
     python benchmarks/transport.py [--clients 1000] [--small 10] [--quick] [--json PATH]
 
@@ -44,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -61,17 +77,20 @@ from _procs import MIB  # noqa: E402
 
 from orchard import wire  # noqa: E402
 from orchard.config import CodecSpec, CohortConfig, RunConfig  # noqa: E402
+from orchard.v1 import orchard_pb2 as pb  # noqa: E402
 
 NUMEL = 262_144  # float32 elements: 1 MiB
 TENSOR = "w"
 SEED = 7
-ROUND_TARGET_S = 15.0
-AGG_RSS_TARGET_MIB = 500.0
+ROUND_TARGET_S = 10.0
+AGG_RSS_TARGET_MIB = 300.0
+CPU_PER_GB_TARGET = 3.0  # root + aggregator CPU seconds per 10^9 update bytes ingested
 GROWTH_TARGET_KIB = 256.0  # per extra client; one update is 1024 KiB
 STEP_TIMEOUT_S = 240.0
+GB = 1e9
 
 
-# ---------------------------------------------------------------------------- the update each client sends
+# ---------------------------------------------------------------------------- the model and the updates
 
 
 def base_delta() -> np.ndarray:
@@ -82,40 +101,151 @@ def initial_model() -> np.ndarray:
     return np.random.default_rng(SEED + 1).standard_normal(NUMEL).astype(np.float32)
 
 
+def model_blob() -> bytes:
+    return wire.arrays_to_blob({TENSOR: initial_model()})
+
+
 def scale_of(i: int) -> float:
     """Client i sends ``base * scale_of(i)``: distinct updates with a known mean."""
     return 1.0 + (i % 16) / 16.0
 
 
+def run_config(n: int) -> RunConfig:
+    return RunConfig(task="digits", rounds=1, evaluate_every=0, codec=CodecSpec(name="float32"),
+                     cohort=CohortConfig(target=n, over_selection=1.0, min_fraction=1.0, deadline_s=120.0,
+                                         max_retries=0, weighting="uniform"))
+
+
 # ---------------------------------------------------------------------------- load generator (child process)
+#
+# The generator plays N devices as cheaply as it can, so that the servers, not it, bound the
+# round: every upload's bytes are encoded once and serialised once, and every client streams
+# the same serialised messages (only its small header part is its own); every model pull after
+# the first is compared byte for byte with the first, which was verified in full.
+
+PULL = "/orchard.v1.Fleet/PullModel"
+PUSH = "/orchard.v1.Fleet/PushUpdate"
+VARIANTS = 16  # distinct updates: client i sends base * scale_of(i), and scale_of has period 16
 
 
-def _make_link(i: int, target: str, connection: int):
-    """A FleetLink whose channel carries an extra channel argument naming its TCP connection.
+class Uploads:
+    """The round's uploads, built once: VARIANTS updates, each encoded by the client's own
+    upload builder (:func:`orchard.client.update.build_upload`) and cut into serialised
+    ``UploadPart`` data messages once. A client's upload is its own header part followed by
+    its variant's data parts: the same ``bytes`` objects for every client, never copied here
+    (gRPC copies each message into its send buffer once, as it would any message)."""
 
-    gRPC shares one TCP connection among all channels whose arguments are equal (its
-    global subchannel pool), so N FleetLinks in one process would otherwise be N HTTP/2
-    streams on a single connection. Devices each have their own connection; links that
-    name the same ``connection`` share one.
-    """
+    def __init__(self, chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES) -> None:
+        self.chunk_bytes = chunk_bytes
+        self._key: tuple[str, int, int] | None = None
+        self._variants: list[tuple[Any, list[bytes], int]] = []  # (header, data parts, payload bytes)
+
+    def _build(self, t: Any) -> None:
+        from orchard.client.update import build_upload
+        from orchard.compression import build_codec
+        from orchard.trainer import TrainResult
+
+        cfg = RunConfig.model_validate_json(t.config_json)
+        codec = build_codec(cfg.codec)
+        base = base_delta()
+        result = TrainResult(arrays={}, weight=1.0, num_examples=1, num_steps=1)
+        self._variants = []
+        for k in range(VARIANTS):
+            delta = {TENSOR: base * np.float32(scale_of(k))}
+            header, payload, _ = build_upload(t, cfg, cfg.train, codec, "", delta, result, seed=k, states=None)
+            parts = [pb.UploadPart(data=data).SerializeToString()
+                     for _, data in wire.iter_chunks(payload, self.chunk_bytes)]
+            self._variants.append((header, parts, len(payload)))
+        self._key = (t.run_id, t.round, t.attempt)
+
+    def parts(self, i: int, node_id: str, t: Any) -> tuple[list[bytes], int]:
+        """Client ``i``'s upload for task ``t``: its serialised parts and its payload's size."""
+        if self._key != (t.run_id, t.round, t.attempt):
+            self._build(t)
+        header, parts, size = self._variants[i % VARIANTS]
+        own = dataclasses.replace(header, node_id=node_id, task_id=t.task_id)
+        return [pb.UploadPart(header=wire.header_to_proto(own)).SerializeToString(), *parts], size
+
+
+class ModelPulls:
+    """Model pulls, checked: the first pull of a model is parsed and verified in full (offsets,
+    size, sha256 against the model's hash, as :class:`orchard.link.FleetLink` does); every
+    later pull must be the same serialised messages, byte for byte (a memcmp, where hashing
+    would cost a thousand sha256 passes). Nothing is kept but the first pull."""
+
+    def __init__(self) -> None:
+        self._refs: dict[str, asyncio.Future[tuple[list[bytes], int]]] = {}
+
+    async def pull(self, channel: Any, node_id: str, model_hash: str) -> int:
+        """Pull ``model_hash`` over ``channel``; returns the model's size in bytes."""
+        call = channel.unary_stream(PULL, request_serializer=pb.PullModelRequest.SerializeToString,
+                                    response_deserializer=None)  # raw bytes: compared, not parsed
+        req = pb.PullModelRequest(node_id=node_id, model_hash=model_hash)
+        ref = self._refs.get(model_hash)
+        if ref is None:
+            fut = self._refs[model_hash] = asyncio.get_running_loop().create_future()
+            try:
+                msgs = [m async for m in call(req)]
+                fut.set_result((msgs, _verify_model(msgs, model_hash)))
+            except BaseException as err:
+                fut.set_exception(RuntimeError(f"the reference pull failed: {err}"))
+                raise
+            return fut.result()[1]
+        msgs, size = await asyncio.shield(ref)
+        k = 0
+        async for m in call(req):
+            if k >= len(msgs) or m != msgs[k]:
+                raise RuntimeError(f"model pull differs from the verified pull at message {k}")
+            k += 1
+        if k != len(msgs):
+            raise RuntimeError(f"model pull ended after {k} of {len(msgs)} messages")
+        return size
+
+
+def _verify_model(msgs: list[bytes], model_hash: str) -> int:
+    data, off, total = bytearray(), 0, -1
+    for m in msgs:
+        ch = pb.Chunk.FromString(m)
+        if ch.offset != off:
+            raise RuntimeError(f"model chunk at offset {ch.offset}, expected {off}")
+        data += ch.data
+        off += len(ch.data)
+        total = ch.total_bytes
+    if off != total or wire.sha256_hex(data) != model_hash:
+        raise RuntimeError(f"model pull of {off} bytes (of {total}) does not match its sha256")
+    if off < NUMEL * 4:
+        raise RuntimeError(f"model blob of {off} bytes is smaller than the tensor")
+    return off
+
+
+def _channel(target: str, connection: int):
+    """A channel with its own TCP connection: gRPC shares one connection among all channels
+    of a process whose arguments are equal, so each connection index is a channel argument.
+    (A FleetLink built with the same argument shares this channel's connection.)"""
     from orchard import link as link_mod
+
+    return link_mod.make_channel(target, None, True, (("orchard.bench.connection", connection),))
+
+
+async def _push(channel: Any, parts: list[bytes]) -> None:
+    call = channel.stream_unary(PUSH, request_serializer=None, response_deserializer=pb.UploadReply.FromString)
+    reply = await call(iter(parts))
+    if not reply.accepted:
+        raise RuntimeError("upload not accepted")
+
+
+async def _one_client(i: int, target: str, connection: int, uploads: Uploads, pulls: ModelPulls,
+                      t: dict[str, Any], joined: asyncio.Queue) -> None:
+    """One device against an Orchard tier: join and long-poll with the real client link,
+    then pull the model and push its update over the same connection."""
+    from orchard import link as link_mod
+    from orchard.messages import TaskAssignment
     from orchard.typing import Role
 
-    # A distinct channel argument per connection index: gRPC would otherwise share one TCP
-    # connection among all channels of this process.
-    return link_mod.FleetLink(link_mod.LinkConfig(target=target, role=Role.CLIENT, insecure=True,
-                                                  node_id=f"bench-{i:05d}", max_backoff_s=2.0,
-                                                  channel_options=(("orchard.bench.connection", connection),)))
-
-
-async def _one_client(i: int, target: str, connection: int, base: np.ndarray, t: dict[str, float],
-                      joined: asyncio.Queue) -> None:
-    from orchard.client.update import build_upload
-    from orchard.compression import build_codec
-    from orchard.messages import TaskAssignment
-    from orchard.trainer import TrainResult
-
-    link = _make_link(i, target, connection)
+    link = link_mod.FleetLink(link_mod.LinkConfig(
+        target=target, role=Role.CLIENT, insecure=True, node_id=f"bench-{i:05d}", max_backoff_s=2.0,
+        channel_options=(("orchard.bench.connection", connection),)))
+    channel = _channel(target, connection)
     try:
         await link.join()
         t["joined"] = time.time()
@@ -125,32 +255,65 @@ async def _one_client(i: int, target: str, connection: int, base: np.ndarray, t:
             if isinstance(got, TaskAssignment):
                 break
         t["task"] = time.time()
-        blob = await link.pull_model(got.model_hash)
+        t["bytes_down"] = await pulls.pull(channel, link.node_id, got.model_hash)
         t["pulled"] = time.time()
-        if len(blob) < NUMEL * 4:
-            raise RuntimeError(f"model blob of {len(blob)} bytes is smaller than the tensor")
-        cfg = RunConfig.model_validate_json(got.config_json)
-        delta = {TENSOR: base * np.float32(scale_of(i))}
-        result = TrainResult(arrays={}, weight=1.0, num_examples=1, num_steps=1)
-        header, payload, _ = build_upload(got, cfg, cfg.train, build_codec(cfg.codec), link.node_id, delta, result,
-                                          seed=i, states=None)
+        parts, t["bytes_up"] = uploads.parts(i, link.node_id, got)
         t["push_start"] = time.time()
-        await link.push_update(header, payload)
+        await _push(channel, parts)
         t["pushed"] = time.time()
-        t["bytes_up"] = len(payload)
-        t["bytes_down"] = len(blob)
     finally:
+        await channel.close()
         await link.close()
 
 
-async def _loadgen(target: str, n: int, connections: int, timeout_s: float) -> dict[str, Any]:
-    base = base_delta()
+def _baseline_task(n: int) -> Any:
+    """The task a baseline client 'receives': the same run config, schema and model as the
+    Orchard round, so its upload is the same bytes."""
+    from orchard.messages import TaskAssignment
+    from orchard.typing import TensorSpec
+
+    blob = model_blob()
+    return TaskAssignment(run_id="baseline", round=1, attempt=0, task_id="", model_hash=wire.sha256_hex(blob),
+                          model_bytes=len(blob), config_json=run_config(n).model_dump_json(),
+                          schema=(TensorSpec(TENSOR, (NUMEL,), "float32"),), deadline_unix=0.0, cohort_target=n,
+                          shared_seed=0)
+
+
+async def _one_baseline_client(i: int, target: str, connection: int, uploads: Uploads, pulls: ModelPulls,
+                               task: Any, t: dict[str, Any], joined: asyncio.Queue, go: asyncio.Event) -> None:
+    """One device against the bare gRPC sink: connect, wait for the start, then the same pull
+    and push as :func:`_one_client`."""
+    channel = _channel(target, connection)
+    try:
+        await channel.channel_ready()
+        t["joined"] = time.time()
+        joined.put_nowait(i)
+        await go.wait()
+        t["task"] = time.time()
+        node_id = f"bench-{i:05d}"
+        t["bytes_down"] = await pulls.pull(channel, node_id, task.model_hash)
+        t["pulled"] = time.time()
+        parts, t["bytes_up"] = uploads.parts(i, node_id, dataclasses.replace(task, task_id=f"task-{i}"))
+        t["push_start"] = time.time()
+        await _push(channel, parts)
+        t["pushed"] = time.time()
+    finally:
+        await channel.close()
+
+
+async def _loadgen(target: str, n: int, connections: int, timeout_s: float, baseline: bool) -> dict[str, Any]:
     times: list[dict[str, Any]] = [{} for _ in range(n)]
     joined: asyncio.Queue[int] = asyncio.Queue()
+    uploads, pulls, go = Uploads(), ModelPulls(), asyncio.Event()
+    task = _baseline_task(n) if baseline else None
 
     async def guarded(i: int) -> None:
         try:
-            await asyncio.wait_for(_one_client(i, target, i % connections, base, times[i], joined), timeout_s)
+            if baseline:
+                client = _one_baseline_client(i, target, i % connections, uploads, pulls, task, times[i], joined, go)
+            else:
+                client = _one_client(i, target, i % connections, uploads, pulls, times[i], joined)
+            await asyncio.wait_for(client, timeout_s)
         except Exception as err:  # reported per client; the benchmark counts failures
             times[i]["error"] = f"{type(err).__name__}: {err}"[:300]
             if "joined" not in times[i]:
@@ -162,12 +325,57 @@ async def _loadgen(target: str, n: int, connections: int, timeout_s: float) -> d
     # The orchestrator waits for this line before it starts the run; CPU from here on is the round's.
     cpu_joined = time.process_time()
     print(f"JOINED {n}", flush=True)
+    if baseline:  # the sink has no round to open: the orchestrator says when to start
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        go.set()
     await asyncio.gather(*tasks)
     return {"clients": times, "round_cpu_seconds": time.process_time() - cpu_joined}
 
 
-def loadgen_main(target: str, n: int, connections: int, report: Path, timeout_s: float) -> None:
-    report.write_text(json.dumps(asyncio.run(_loadgen(target, n, connections, timeout_s))))
+def loadgen_main(target: str, n: int, connections: int, report: Path, timeout_s: float, baseline: bool) -> None:
+    report.write_text(json.dumps(asyncio.run(_loadgen(target, n, connections, timeout_s, baseline))))
+
+
+# ---------------------------------------------------------------------------- baseline: a bare gRPC sink (child process)
+
+
+async def _sink(port_file: Path) -> None:
+    """The floor any gRPC Python server pays for the round's bytes: it serves the model as
+    pre-serialised chunks and takes uploads as raw messages, counting their bytes, with the
+    tiers' own server options. No parsing, no checks, no sums."""
+    import signal
+
+    import grpc
+
+    blob = model_blob()
+    sha = wire.sha256_hex(blob)
+    chunks = [pb.Chunk(data=d, offset=off, total_bytes=len(blob), blob_sha256=sha).SerializeToString()
+              for off, d in wire.iter_chunks(blob, wire.DEFAULT_CHUNK_BYTES)]
+    reply = pb.UploadReply(accepted=True).SerializeToString()
+    received = [0]
+
+    async def pull(request: bytes, context: Any):
+        for c in chunks:
+            yield c
+
+    async def push(request_iterator: Any, context: Any) -> bytes:
+        async for part in request_iterator:
+            received[0] += len(part)
+        return reply
+
+    server = grpc.aio.server(options=wire.SERVER_GRPC_OPTIONS)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("orchard.v1.Fleet", {
+        "PullModel": grpc.unary_stream_rpc_method_handler(pull),
+        "PushUpdate": grpc.stream_unary_rpc_method_handler(push)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    port_file.write_text(str(port))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop(1.0)
 
 
 # ---------------------------------------------------------------------------- orchestrator
@@ -175,10 +383,16 @@ def loadgen_main(target: str, n: int, connections: int, report: Path, timeout_s:
 
 @dataclass
 class Row:
+    scenario: str  # "orchard" (root + aggregator) or "bare grpc" (the baseline sink)
     clients: int
     participants: int
     failed_clients: int
     correct: bool
+    ingested_bytes: int  # update payload bytes delivered
+    # CPU seconds (user + system, every thread) from the run's start to the round's end. On a
+    # shared machine, their sum over the core count is a floor for the round time.
+    server_cpu_seconds: float  # root + aggregator (the sink, for the baseline)
+    server_cpu_s_per_gb: float
     round_seconds: float
     wall_seconds: float
     upload_seconds: float
@@ -190,12 +404,11 @@ class Row:
     root_baseline_rss_mib: float
     root_peak_rss_mib: float
     loadgen_peak_rss_mib: float
-    # CPU seconds from the run's start to the round's end. On a shared machine, their sum over
-    # the core count is a floor for the round time whatever the code does.
     aggregator_cpu_seconds: float
     root_cpu_seconds: float
     loadgen_cpu_seconds: float
     cpu_floor_seconds: float
+    aggregator_join_cpu_seconds: float  # while the N clients joined and long-polled, before the run
     tcp_connections: int
     first_error: str
     run_started_unix: float
@@ -241,6 +454,24 @@ def _start_profiler(pid: int, out: Path, seconds: float):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def _per_gb(cpu_s: float, nbytes: int) -> float:
+    return cpu_s / (nbytes / GB) if nbytes else float("nan")
+
+
+def _generator_usage(lg, work: Path, sampler: _procs.RssSampler) -> tuple[list[dict[str, Any]], float, float]:
+    """The generator's per-client times, its CPU seconds from JOINED on, and its peak RSS."""
+    usage = json.loads((work / "loadgen.usage").read_text())
+    lg_peak = max(sampler.series["loadgen"].peak(), usage["max_rss_bytes"])
+    report = json.loads((work / "loadgen.json").read_text())
+    return report["clients"], report["round_cpu_seconds"], lg_peak
+
+
+def _joined(lg, n: int) -> None:
+    line = _read_line(lg, STEP_TIMEOUT_S)
+    if line.strip() != f"JOINED {n}":
+        raise RuntimeError(f"load generator did not report its clients joined (got {line!r})")
+
+
 def run_scenario(n: int, connections: int, work: Path, verbose: bool, profile: bool = False) -> Row:
     from orchard.ops import ControlClient
 
@@ -256,42 +487,36 @@ def run_scenario(n: int, connections: int, work: Path, verbose: bool, profile: b
             _wait(lambda: any(nd["role"] == "aggregator" for nd in ctl.nodes()), "the aggregator to join the root")
             time.sleep(1.0)
             t_base = time.time()
-            report = work / "loadgen.json"
-            lg = _spawn_loadgen(agg_addr, n, connections, report)
+            cpu_before_joins = _procs.cpu_seconds(agg.pid) or 0.0
+            lg = _spawn_loadgen(agg_addr, n, connections, work / "loadgen.json")
             procs.append(lg)
             sampler.add("loadgen", lg.pid)
-            line = _read_line(lg, STEP_TIMEOUT_S)
-            if line.strip() != f"JOINED {n}":
-                raise RuntimeError(f"load generator did not report its clients joined (got {line!r})")
+            _joined(lg, n)
             _wait(lambda: _pool_of(ctl) >= n, f"the aggregator to report {n} clients to the root")
+            join_cpu = (_procs.cpu_seconds(agg.pid) or 0.0) - cpu_before_joins
             time.sleep(0.5)  # let the connected, idle state settle before it is read
             conns = _connections_to(lg.pid, int(agg_addr.rsplit(":", 1)[1]))
             t_connected = time.time()
 
-            blob = wire.arrays_to_blob({TENSOR: initial_model()})
-            cfg = RunConfig(task="digits", rounds=1, evaluate_every=0, codec=CodecSpec(name="float32"),
-                            cohort=CohortConfig(target=n, over_selection=1.0, min_fraction=1.0, deadline_s=120.0,
-                                                max_retries=0, weighting="uniform"))
             profilers = [_start_profiler(p.pid, work / f"{name}.pyspy.txt", 60) for name, p in
                          (("aggregator", agg), ("root", root), ("loadgen", lg))] if profile else []
             cpu0 = {name: _procs.cpu_seconds(p.pid) or 0.0 for name, p in (("root", root), ("aggregator", agg))}
             t0 = time.time()
-            run_id = ctl.start_run(cfg, blob)
-            st = _wait(lambda: _finished(ctl, run_id), "the round to complete", poll_s=0.02)
+            run_id = ctl.start_run(run_config(n), model_blob())
+            # Polled every 100 ms: each status call is root CPU, counted with the servers'. (The
+            # round's time is the root's own; the poll only bounds wall_seconds' resolution.)
+            st = _wait(lambda: _finished(ctl, run_id), "the round to complete", poll_s=0.1)
             wall = time.time() - t0
+            cpu = {name: (_procs.cpu_seconds(p.pid) or 0.0) - cpu0[name] for name, p in
+                   (("root", root), ("aggregator", agg))}
             load1 = os.getloadavg()[0]
             for prof in profilers:
                 if prof is not None:
                     prof.send_signal(2)  # SIGINT: py-spy writes what it has
                     prof.wait(30)
-            lg_out, _ = lg.communicate(timeout=STEP_TIMEOUT_S)
-            cpu = {name: (_procs.cpu_seconds(p.pid) or 0.0) - cpu0[name] for name, p in
-                   (("root", root), ("aggregator", agg))}
+            lg.communicate(timeout=STEP_TIMEOUT_S)
             peaks = {name: _peak(sampler, name) for name in ("root", "aggregator")}
-        usage = json.loads((work / "loadgen.usage").read_text())
-        lg_peak = max(sampler.series["loadgen"].peak(), usage["max_rss_bytes"])
-        lg_report = json.loads(report.read_text())
-        times, lg_cpu = lg_report["clients"], lg_report["round_cpu_seconds"]
+        times, lg_cpu, lg_peak = _generator_usage(lg, work, sampler)
         rounds = [r for r in st.get("rounds", []) if r.get("round") == 1]
         rec = rounds[-1] if rounds else {}
         correct = st.get("status") == "completed" and _check_global(ctl, run_id, times)
@@ -302,9 +527,13 @@ def run_scenario(n: int, connections: int, work: Path, verbose: bool, profile: b
     up_span, up = _span_mb_s(times, "push_start", "pushed", "bytes_up")
     _, down = _span_mb_s(times, "task", "pulled", "bytes_down")
     errors = [t["error"] for t in times if "error" in t]
+    ingested = sum(t["bytes_up"] for t in times if "pushed" in t)
     agg_s, root_s = sampler.series["aggregator"], sampler.series["root"]
+    server_cpu = cpu["aggregator"] + cpu["root"]
     return Row(
-        clients=n, participants=int(rec.get("participants", 0)), failed_clients=len(errors), correct=correct,
+        scenario="orchard", clients=n, participants=int(rec.get("participants", 0)), failed_clients=len(errors),
+        correct=correct, ingested_bytes=ingested, server_cpu_seconds=server_cpu,
+        server_cpu_s_per_gb=_per_gb(server_cpu, ingested),
         round_seconds=float(rec.get("seconds", float("nan"))), wall_seconds=wall, upload_seconds=up_span,
         upload_mb_s=up, download_mb_s=down,
         aggregator_baseline_rss_mib=agg_s.last_before(t_base) / MIB,
@@ -312,9 +541,65 @@ def run_scenario(n: int, connections: int, work: Path, verbose: bool, profile: b
         aggregator_peak_rss_mib=peaks["aggregator"] / MIB,
         root_baseline_rss_mib=root_s.last_before(t_base) / MIB, root_peak_rss_mib=peaks["root"] / MIB,
         loadgen_peak_rss_mib=lg_peak / MIB, aggregator_cpu_seconds=cpu["aggregator"], root_cpu_seconds=cpu["root"],
-        loadgen_cpu_seconds=lg_cpu, cpu_floor_seconds=(cpu["aggregator"] + cpu["root"] + lg_cpu) / (os.cpu_count() or 1),
-        tcp_connections=conns, first_error=errors[0] if errors else "",
+        loadgen_cpu_seconds=lg_cpu, cpu_floor_seconds=(server_cpu + lg_cpu) / (os.cpu_count() or 1),
+        aggregator_join_cpu_seconds=join_cpu, tcp_connections=conns, first_error=errors[0] if errors else "",
         run_started_unix=t0, load_average_1m=load1, rss_timeline={name: _timeline(sampler.series[name], t0) for name in sampler.series})
+
+
+def run_baseline(n: int, connections: int, work: Path) -> Row:
+    """The same generator, connections, pulls and pushes against the bare gRPC sink."""
+    import subprocess
+
+    work.mkdir(parents=True, exist_ok=True)
+    port_file = work / "sink.port"
+    sink = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--sink", str(port_file)])
+    procs = [sink]
+    try:
+        port = _wait(lambda: port_file.is_file() and port_file.read_text().strip(), "the sink to listen", 60)
+        addr = f"127.0.0.1:{port}"
+        with _procs.RssSampler({"sink": sink.pid}) as sampler:
+            time.sleep(0.5)
+            t_base = time.time()
+            lg = _spawn_loadgen(addr, n, connections, work / "loadgen.json", baseline=True)
+            procs.append(lg)
+            sampler.add("loadgen", lg.pid)
+            _joined(lg, n)
+            time.sleep(0.5)
+            conns = _connections_to(lg.pid, int(port))
+            t_connected = time.time()
+            cpu0 = _procs.cpu_seconds(sink.pid) or 0.0
+            t0 = time.time()
+            assert lg.stdin is not None
+            lg.stdin.write("GO\n")
+            lg.stdin.flush()
+            lg.wait(STEP_TIMEOUT_S)
+            wall = time.time() - t0
+            cpu = (_procs.cpu_seconds(sink.pid) or 0.0) - cpu0
+            load1 = os.getloadavg()[0]
+            peak = _peak(sampler, "sink")
+        times, lg_cpu, lg_peak = _generator_usage(lg, work, sampler)
+    finally:
+        for p in reversed(procs):
+            _procs.stop(p)
+    up_span, up = _span_mb_s(times, "push_start", "pushed", "bytes_up")
+    _, down = _span_mb_s(times, "task", "pulled", "bytes_down")
+    errors = [t["error"] for t in times if "error" in t]
+    delivered = [t for t in times if "pushed" in t]
+    ingested = sum(t["bytes_up"] for t in delivered)
+    s = sampler.series["sink"]
+    nan = float("nan")
+    return Row(
+        scenario="bare grpc", clients=n, participants=len(delivered), failed_clients=len(errors),
+        correct=len(delivered) == n, ingested_bytes=ingested, server_cpu_seconds=cpu,
+        server_cpu_s_per_gb=_per_gb(cpu, ingested), round_seconds=wall, wall_seconds=wall, upload_seconds=up_span,
+        upload_mb_s=up, download_mb_s=down, aggregator_baseline_rss_mib=s.last_before(t_base) / MIB,
+        aggregator_connected_rss_mib=s.last_before(t_connected) / MIB, aggregator_peak_rss_mib=peak / MIB,
+        root_baseline_rss_mib=nan, root_peak_rss_mib=nan, loadgen_peak_rss_mib=lg_peak / MIB,
+        aggregator_cpu_seconds=cpu, root_cpu_seconds=0.0, loadgen_cpu_seconds=lg_cpu,
+        cpu_floor_seconds=(cpu + lg_cpu) / (os.cpu_count() or 1), aggregator_join_cpu_seconds=nan,
+        tcp_connections=conns,
+        first_error=errors[0] if errors else "", run_started_unix=t0, load_average_1m=load1,
+        rss_timeline={name: _timeline(sampler.series[name], t0) for name in sampler.series})
 
 
 def _timeline(s: _procs.Series, t0: float, step_s: float = 0.25) -> list[tuple[float, float]]:
@@ -327,12 +612,14 @@ def _timeline(s: _procs.Series, t0: float, step_s: float = 0.25) -> list[tuple[f
     return [(round(k * step_s, 2), round(v, 1)) for k, v in sorted(out.items())]
 
 
-def _spawn_loadgen(target: str, n: int, connections: int, report: Path):
+def _spawn_loadgen(target: str, n: int, connections: int, report: Path, baseline: bool = False):
     import subprocess
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--loadgen", target, "--clients", str(n),
            "--connections", str(min(connections, n) if connections else n), "--report", str(report)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    if baseline:
+        cmd.append("--baseline")
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
 
 
 def _read_line(p, timeout_s: float) -> str:
@@ -379,37 +666,46 @@ def _check_global(ctl, run_id: str, times: list[dict[str, Any]]) -> bool:
 
 
 def _fmt(rows: list[Row]) -> str:
-    cols = [("clients", "clients", "{:d}"), ("done", "participants", "{:d}"), ("fail", "failed_clients", "{:d}"),
-            ("ok", "correct", "{}"), ("round s", "round_seconds", "{:.2f}"), ("wall s", "wall_seconds", "{:.2f}"),
-            ("up MB/s", "upload_mb_s", "{:.0f}"), ("down MB/s", "download_mb_s", "{:.0f}"),
-            ("agg base", "aggregator_baseline_rss_mib", "{:.0f}"),
-            ("agg conn", "aggregator_connected_rss_mib", "{:.0f}"),
-            ("agg peak", "aggregator_peak_rss_mib", "{:.0f}"), ("root base", "root_baseline_rss_mib", "{:.0f}"),
-            ("root peak", "root_peak_rss_mib", "{:.0f}"), ("lg peak", "loadgen_peak_rss_mib", "{:.0f}"),
-            ("agg cpu s", "aggregator_cpu_seconds", "{:.1f}"), ("root cpu s", "root_cpu_seconds", "{:.1f}"),
-            ("lg cpu s", "loadgen_cpu_seconds", "{:.1f}"),
-            ("cpu floor s", "cpu_floor_seconds", "{:.1f}"), ("tcp", "tcp_connections", "{:d}"),
-            ("load", "load_average_1m", "{:.1f}")]
+    cols = [("scenario", "scenario", "{}"), ("clients", "clients", "{:d}"), ("done", "participants", "{:d}"),
+            ("fail", "failed_clients", "{:d}"), ("ok", "correct", "{}"),
+            ("srv cpu s/GB", "server_cpu_s_per_gb", "{:.2f}"), ("srv cpu s", "server_cpu_seconds", "{:.2f}"),
+            ("agg peak", "aggregator_peak_rss_mib", "{:.0f}"), ("round s", "round_seconds", "{:.2f}"),
+            ("lg cpu s", "loadgen_cpu_seconds", "{:.2f}"),
+            ("agg cpu s", "aggregator_cpu_seconds", "{:.2f}"), ("root cpu s", "root_cpu_seconds", "{:.2f}"),
+            ("wall s", "wall_seconds", "{:.2f}"), ("up MB/s", "upload_mb_s", "{:.0f}"),
+            ("down MB/s", "download_mb_s", "{:.0f}"), ("agg base", "aggregator_baseline_rss_mib", "{:.0f}"),
+            ("agg conn", "aggregator_connected_rss_mib", "{:.0f}"), ("root peak", "root_peak_rss_mib", "{:.0f}"),
+            ("lg peak", "loadgen_peak_rss_mib", "{:.0f}"), ("cpu floor s", "cpu_floor_seconds", "{:.1f}"),
+            ("agg join cpu s", "aggregator_join_cpu_seconds", "{:.2f}"),
+            ("tcp", "tcp_connections", "{:d}"), ("load", "load_average_1m", "{:.1f}")]
     cells = [[h for h, _, _ in cols]] + [[f.format(getattr(r, k)) for _, k, f in cols] for r in rows]
     widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    notes = ("RSS in MiB; MB = 10^6 bytes; lg = load generator; cpu s = CPU from the run's start to the round's end;",
-             f"cpu floor = (agg + root + lg cpu s) / {os.cpu_count()} cores, the least wall time those processes "
-             "could take here;", "load = the machine's 1-minute load average as the round ended")
-    return "\n".join(lines + [" ".join(notes[:1]), " ".join(notes[1:])])
+    notes = ("srv = root + aggregator (bare grpc: the sink, in the aggregator's columns); GB = 10^9 update bytes "
+             "ingested; RSS in MiB; MB = 10^6 bytes; lg = load generator; cpu s = CPU from the run's start to the "
+             "round's end (bare grpc: to the last upload; its round s is that span);",
+             f"cpu floor = (srv + lg cpu s) / {os.cpu_count()} cores, the least wall time those processes could "
+             "take here; agg join cpu s = the aggregator's CPU while the clients joined and long-polled, before "
+             "the run; load = the machine's 1-minute load average as the round ended")
+    return "\n".join(lines + list(notes))
 
 
-def targets(small: Row, big: Row) -> list[dict[str, Any]]:
+def targets(small: Row, big: Row, base: Row) -> list[dict[str, Any]]:
     extra = max(big.clients - small.clients, 1)
     agg_growth = (big.aggregator_peak_rss_mib - small.aggregator_peak_rss_mib) * 1024 / extra
     root_growth = (big.root_peak_rss_mib - small.root_peak_rss_mib) * 1024 / extra
     ok = big.correct and big.failed_clients == 0
+    ratio = big.server_cpu_s_per_gb / base.server_cpu_s_per_gb
     return [
-        {"target": f"round closes (N={big.clients})", "limit": f"<= {ROUND_TARGET_S:.0f} s",
-         "measured": f"{big.round_seconds:.2f} s", "ok": ok and big.round_seconds <= ROUND_TARGET_S},
+        {"target": f"servers' CPU per GB ingested (N={big.clients})", "limit": f"<= {CPU_PER_GB_TARGET:.0f} s/GB",
+         "measured": f"{big.server_cpu_s_per_gb:.2f} s/GB ({ratio:.2f}x bare gRPC's {base.server_cpu_s_per_gb:.2f})",
+         "ok": ok and big.server_cpu_s_per_gb <= CPU_PER_GB_TARGET},
         {"target": f"aggregator peak RSS (N={big.clients})", "limit": f"<= {AGG_RSS_TARGET_MIB:.0f} MiB",
          "measured": f"{big.aggregator_peak_rss_mib:.0f} MiB", "ok": big.aggregator_peak_rss_mib <= AGG_RSS_TARGET_MIB},
+        {"target": f"round closes (N={big.clients})", "limit": f"<= {ROUND_TARGET_S:.0f} s",
+         "measured": f"{big.round_seconds:.2f} s (generator {big.loadgen_cpu_seconds:.1f} CPU-s)",
+         "ok": ok and big.round_seconds <= ROUND_TARGET_S},
         {"target": f"aggregator growth per client ({small.clients} -> {big.clients})",
          "limit": f"< {GROWTH_TARGET_KIB:.0f} KiB", "measured": f"{agg_growth:.0f} KiB "
          f"(peak ratio {big.aggregator_peak_rss_mib / small.aggregator_peak_rss_mib:.2f})",
@@ -420,6 +716,8 @@ def targets(small: Row, big: Row) -> list[dict[str, Any]]:
          "ok": root_growth < GROWTH_TARGET_KIB},
         {"target": "every update arrived and the global model is their mean", "limit": "yes",
          "measured": f"{big.participants}/{big.clients}, correct={big.correct}", "ok": ok},
+        {"target": "the baseline delivered every upload", "limit": "yes",
+         "measured": f"{base.participants}/{base.clients}", "ok": base.correct},
     ]
 
 
@@ -435,12 +733,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="with --keep: py-spy the root and the aggregator during the main round (collapsed stacks)")
     ap.add_argument("--loadgen", metavar="TARGET", help=argparse.SUPPRESS)
+    ap.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--report", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--sink", metavar="PORT_FILE", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.sink:
+        asyncio.run(_sink(args.sink))
+        return 0
     if args.loadgen:
         import resource
 
-        loadgen_main(args.loadgen, args.clients, args.connections or args.clients, args.report, STEP_TIMEOUT_S)
+        loadgen_main(args.loadgen, args.clients, args.connections or args.clients, args.report, STEP_TIMEOUT_S,
+                     args.baseline)
         ru = resource.getrusage(resource.RUSAGE_SELF)
         args.report.with_suffix(".usage").write_text(json.dumps(
             {"cpu_seconds": ru.ru_utime + ru.ru_stime, "max_rss_bytes": ru.ru_maxrss * 1024}))  # Linux: kB
@@ -453,19 +757,24 @@ def main(argv: list[str] | None = None) -> int:
             print(f"running N={k} ...", file=sys.stderr, flush=True)
             rows.append(run_scenario(k, args.connections, work / f"n{k}", verbose=bool(args.keep),
                                      profile=args.profile and k == n))
+        print(f"running the bare gRPC baseline, N={n} ...", file=sys.stderr, flush=True)
+        rows.append(run_baseline(n, args.connections, work / f"baseline{n}"))
     print(_fmt(rows))
-    tg = targets(rows[0], rows[1])
+    small, big, base = rows
+    tg = targets(small, big, base)
     print()
     w = max(len(t["target"]) for t in tg)
     for t in tg:
-        print(f"{t['target']:<{w}}  {t['limit']:>10}  {t['measured']:>28}  {'PASS' if t['ok'] else 'FAIL'}")
+        print(f"{t['target']:<{w}}  {t['limit']:>12}  {t['measured']:>42}  {'PASS' if t['ok'] else 'FAIL'}")
     for r in rows:
         if r.first_error:
-            print(f"N={r.clients}: {r.failed_clients} clients failed; first: {r.first_error}")
-    big = rows[1]
+            print(f"{r.scenario} N={r.clients}: {r.failed_clients} clients failed; first: {r.first_error}")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "round_seconds": big.round_seconds, "aggregator_peak_rss_mib": big.aggregator_peak_rss_mib,
+            "server_cpu_s_per_gb": big.server_cpu_s_per_gb, "aggregator_peak_rss_mib": big.aggregator_peak_rss_mib,
+            "round_seconds": big.round_seconds, "loadgen_cpu_seconds": big.loadgen_cpu_seconds,
+            "baseline_cpu_s_per_gb": base.server_cpu_s_per_gb,
+            "cpu_per_gb_vs_baseline": big.server_cpu_s_per_gb / base.server_cpu_s_per_gb,
             "wall_seconds": big.wall_seconds, "upload_mb_s": big.upload_mb_s, "download_mb_s": big.download_mb_s,
             "root_peak_rss_mib": big.root_peak_rss_mib, "clients": big.clients,
             "update_bytes": NUMEL * 4, "rows": [asdict(r) for r in rows], "targets": tg,

@@ -95,31 +95,93 @@ def iter_chunks(blob: bytes, chunk_bytes: int = DEFAULT_CHUNK_BYTES, offset: int
         yield 0, b""
 
 
-class ChunkAssembler:
-    """Reassembles a stream into one buffer, checking offsets, sizes and the final sha256.
+# A serialised UploadPart that carries data starts with this tag: field 2, length-delimited.
+_DATA_TAG = 0x12
 
-    ``expected_bytes`` is declared up front (header); the buffer is allocated once at
-    that size, so a stream can never grow past what it declared.
+
+def upload_part_data(raw: bytes) -> memoryview | None:
+    """The bytes of a serialised ``UploadPart`` that holds its ``data`` field and nothing
+    else, as a view of ``raw`` (no copy); None for any other message (a header, or data
+    with other fields beside it), which the protobuf parser then reads.
+
+    Such a message is exactly one record: the tag, a varint length, and that many bytes
+    to the end. Parsing it with protobuf would copy the bytes twice (into the message,
+    then out of it); a tier takes a thousand megabyte-sized parts per round."""
+    if len(raw) < 2 or raw[0] != _DATA_TAG:
+        return None
+    n, shift, i = 0, 0, 1
+    while True:
+        if i >= len(raw) or shift > 35:  # a length needs at most 5 varint bytes here
+            return None
+        b = raw[i]
+        i += 1
+        n |= (b & 0x7F) << shift
+        if b < 0x80:
+            break
+        shift += 7
+    if i + n != len(raw):
+        return None
+    return memoryview(raw)[i:]
+
+
+def parse_upload_part(raw: bytes) -> pb.UploadPart | memoryview:
+    """gRPC's request deserializer for PushUpdate: a data part's bytes as a view of the
+    received message (:func:`upload_part_data`), any other part as a parsed message."""
+    data = upload_part_data(raw)
+    return data if data is not None else pb.UploadPart.FromString(raw)
+
+
+def serialize_chunk(chunk: pb.Chunk | bytes) -> bytes:
+    """gRPC's response serializer for PullModel: a chunk, or one serialised already
+    (a tier serialises each chunk of a model once, however many nodes pull it)."""
+    return chunk if isinstance(chunk, bytes) else chunk.SerializeToString()
+
+
+def check_payload(payload: bytes | bytearray | memoryview, expected_bytes: int, expected_sha256: str) -> None:
+    """IntegrityError unless ``payload`` has the size and sha256 its header declared."""
+    if len(payload) != expected_bytes:
+        raise IntegrityError(f"payload of {len(payload)} bytes, the header declares {expected_bytes}")
+    got = sha256_hex(payload)
+    if got != expected_sha256.lower():
+        raise IntegrityError(f"payload sha256 {got[:16]}... does not match the declared {expected_sha256[:16]}...")
+
+
+# An assembler keeps a chunk this large as it came, and copies smaller ones together.
+KEEP_CHUNK_BYTES = 64 << 10
+
+
+class ChunkAssembler:
+    """Reassembles a stream into one payload, checking offsets, sizes and the final sha256.
+
+    ``expected_bytes`` is declared up front (header) and every chunk is checked against it
+    as it arrives, so a stream can never hold more than it declared. Chunks of at least
+    :data:`KEEP_CHUNK_BYTES` are kept as they came (gRPC's message buffers, or views of
+    them) and joined once at the end: one copy, and none for a payload that came in one
+    chunk. Smaller chunks are copied together as they come, so a stream of tiny chunks
+    holds its bytes and a few objects, not an object per chunk. With ``expected_sha256=None``
+    the hash is left to the caller (:func:`check_payload`): a tier checks uploads where it
+    decodes them, off its event loop.
     """
 
-    def __init__(self, expected_bytes: int, expected_sha256: str, max_bytes: int) -> None:
+    def __init__(self, expected_bytes: int, expected_sha256: str | None, max_bytes: int) -> None:
         if expected_bytes < 0:
             raise IntegrityError(f"declared size must be >= 0, got {expected_bytes}")
         if expected_bytes > max_bytes:
             raise PayloadTooLargeError(
                 f"stream declares {expected_bytes} bytes; this server accepts at most {max_bytes}"
             )
-        self._buf = bytearray(expected_bytes)
+        self._parts: list[bytes | bytearray | memoryview] = []
         self._n = 0
-        self._hash = hashlib.sha256()
+        self._hash = hashlib.sha256() if expected_sha256 is not None else None
         self.expected_bytes = expected_bytes
-        self.expected_sha256 = expected_sha256.lower()
+        self.expected_sha256 = expected_sha256.lower() if expected_sha256 is not None else None
 
     @property
     def received(self) -> int:
         return self._n
 
-    def add(self, data: bytes, offset: int | None = None) -> None:
+    def add(self, data: bytes | memoryview, offset: int | None = None) -> None:
+        """Take one chunk. It is kept, not copied: the caller must not change it."""
         if len(data) > MAX_CHUNK_BYTES:
             raise PayloadTooLargeError(f"chunk of {len(data)} bytes exceeds the {MAX_CHUNK_BYTES}-byte chunk limit")
         if offset is not None and offset != self._n:
@@ -129,19 +191,34 @@ class ChunkAssembler:
             raise PayloadTooLargeError(
                 f"stream sent more than its declared {self.expected_bytes} bytes (at least {end})"
             )
-        self._buf[self._n : end] = data
-        self._hash.update(data)
+        if len(data) >= KEEP_CHUNK_BYTES:
+            self._parts.append(data)
+        elif data:
+            tail = self._parts[-1] if self._parts else None
+            if not isinstance(tail, bytearray):
+                tail = bytearray()
+                self._parts.append(tail)
+            tail += data
+        if self._hash is not None:
+            self._hash.update(data)
         self._n = end
 
-    def finish(self) -> bytearray:
+    def finish(self) -> bytes | bytearray | memoryview:
+        """The payload: the one chunk itself, or the chunks joined (read-only either way)."""
         if self._n != self.expected_bytes:
             raise IntegrityError(
                 f"stream ended after {self._n} of {self.expected_bytes} declared bytes (truncated); send it again"
             )
-        got = self._hash.hexdigest()
-        if got != self.expected_sha256:
-            raise IntegrityError(f"payload sha256 {got[:16]}... does not match the declared {self.expected_sha256[:16]}...")
-        return self._buf  # handed over, not copied: the assembler is done with it
+        if self._hash is not None and self.expected_sha256 is not None:
+            got = self._hash.hexdigest()
+            if got != self.expected_sha256:
+                raise IntegrityError(
+                    f"payload sha256 {got[:16]}... does not match the declared {self.expected_sha256[:16]}..."
+                )
+        parts, self._parts = self._parts, []
+        if len(parts) == 1:
+            return parts[0]
+        return b"".join(parts)
 
 
 # ------------------------------------------------------------------ proto conversions

@@ -32,7 +32,7 @@ from orchard.server.auth import (
 )
 from orchard.server.coordinator import Coordinator
 from orchard.server.decoding import ClientUpdateDecoder
-from orchard.server.servicer import FleetServicer
+from orchard.server.servicer import FleetServicer, add_fleet_servicer
 from orchard.server.store import SQLiteStore, Store, hash_token
 from orchard.server.tls import TlsPaths, init_certs, server_credentials
 from orchard.typing import Role
@@ -167,7 +167,7 @@ async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int
 
     runlog = RunLog(data_dir)
     server = grpc.aio.server(options=wire.SERVER_GRPC_OPTIONS)
-    pbg.add_FleetServicer_to_server(FleetServicer(coord, auth, on_join=on_join), server)
+    add_fleet_servicer(FleetServicer(coord, auth, on_join=on_join), server)
     pbg.add_ControlServicer_to_server(ControlServicer(runner, auth, runlog), server)
     bound = _bind(server, host, port, creds)
     await server.start()
@@ -217,8 +217,8 @@ async def start_aggregator(upstream: str, *, host: str = "127.0.0.1", port: int 
                               "(from `orchard certs init`), or --insecure for loopback development")
         creds = server_credentials(TlsPaths.in_dir(tls_dir))
     server = grpc.aio.server(options=wire.SERVER_GRPC_OPTIONS)
-    pbg.add_FleetServicer_to_server(
-        FleetServicer(coord, auth, verify_token_upstream=None if insecure else link.verify_token), server)
+    add_fleet_servicer(FleetServicer(coord, auth, verify_token_upstream=None if insecure else link.verify_token),
+                       server)
     bound = _bind(server, host, port, creds)
     await server.start()
     up = UpstreamLink(coord, link)

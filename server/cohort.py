@@ -84,7 +84,7 @@ class CompressedCohort:
     def weight(self) -> float:
         return self.sums.weight
 
-    def check(self, h: UploadHeader, payload: bytes | bytearray) -> CheckedUpload:
+    def check(self, h: UploadHeader, payload: bytes | bytearray | memoryview) -> CheckedUpload:
         """Parse every tensor's payload and check it as decoding would: the codec's layout
         and shape (CodecError), finite values (UpdateSchemaError). Nothing is summed."""
         if self.unit_weights and h.weight != 1.0:

@@ -52,7 +52,6 @@ from orchard.aggregation.staleness import staleness_weight
 from orchard.compression import sums_compressed
 from orchard.config import RunConfig, ServerConfig
 from orchard.errors import (
-    IntegrityError,
     OrchardError,
     RoundClosedError,
     SecAggAbort,
@@ -73,12 +72,12 @@ from orchard.server.secagg import new_cohort
 from orchard.server.selection import allocate, device_eligible, over_select, pick
 from orchard.typing import DeviceState, NDArrays, Role
 from orchard.updates import decode_partial
-from orchard.wire import sha256_hex
+from orchard.wire import check_payload
 
 T = TypeVar("T")
 
 # Decodes a client's payload into a float32 delta (codec-specific; see orchard.server.decoding).
-ClientDecoder = Callable[[UploadHeader, bytes, RoundTask], NDArrays]
+ClientDecoder = Callable[[UploadHeader, bytes | bytearray | memoryview, RoundTask], NDArrays]
 
 
 @dataclass
@@ -188,7 +187,9 @@ class Coordinator:
         self.children[node_id] = Child(node_id, role, token_hash, device, self._mono(),
                                        pool_size=0 if role is Role.AGGREGATOR else 1,
                                        pool_eligible=0 if role is Role.AGGREGATOR else 1)
-        self._notify()
+        # No long-poller is woken: what one is waiting for (its own assignment) does not
+        # change when another node joins, and waking them all on every join makes a
+        # thousand joins cost a million wake-ups.
         return node_id
 
     def child(self, node_id: str, token_hash: str | None = None) -> Child:
@@ -588,8 +589,6 @@ class Coordinator:
         if not self.inline:
             raise RuntimeError("upload_now needs an inline coordinator (Coordinator(..., inline=True))")
         with self.upload(node_id, h) as slot:
-            if sha256_hex(payload) != h.payload_sha256 or len(payload) != h.total_bytes:
-                raise IntegrityError("payload does not match its declared size and sha256")
             run_inline(self.complete_upload(slot, payload))
 
     def abort_upload(self, slot: UploadSlot, reason: str) -> None:
@@ -604,11 +603,14 @@ class Coordinator:
     def reject(self, err: OrchardError) -> None:
         self._reject(self.current, type(err).__name__)
 
-    def _decode(self, slot: UploadSlot, payload: bytes, task: RoundTask) -> NDArrays | CheckedUpload:
+    def _decode(self, slot: UploadSlot, payload: bytes | bytearray | memoryview, task: RoundTask) -> NDArrays | CheckedUpload:
         """Everything that is checked before a fold: a decoded update or partial, or a
         client's payload checked for the compressed sum. ``task``: the round the update
         was trained in (its shared seed decodes it)."""
         h, cr = slot.header, slot.cohort
+        # The payload's integrity first, here in the decode pool rather than on the loop as
+        # its chunks arrive: hashing a megabyte costs the loop as much as receiving it.
+        check_payload(payload, h.total_bytes, h.payload_sha256)
         if h.kind is UploadKind.PARTIAL_SUM:
             return decode_partial(payload, cr.task.schema, h.payload_sizes)
         if cr.compressed is not None:
@@ -651,8 +653,8 @@ class Coordinator:
         _, s = check_version(cr.task, False, "", h.run_id, h.round, m.max_stale, int(cr.continuation))
         return s, staleness_weight(s, m.weighting, m.exponent, m.hinge)
 
-    async def complete_upload(self, slot: UploadSlot, payload: bytes) -> None:
-        """Decode, check, and fold a fully received, hash-checked payload."""
+    async def complete_upload(self, slot: UploadSlot, payload: bytes | bytearray | memoryview) -> None:
+        """Check (size and sha256 against the header), decode and fold a fully received payload."""
         h, a = slot.header, slot.assignment
         try:
             task = self._task_of(slot.cohort, h)

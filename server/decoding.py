@@ -36,7 +36,7 @@ class ClientUpdateDecoder:
                 hit = self._rounds[id(task)] = (task, build_codec(task.config.codec), shapes)
             return hit[1], hit[2]
 
-    def __call__(self, h: UploadHeader, payload: bytes | bytearray, task) -> NDArrays:  # task: RoundTask
+    def __call__(self, h: UploadHeader, payload: bytes | bytearray | memoryview, task) -> NDArrays:  # task: RoundTask
         codec, shapes = self._for(task)
         try:
             payloads = dict(zip(shapes, split(payload, h.payload_sizes), strict=True))

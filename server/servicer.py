@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -37,11 +38,13 @@ from orchard.errors import (
 from orchard.messages import Idle
 from orchard.server.auth import Authenticator, bearer_token
 from orchard.server.coordinator import Coordinator
+from orchard.server.downlink import ModelReply
 from orchard.typing import Role
 from orchard.v1 import orchard_pb2 as pb
 from orchard.v1 import orchard_pb2_grpc as pbg
 
 log = logging.getLogger("orchard.server")
+SERVICE = "orchard.v1.Fleet"
 
 # Most specific first: the first match wins.
 STATUS_OF: list[tuple[type[OrchardError], grpc.StatusCode]] = [
@@ -133,6 +136,7 @@ class FleetServicer(pbg.FleetServicer):
         self.auth = auth
         self._on_join = on_join
         self._verify_upstream = verify_token_upstream
+        self._chunks = ChunkCache()
 
     async def _caller(self, context: grpc.aio.ServicerContext, node_id: str) -> str:
         """The token hash of the caller, checked against the node's registration."""
@@ -176,23 +180,28 @@ class FleetServicer(pbg.FleetServicer):
         return pb.HeartbeatReply(task_still_wanted=wanted)
 
     @mapped_stream
-    async def PullModel(self, request: pb.PullModelRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.Chunk]:
+    async def PullModel(self, request: pb.PullModelRequest,
+                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.Chunk | bytes]:
         await self._caller(context, request.node_id)
         reply = await self.coord.model_reply(request.model_hash, request.have_hash)
         blob = reply.blob
         if not 0 <= request.offset <= len(blob):
             raise IntegrityError(f"offset {request.offset} outside the {len(blob)}-byte model")
-        for off, data in wire.iter_chunks(blob, self.coord.cfg.chunk_bytes, request.offset):
-            self.coord.count_bytes_down(len(data))  # as sent: a delta counts its own size
-            yield pb.Chunk(data=data, offset=off, total_bytes=len(blob), blob_sha256=reply.sha256,
-                           delta_from=reply.delta_from, target_hash=reply.target_hash,
-                           result_sha256=reply.result_sha256, encoding=reply.encoding)
+        chunk_bytes = self.coord.cfg.chunk_bytes
+        if request.offset % chunk_bytes == 0:  # every pull but a resumption mid-chunk: chunks serialised once
+            for n, msg in self._chunks.get(reply, chunk_bytes)[request.offset // chunk_bytes:]:
+                self.coord.count_bytes_down(n)  # as sent: a delta counts its own size
+                yield msg
+            return
+        for off, data in wire.iter_chunks(blob, chunk_bytes, request.offset):
+            self.coord.count_bytes_down(len(data))
+            yield _chunk(reply, off, data)
 
     @mapped
-    async def PushUpdate(self, request_iterator: AsyncIterator[pb.UploadPart],
+    async def PushUpdate(self, request_iterator: AsyncIterator[pb.UploadPart | memoryview],
                          context: grpc.aio.ServicerContext) -> pb.UploadReply:
         first = await anext(aiter(request_iterator), None)
-        if first is None or first.WhichOneof("part") != "header":
+        if not isinstance(first, pb.UploadPart) or first.WhichOneof("part") != "header":
             raise UpdateSchemaError("an upload stream must start with its header")
         header = wire.header_from_proto(first.header)
         await self._caller(context, header.node_id)
@@ -200,11 +209,15 @@ class FleetServicer(pbg.FleetServicer):
         # Staged uploads are bounded: a tier never holds more than max_inflight_uploads payloads.
         with self.coord.upload(header.node_id, header) as slot:
             async with self.coord.upload_slots:
-                asm = wire.ChunkAssembler(header.total_bytes, header.payload_sha256, self.coord.cfg.max_upload_bytes)
+                # Sizes are checked as chunks arrive; the sha256, where the payload is decoded.
+                asm = wire.ChunkAssembler(header.total_bytes, None, self.coord.cfg.max_upload_bytes)
                 async for part in request_iterator:
-                    if part.WhichOneof("part") != "data":
+                    if isinstance(part, memoryview):  # a data part, as a view of the message (parse_upload_part)
+                        asm.add(part)
+                    elif part.WhichOneof("part") == "data":
+                        asm.add(part.data)
+                    else:
                         raise UpdateSchemaError("only data parts may follow the header")
-                    asm.add(part.data)
                 payload = asm.finish()
                 await self.coord.complete_upload(slot, payload)
         return pb.UploadReply(accepted=True)
@@ -230,3 +243,61 @@ class FleetServicer(pbg.FleetServicer):
         except AuthError:
             return pb.VerifyTokenReply(valid=False)
         return pb.VerifyTokenReply(valid=True)
+
+
+def _chunk(reply: ModelReply, offset: int, data: bytes) -> pb.Chunk:
+    return pb.Chunk(data=data, offset=offset, total_bytes=len(reply.blob), blob_sha256=reply.sha256,
+                    delta_from=reply.delta_from, target_hash=reply.target_hash, result_sha256=reply.result_sha256,
+                    encoding=reply.encoding)
+
+
+class ChunkCache:
+    """The serialised chunks of the last few model replies a tier streamed.
+
+    Every node of a round pulls the same model (or one of a few deltas): serialising its
+    chunks once, not once per node, spares a tier two copies of the model per pull.
+    Memory: at most ``entries`` replies, each about the size of its blob (O(model))."""
+
+    def __init__(self, entries: int = 4) -> None:
+        self.entries = entries
+        self._cache: OrderedDict[tuple[str, ...], list[tuple[int, bytes]]] = OrderedDict()
+
+    def get(self, reply: ModelReply, chunk_bytes: int) -> list[tuple[int, bytes]]:
+        """(data bytes, serialised Chunk) for every chunk of ``reply``, in order."""
+        key = (reply.sha256, reply.target_hash, reply.delta_from, reply.result_sha256, reply.encoding,
+               str(chunk_bytes))
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = [(len(data), _chunk(reply, off, data).SerializeToString())
+                                      for off, data in wire.iter_chunks(reply.blob, chunk_bytes)]
+            while len(self._cache) > self.entries:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return hit
+
+
+def add_fleet_servicer(servicer: FleetServicer, server: grpc.aio.Server) -> None:
+    """Register Fleet on ``server``: the generated handlers, except for the two bulk
+    streams, whose bytes skip a protobuf copy each way. PushUpdate's data parts arrive as
+    views of the received messages (:func:`orchard.wire.parse_upload_part`); PullModel
+    sends chunks serialised once per model (:class:`ChunkCache`,
+    :func:`orchard.wire.serialize_chunk`). The wire format is unchanged."""
+    handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    class _Collect:  # takes the generated registration's handlers, registers nothing
+        def add_generic_rpc_handlers(self, generic: Any) -> None:
+            pass
+
+        def add_registered_method_handlers(self, service: str, methods: dict[str, grpc.RpcMethodHandler]) -> None:
+            handlers.update(methods)
+
+    pbg.add_FleetServicer_to_server(servicer, _Collect())
+    handlers["PushUpdate"] = grpc.stream_unary_rpc_method_handler(
+        servicer.PushUpdate, request_deserializer=wire.parse_upload_part,
+        response_serializer=pb.UploadReply.SerializeToString)
+    handlers["PullModel"] = grpc.unary_stream_rpc_method_handler(
+        servicer.PullModel, request_deserializer=pb.PullModelRequest.FromString,
+        response_serializer=wire.serialize_chunk)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)

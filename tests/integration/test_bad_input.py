@@ -24,12 +24,14 @@ from orchard.v1 import orchard_pb2 as pb
 from orchard.v1 import orchard_pb2_grpc as pbg
 
 MAX_UPLOAD = 200_000
+CHUNK = 4096  # the tier's pull chunks: a model of several
 
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     srv = BackgroundRoot(tmp_path_factory.mktemp("root"),
-                         ServerConfig(max_upload_bytes=MAX_UPLOAD, node_timeout_s=600, long_poll_s=1.0))
+                         ServerConfig(max_upload_bytes=MAX_UPLOAD, node_timeout_s=600, long_poll_s=1.0,
+                                      chunk_bytes=CHUNK))
     ch = grpc.insecure_channel(srv.root.address)
     fleet = pbg.FleetStub(ch)
     for n in ("good", "other"):
@@ -49,7 +51,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     fleet.Join(pb.JoinRequest(node_id="outsider", role="client"))
     r = fleet.Poll(pb.PollRequest(node_id="outsider", wait_s=0.2))
     assert r.WhichOneof("kind") == "idle" and "not selected" in r.idle.reason
-    yield {"srv": srv, "fleet": fleet, "tasks": tasks, "init": init, "cfg": cfg}
+    yield {"srv": srv, "fleet": fleet, "tasks": tasks, "init": init, "cfg": cfg, "channel": ch}
     ch.close()
     srv.stop()
 
@@ -187,6 +189,41 @@ def test_bad_weight(env):
 def test_stream_without_header(env):
     _, p = good(env)
     refused(env, grpc.StatusCode.INVALID_ARGUMENT, "must start with its header", None, p)
+
+
+def test_pull_from_any_offset(env):
+    """Pulls from the start, from a chunk boundary (the tier's serialised chunks) and from
+    mid-chunk (a resumption) all give the model's bytes from there, chunk by chunk."""
+    t = env["tasks"]["good"]
+    blob = env["srv"].root.coordinator.model_blob(t.model_hash)
+    assert len(blob) > 3 * CHUNK
+    for offset in (0, 2 * CHUNK, CHUNK + 5, len(blob)):
+        chunks = list(env["fleet"].PullModel(pb.PullModelRequest(node_id="good", model_hash=t.model_hash,
+                                                                  offset=offset)))
+        assert b"".join(c.data for c in chunks) == blob[offset:]
+        assert [c.offset for c in chunks] == list(range(offset, len(blob), CHUNK))
+        assert all(c.total_bytes == len(blob) and c.blob_sha256 == t.model_hash for c in chunks)
+    with pytest.raises(grpc.RpcError) as ei:
+        list(env["fleet"].PullModel(pb.PullModelRequest(node_id="good", model_hash=t.model_hash,
+                                                        offset=len(blob) + 1)))
+    assert ei.value.code() == grpc.StatusCode.DATA_LOSS
+
+
+def test_data_part_with_unknown_field_is_still_data(env):
+    """A data part carrying a field this schema does not know is parsed by protobuf (not
+    taken as a view) and its bytes count like any other: the hash mismatch shows they arrived."""
+    h, p = good(env)
+    h = replace(h, payload_sha256="0" * 64)
+    unknown = bytes([15 << 3 | 0, 1])
+    parts = [pb.UploadPart(header=wire.header_to_proto(h)).SerializeToString(),
+             pb.UploadPart(data=p).SerializeToString() + unknown]
+    push_raw = env["channel"].stream_unary("/orchard.v1.Fleet/PushUpdate", request_serializer=None,
+                                           response_deserializer=pb.UploadReply.FromString)
+    before = env["srv"].root.coordinator.current.received
+    with pytest.raises(grpc.RpcError) as ei:
+        push_raw(iter(parts))
+    assert ei.value.code() == grpc.StatusCode.DATA_LOSS and "sha256" in ei.value.details()
+    assert env["srv"].root.coordinator.current.received == before
 
 
 def test_zz_duplicate_then_late(env):
