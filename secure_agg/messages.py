@@ -456,6 +456,11 @@ class PeerKeys:
     channel_pk: bytes
     mask_pk: bytes
 
+    def __post_init__(self) -> None:
+        # Checked here, once per peer: a server sends the same PeerKeys to k neighbours.
+        _check_key("channel_pk", self.channel_pk)
+        _check_key("mask_pk", self.mask_pk)
+
 
 @dataclass(frozen=True)
 class KeysBroadcast(Message):
@@ -466,12 +471,7 @@ class KeysBroadcast(Message):
     session_id: bytes
     round_number: int
     recipient: str
-    keys: tuple[PeerKeys, ...]
-
-    def __post_init__(self) -> None:
-        for k in self.keys:
-            _check_key("channel_pk", k.channel_pk)
-            _check_key("mask_pk", k.mask_pk)
+    keys: tuple[PeerKeys, ...]  # each checked when it was made (frozen since)
 
     @property
     def node(self) -> str:
