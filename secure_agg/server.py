@@ -16,7 +16,7 @@ long as every secret that must be reconstructed still has ``threshold`` holders,
 otherwise raises :class:`~orchard.errors.SecAggAbort` and stays aborted.
 
 Masked inputs are added to one running sum as they arrive: memory is O(d + n k), never
-O(n d).
+O(n d) (O(threads d + n k) while unmasking: each mask thread folds into its own sum).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from orchard.secure_agg import (
     expand_mask,
     quantize,
 )
-from orchard.secure_agg.prg import MaskExpander, MaskFolder
+from orchard.secure_agg.prg import DEFAULT_CHUNK_BYTES, MaskExpander, MaskFolder
 
 
 def test_mask_is_deterministic_and_seed_dependent() -> None:
@@ -129,8 +129,8 @@ def test_folder_equals_one_shot_masks(length: int, bits: int, signs: list[int], 
 
 
 def test_folder_on_a_long_vector_matches_expand_mask() -> None:
-    # Several 256 KiB chunks and a ragged last chunk, on two threads.
-    length = 3 * (1 << 16) + 12_345
+    # Several default-size chunks and a ragged last chunk, on two threads.
+    length = 3 * DEFAULT_CHUNK_BYTES // 4 + 12_345
     terms = [(bytes([7, i]) * 8, 1 if i % 3 else -1) for i in range(9)]
     acc = np.zeros(length, dtype=np.uint32)
     with MaskFolder(acc, threads=2, batch=2) as folder:

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from uniformity import chi_square_uniform_bytes
 
 from orchard.secure_agg import SecAggAbort, SecAggServer, Stage, dequantize, quantize
+from orchard.secure_agg.prg import DEFAULT_CHUNK_BYTES
 
 
 def _plain_sum(inputs, contributors, modulus_bits: int) -> np.ndarray:
@@ -100,7 +101,7 @@ def test_complete_graph_is_the_original_protocol() -> None:
 def test_sum_is_exact_with_masks_longer_than_a_chunk(threads: int) -> None:
     # Vectors of several mask-folder chunks plus a ragged tail, folded on one thread or
     # spread over three: survivors' self masks and dropped nodes' pairwise masks all come off.
-    n, d, k, t = 12, 3 * (1 << 16) + 777, 6, 4
+    n, d, k, t = 12, 2 * DEFAULT_CHUNK_BYTES // 4 + 777, 6, 4
     cfg = make_config(n, d, k, t, seed=21)
     rng = np.random.default_rng(21)
     inputs = {p: rng.integers(0, 1 << 16, d, dtype=np.uint32) for p in cfg.participants}
