@@ -134,8 +134,10 @@ class SecAggServer:
         self._id_len = [len(p.encode()) for p in ids]
         self._ct_base = ciphertext_size("", "")
         self._seen_keys: set[bytes] = set()
-        self._inbox: dict[int, list[tuple[str, bytes]]] = {}  # recipient -> (sender, ct)
-        self._outbox: dict[int, list[tuple[int, bytes]]] = {}  # sender -> (recipient, ct)
+        # Ciphertexts in transit, as parallel lists rather than n k long-lived pairs (fewer
+        # objects for the garbage collector to walk while the session runs).
+        self._inbox: dict[int, tuple[list[str], list[bytes]]] = {}  # recipient -> senders, cts
+        self._outbox: dict[int, tuple[list[int], list[bytes]]] = {}  # sender -> recipients, cts
         self._u2: frozenset[int] = frozenset()
         self._u3: frozenset[int] = frozenset()
         self._dtype = word_dtype(config.modulus_bits)
@@ -189,7 +191,8 @@ class SecAggServer:
             return KeysBroadcast(sid, rnd, node, tuple(
                 pk[j] for j in sorted(self._nbrs[i] & pk.keys())))
         if self.stage is Stage.MASKED_INPUT:
-            return SharesBroadcast(sid, rnd, node, tuple(self._inbox.get(i, ())))
+            senders, cts = self._inbox.get(i, ((), ()))
+            return SharesBroadcast(sid, rnd, node, tuple(zip(senders, cts, strict=True)))
         nb = self._nbrs[i] & self._u2
         return UnmaskRequest(sid, rnd, node,
                              tuple(self._ids[j] for j in sorted(nb & self._u3)),
@@ -257,7 +260,8 @@ class SecAggServer:
         expected = self._nbrs[i] & self._keys.keys()
         index, id_len = self._index, self._id_len
         base = self._ct_base + id_len[i]
-        got: list[tuple[int, bytes]] = []
+        js: list[int] = []
+        cts: list[bytes] = []
         for recipient, ct in msg.ciphertexts:
             j = index.get(recipient)
             if j is None or j not in expected:
@@ -266,15 +270,16 @@ class SecAggServer:
             if len(ct) != base + id_len[j]:
                 raise MalformedMessage(f"ciphertext {msg.sender!r} -> {recipient!r} has length "
                                        f"{len(ct)}, expected {base + id_len[j]}")
-            got.append((j, ct))
-        recipients = {j for j, _ in got}
-        if len(recipients) != len(got):
+            js.append(j)
+            cts.append(ct)
+        recipients = set(js)
+        if len(recipients) != len(js):
             raise DuplicateMessage(f"{msg.sender!r} sends two ciphertexts to the same neighbour")
         if recipients != expected:
             missing = sorted(self._ids[j] for j in expected - recipients)
             raise MalformedMessage(f"{msg.sender!r} must send shares to every neighbour that "
                                    f"advertised keys; missing {missing}")
-        self._outbox[i] = got
+        self._outbox[i] = (js, cts)
 
     def _on_masked(self, i: int, msg: MaskedInput) -> None:
         cfg = self.config
@@ -313,7 +318,10 @@ class SecAggServer:
         x = i + 1  # i's Shamir evaluation point
         for store, owners, pairs in staged:
             for j, (_, share) in zip(owners, pairs, strict=True):
-                store.setdefault(j, {})[x] = share
+                held = store.get(j)
+                if held is None:
+                    held = store[j] = {}
+                held[x] = share
 
     # ------------------------------------------------------------------ close
 
@@ -338,11 +346,16 @@ class SecAggServer:
             elif stage is Stage.SHARE_KEYS:
                 self._prune(alive)
                 self._u2 = frozenset(alive)
-                for s, outs in self._outbox.items():
-                    if s in alive:
-                        for r, ct in outs:
-                            if r in alive:
-                                self._inbox.setdefault(r, []).append((self._ids[s], ct))
+                inbox = self._inbox = {r: ([], []) for r in sorted(alive)}
+                for s, (recipients, cts) in self._outbox.items():
+                    if s not in alive:
+                        continue
+                    sender = self._ids[s]
+                    for r, ct in zip(recipients, cts, strict=True):
+                        if r in alive:
+                            senders, held = inbox[r]
+                            senders.append(sender)
+                            held.append(ct)
                 self._outbox.clear()
             elif stage is Stage.MASKED_INPUT:
                 self._u3 = frozenset(sent)
