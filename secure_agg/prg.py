@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import queue
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
 
@@ -48,6 +49,7 @@ __all__ = [
     "ByteStream",
     "MaskExpander",
     "MaskFolder",
+    "SeedSource",
     "available_cores",
     "expand_mask",
     "modulus_mask",
@@ -112,6 +114,9 @@ class MaskExpander:
             np.subtract(acc, mask, out=acc)
 
 
+SeedSource = bytes | Callable[[], bytes]  # a seed, or a function that derives it
+
+
 def available_cores() -> int:
     """CPU cores this process may run on (its affinity mask where the OS has one)."""
     try:
@@ -124,10 +129,16 @@ class MaskFolder:
     """``acc += sum_i sign_i * PRG(seed_i)`` modulo the word size, for many seeds.
 
     Seeds are queued with :meth:`add` and folded in batches of ``batch`` seeds; with
-    ``threads > 1`` the batches run on a thread pool as soon as they fill, so the caller
-    can go on deriving seeds while earlier ones expand. Call :meth:`finish` once, after
-    the last :meth:`add`: it waits for every batch and leaves the sum in ``acc``. Use it
-    as a context manager (or call :meth:`close`) so an error part-way stops the threads.
+    ``threads > 1`` the batches run on a thread pool as soon as they fill. Call
+    :meth:`finish` once, after the last :meth:`add`: it waits for every batch and leaves
+    the sum in ``acc``. Use it as a context manager (or call :meth:`close`) so an error
+    part-way stops the threads.
+
+    A seed may also be queued as a function that derives it (a key agreement, say): the
+    folding thread calls it just before the seed's first chunk. Derivations that hold the
+    GIL (X25519 does) then run between the thread's own AES calls, which release it, so
+    they overlap the other threads' keystream instead of stalling them; the same work
+    done up front on the caller's thread would keep every mask thread waiting for the GIL.
 
     A batch keeps one AES-CTR context per seed and walks the vector a chunk of
     ``chunk_bytes`` at a time, folding the next chunk of every seed's keystream into the
@@ -165,7 +176,7 @@ class MaskFolder:
         # split, but it keeps OpenSSL on its block-aligned fast path).
         self._chunk_words = max(1, (chunk_bytes // _AES_BLOCK) * _AES_BLOCK // itemsize)
         self._zeros = bytes(min(acc.size, self._chunk_words) * itemsize)
-        self._pending: list[tuple[bytes, bool]] = []
+        self._pending: list[tuple[SeedSource, bool]] = []
         self._futures: list[Future[None]] = []
         self._pool: ThreadPoolExecutor | None = None
         # Accumulators not in use by a running batch; a batch takes one and gives it back.
@@ -175,12 +186,18 @@ class MaskFolder:
         self._finished = False
         self.expansions = 0  # measurement: seeds expanded (each is one mask of acc.size words)
 
-    def add(self, seed: bytes, sign: int = 1) -> None:
-        """Queue ``sign * PRG(seed)`` (sign +1 adds the mask, -1 subtracts it)."""
+    def add(self, seed: SeedSource, sign: int = 1) -> None:
+        """Queue ``sign * PRG(seed)`` (sign +1 adds the mask, -1 subtracts it).
+
+        ``seed`` is the 16-byte seed or a function of no arguments that returns it; its
+        errors (and a seed of the wrong length) surface from :meth:`finish`.
+        """
         if self._finished:
             raise RuntimeError("this MaskFolder has finished; make a new one")
-        _check_seed(seed)
-        self._pending.append((bytes(seed), sign < 0))
+        if not callable(seed):
+            _check_seed(seed)
+            seed = bytes(seed)
+        self._pending.append((seed, sign < 0))
         self.expansions += 1
         if len(self._pending) >= self.batch:
             self._dispatch()
@@ -240,7 +257,7 @@ class MaskFolder:
         self._extra.append(extra)
         return extra
 
-    def _fold(self, batch: list[tuple[bytes, bool]]) -> None:
+    def _fold(self, batch: list[tuple[SeedSource, bool]]) -> None:
         acc = self._take_accumulator()
         try:
             _fold_chunked(acc, batch, self._chunk_words, self._zeros)
@@ -248,12 +265,22 @@ class MaskFolder:
             self._free.put(acc)
 
 
-def _fold_chunked(acc: np.ndarray, batch: list[tuple[bytes, bool]], chunk_words: int,
+def _seed_of(source: SeedSource) -> bytes:
+    seed = source() if callable(source) else source
+    _check_seed(seed)
+    return seed
+
+
+def _fold_chunked(acc: np.ndarray, batch: list[tuple[SeedSource, bool]], chunk_words: int,
                   zeros: bytes) -> None:
-    """The inner loop of :class:`MaskFolder`: chunk-major over one batch of seeds."""
+    """The inner loop of :class:`MaskFolder`: chunk-major over one batch of seeds. Seeds
+    given as functions are derived during the first chunk, each just before its mask."""
     itemsize = acc.dtype.itemsize
-    streams = [(Cipher(algorithms.AES(seed), modes.CTR(_ZERO_IV)).encryptor().update_into, neg)
-               for seed, neg in batch]
+    streams: list[tuple[Callable[..., int], bool]] = []
+    if acc.size == 0:
+        for source, _ in batch:
+            _seed_of(source)  # nothing to fold, but a bad seed is still an error
+        return
     buf = bytearray(min(acc.size, chunk_words) * itemsize + _AES_BLOCK - 1)
     keystream = np.frombuffer(buf, dtype=acc.dtype, count=min(acc.size, chunk_words))
     plain = memoryview(zeros)
@@ -262,6 +289,17 @@ def _fold_chunked(acc: np.ndarray, batch: list[tuple[bytes, bool]], chunk_words:
         part = acc[lo:lo + chunk_words]
         n = part.size
         ks, zin = (keystream, plain) if n == keystream.size else (keystream[:n], plain[:n * itemsize])
+        if lo == 0:
+            for source, neg in batch:
+                update_into = Cipher(algorithms.AES(_seed_of(source)),
+                                     modes.CTR(_ZERO_IV)).encryptor().update_into
+                streams.append((update_into, neg))
+                update_into(zin, buf)
+                if neg:
+                    sub(part, ks, out=part)
+                else:
+                    add(part, ks, out=part)
+            continue
         for update_into, neg in streams:
             update_into(zin, buf)
             if neg:

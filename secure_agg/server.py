@@ -21,6 +21,7 @@ O(n d) (O(threads d + n k) while unmasking: each mask thread folds into its own 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -413,36 +414,37 @@ class SecAggServer:
         t = cfg.threshold
         self._check_reconstructible(frozenset(responders), "responded")
         total = self._total if self._total is not None else np.zeros(cfg.vector_length, self._dtype)
-        # Every seed first, then every mask: deriving seeds (Shamir, X25519, HKDF) holds
-        # the GIL and would stall the mask threads, which need it briefly between chunks.
-        terms: list[tuple[bytes, int]] = []
         agreements = 0
-        try:
-            seeds = reconstruct_many_bytes(
-                {self._ids[u]: self._seed_shares.get(u, {}) for u in sorted(self._u3)},
-                t, SEED_BYTES)
-            terms.extend((seed, -1) for seed in seeds.values())
-            # Dropped nodes with a surviving neighbour: their pairwise masks are in the sum.
-            dropped = [d for d in sorted(self._u2 - self._u3) if self._nbrs[d] & self._u3]
-            keys = reconstruct_many_bytes({d: self._key_shares.get(d, {}) for d in dropped},
-                                          t, crypto.KEY_BYTES)
-            for d in dropped:
-                s_sk = crypto.load_private(keys[d])
-                if crypto.public_bytes(s_sk) != self._keys[d][1]:
-                    raise SecAggAbort(f"the mask key reconstructed for {self._ids[d]!r} does not "
-                                      f"match its advertised public key: a share was corrupted")
-                for v in sorted(self._nbrs[d] & self._u3):
-                    seed = crypto.pairwise_seed(s_sk, self._mask_pk[v], cfg.session_id,
-                                                cfg.round_number, self._ids[d], self._ids[v])
-                    # v added +PRG(s_vd) if v < d, else -PRG(s_vd): take off the same term.
-                    terms.append((seed, -1 if v < d else 1))
-                    agreements += 1
-        except (NotEnoughShares, MalformedMessage) as err:
-            raise SecAggAbort(f"reconstruction failed: {err}") from None
+        # Survivors' self-mask seeds come from one batched Shamir pass. The dropped nodes'
+        # pairwise seeds are handed to the folder as derivations: its threads run each
+        # X25519 agreement (which holds the GIL) between their AES calls (which release
+        # it), instead of this thread running all of them first while the others wait.
         with MaskFolder(total, threads=self.threads) as folder:
-            for seed, sign in terms:
-                folder.add(seed, sign)
-            folder.finish()
+            try:
+                seeds = reconstruct_many_bytes(
+                    {self._ids[u]: self._seed_shares.get(u, {}) for u in sorted(self._u3)},
+                    t, SEED_BYTES)
+                for seed in seeds.values():
+                    folder.add(seed, -1)
+                # Dropped nodes with a surviving neighbour: their pairwise masks are in the sum.
+                dropped = [d for d in sorted(self._u2 - self._u3) if self._nbrs[d] & self._u3]
+                keys = reconstruct_many_bytes({d: self._key_shares.get(d, {}) for d in dropped},
+                                              t, crypto.KEY_BYTES)
+                for d in dropped:
+                    s_sk = crypto.load_private(keys[d])
+                    if crypto.public_bytes(s_sk) != self._keys[d][1]:
+                        raise SecAggAbort(f"the mask key reconstructed for {self._ids[d]!r} does "
+                                          f"not match its advertised public key: a share was "
+                                          f"corrupted")
+                    for v in sorted(self._nbrs[d] & self._u3):
+                        # v added +PRG(s_vd) if v < d, else -PRG(s_vd): take off the same term.
+                        folder.add(functools.partial(
+                            crypto.pairwise_seed, s_sk, self._mask_pk[v], cfg.session_id,
+                            cfg.round_number, self._ids[d], self._ids[v]), -1 if v < d else 1)
+                        agreements += 1
+                folder.finish()
+            except (NotEnoughShares, MalformedMessage) as err:
+                raise SecAggAbort(f"reconstruction failed: {err}") from None
         total &= np.asarray(modulus_mask(cfg.modulus_bits), dtype=self._dtype)
         m = self._measurements
         m["mask_expansions"] = float(folder.expansions)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -169,3 +171,35 @@ def test_folder_error_in_a_thread_surfaces_in_finish() -> None:
     folder.add(b"\x01" * 16)
     with pytest.raises(ValueError, match="read-only"):
         folder.finish()
+
+
+@pytest.mark.parametrize("length", [0, 1000, DEFAULT_CHUNK_BYTES // 4 + 5])
+def test_folder_derives_seeds_given_as_functions(length: int) -> None:
+    # A seed may be a derivation run on the folding thread: same sum as the seed itself,
+    # each derivation called once, and one that fails (or returns a bad seed) fails finish.
+    calls: list[int] = []
+
+    def derive(i: int) -> bytes:
+        calls.append(i)
+        return bytes([i + 1]) * 16
+
+    terms = [(bytes([i + 1]) * 16, 1 if i % 2 else -1) for i in range(7)]
+    for threads in (1, 2):
+        calls.clear()
+        lazy = np.zeros(length, dtype=np.uint32)
+        with MaskFolder(lazy, threads=threads, batch=3) as folder:
+            for i, (_, sign) in enumerate(terms):
+                folder.add(functools.partial(derive, i), sign)
+            folder.finish()
+        assert sorted(calls) == list(range(7))
+        assert np.array_equal(lazy, _one_shot_sum(terms, length, 32))
+
+    def broken() -> bytes:
+        raise ArithmeticError("derivation failed")
+
+    for bad, err in ((broken, ArithmeticError), (lambda: b"short", ValueError)):
+        with MaskFolder(np.zeros(length, np.uint32), threads=2, batch=1) as folder:
+            folder.add(b"\x01" * 16)
+            folder.add(bad)
+            with pytest.raises(err):
+                folder.finish()
