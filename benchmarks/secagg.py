@@ -6,7 +6,10 @@ happen after the key-sharing stage (the costliest point for the server: it must 
 the dropped clients' pairwise masks). Reported per configuration:
 
 - server_seconds: time inside the server (decoding uploads, broadcasts, accumulation,
-  closing stages, reconstruction and unmasking);
+  closing stages, reconstruction and unmasking); unmask_seconds is the part spent closing
+  the last stage (reconstructing seeds and keys, key agreements, expanding and removing
+  every mask), the only part that runs on several threads: its CPU over its wall time
+  says how many cores it really got;
 - client_seconds: mean time per client inside its protocol steps (decoding broadcasts,
   key agreement, Shamir, encryption, mask expansion, encoding its replies);
 - bytes_expansion: bytes a client uploads / bytes of its quantised uint32 vector (4 d);
@@ -68,6 +71,8 @@ class Row:
     client_seconds_max: float
     plain_seconds: float
     server_cpu_seconds: float
+    unmask_seconds: float  # of server_seconds: closing the last stage (seeds and masks)
+    unmask_cpu_seconds: float
     client_cpu_seconds: float
     plain_cpu_seconds: float
     bytes_expansion: float
@@ -121,7 +126,7 @@ def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: fl
     client_time = dict.fromkeys(ids, 0.0)
     upload = dict.fromkeys(ids, 0)
     download = dict.fromkeys(ids, 0)
-    server_time = plain_time = server_cpu = plain_cpu = 0.0
+    server_time = plain_time = server_cpu = plain_cpu = unmask_time = unmask_cpu = 0.0
     client_cpu = dict.fromkeys(ids, 0.0)
     # Server spans take the process's CPU time (the server's mask threads run inside them;
     # nothing else runs then), client spans the thread's.
@@ -155,8 +160,11 @@ def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: fl
             download[node] += len(bcast)
         t0, c0 = clock(), pcpu()
         server.close_stage()
-        server_time += clock() - t0
-        server_cpu += pcpu() - c0
+        t1, c1 = clock(), pcpu()
+        server_time += t1 - t0
+        server_cpu += c1 - c0
+        if stage is Stage.UNMASKING:
+            unmask_time, unmask_cpu = t1 - t0, c1 - c0
         if stage is Stage.MASKED_INPUT:
             clients = {p: c for p, c in clients.items() if p not in dropped}  # free state
 
@@ -174,6 +182,8 @@ def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: fl
         client_seconds_max=float(np.max(times)),
         plain_seconds=plain_time,
         server_cpu_seconds=server_cpu,
+        unmask_seconds=unmask_time,
+        unmask_cpu_seconds=unmask_cpu,
         client_cpu_seconds=float(np.mean([client_cpu[p] for p in survivors])),
         plain_cpu_seconds=plain_cpu,
         bytes_expansion=float(np.mean([upload[p] for p in survivors])) / (4 * d),
@@ -211,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
           f"core(s) available")
     rows = []
     header = (f"{'n':>5} {'d':>9} {'drop':>5} {'k':>4} {'t':>4} {'server s':>9} {'(cpu)':>8} "
-              f"{'bound s':>8} {'x bound':>8} {'(cpu)':>6} "
+              f"{'unmask s':>8} {'(cpu)':>6} {'bound s':>8} {'x bound':>8} {'(cpu)':>6} "
               f"{'client s':>9} {'(cpu)':>7} {'client max':>10} {'plain s':>8} {'overhead':>9} "
               f"{'bytes x':>8} {'ok':>3}")
     print(header)
@@ -224,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(r)
                 print(f"{r.n:>5} {r.d:>9} {r.dropout:>5.2f} {r.neighbours:>4} {r.threshold:>4} "
                       f"{r.server_seconds:>9.3f} {r.server_cpu_seconds:>8.3f} "
+                      f"{r.unmask_seconds:>8.3f} {r.unmask_cpu_seconds:>6.2f} "
                       f"{r.keystream_bound_seconds:>8.3f} {r.bound_ratio:>7.2f}x "
                       f"{r.bound_cpu_ratio:>5.2f}x "
                       f"{r.client_seconds:>9.4f} {r.client_cpu_seconds:>7.4f} "
