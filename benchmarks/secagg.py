@@ -147,13 +147,13 @@ def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: fl
             reply = clients[node].respond(decode(bcast), vector).to_bytes()
             t3, c3, p3 = clock(), cpu(), pcpu()
             server.receive(stage, node, reply)
-            t4, c4 = clock(), pcpu()
+            t4, p4 = clock(), pcpu()
             if vector is not None:
                 np.add(plain, vector, out=plain)  # the baseline: plain aggregation
                 plain_time += clock() - t4
-                plain_cpu += cpu() - c4
+                plain_cpu += pcpu() - p4
             server_time += (t1 - t0) + (t4 - t3)
-            server_cpu += (c1 - c0) + (c4 - p3)
+            server_cpu += (c1 - c0) + (p4 - p3)
             client_time[node] += t3 - t2
             client_cpu[node] += c3 - c2
             upload[node] += len(reply)
