@@ -10,9 +10,9 @@ and per pair, see :mod:`orchard.secure_agg.crypto`), so a fixed counter block is
 There is no Python loop over coordinates: OpenSSL writes the keystream straight into a
 preallocated buffer and numpy adds it to the accumulator. :class:`MaskFolder` folds many
 masks at once the way a server needs to: a chunk of the accumulator at a time (so the
-accumulator and the keystream stay in cache and each word of the sum is read and written
-once per chunk, not once per mask from memory) and on several threads (OpenSSL runs with
-the GIL released, so the threads expand masks in parallel).
+accumulator chunk and the keystream stay in cache, rather than 4 MB of sum streaming
+through memory for every mask) and on several threads (OpenSSL runs with the GIL
+released, so the threads expand masks in parallel).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ SEED_BYTES = 16
 _ZERO_IV = bytes(16)
 _AES_BLOCK = 16
 # 1 MiB of keystream per step. The accumulator chunk, the keystream and the zero input
-# stay in cache (L2/L3) instead of streaming 4 MB per mask from memory; CPU per byte was
-# the same from 256 KiB to 1 MiB on a 2-core EPYC (1 MiB L2), and each step costs two GIL
-# round trips (after update_into, after the add), so longer steps (~110 us of AES) keep
-# the threads from queueing on the GIL, which hurts most when the host is busy.
+# stay in cache (L2/L3) instead of streaming 4 MB per mask from memory. CPU per byte was
+# the same from 128 KiB to 1 MiB on a 2-core EPYC (1 MiB L2); each step costs two GIL
+# round trips (after update_into, after the add), so the longest of those steps (~110 us
+# of AES) gives threads the fewest chances to queue on the GIL.
 DEFAULT_CHUNK_BYTES = 1024 * 1024
 # Seeds per task: enough that streaming a worker's accumulator from memory once per task
 # is negligible next to the keystream (64 masks of 4 MB vs one 4 MB accumulator), few
