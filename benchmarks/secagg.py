@@ -6,17 +6,30 @@ happen after the key-sharing stage (the costliest point for the server: it must 
 the dropped clients' pairwise masks). Reported per configuration:
 
 - server_seconds: time inside the server (decoding uploads, broadcasts, accumulation,
-  closing stages, reconstruction and unmasking);
+  closing stages, reconstruction and unmasking); unmask_seconds is the part spent closing
+  the last stage (reconstructing seeds and keys, key agreements, expanding and removing
+  every mask), the only part that runs on several threads: its CPU over its wall time
+  says how many cores it really got;
 - client_seconds: mean time per client inside its protocol steps (decoding broadcasts,
   key agreement, Shamir, encryption, mask expansion, encoding its replies);
 - bytes_expansion: bytes a client uploads / bytes of its quantised uint32 vector (4 d);
 - overhead_ratio: server_seconds / seconds to sum the same quantised vectors plainly
-  (measured in the same run, on the same vectors).
+  (measured in the same run, on the same vectors);
+- keystream bound: the server must expand one AES-128-CTR mask of d words per survivor
+  (its self mask) and per (dropped node, surviving neighbour) pair; mask_bytes counts
+  them from the server's own measurement (mask_expansions x d x 4). The bound is
+  mask_bytes / (keystream GB/s of one core x cores), with the keystream speed measured
+  in the same run by the same ``cryptography`` call the PRG makes, into a preallocated
+  buffer; bound_ratio = server_seconds / bound (1.0 would be pure keystream on every
+  core and nothing else). bound_cpu_ratio = server_cpu_seconds / (mask_bytes / GB/s of
+  one core) compares CPU time with CPU time, which a loaded host disturbs less.
 
-Times are wall-clock (perf_counter); the *_cpu_seconds columns are the thread's CPU time
-over the same spans, which is what to compare on a shared, loaded machine.
+Times are wall-clock (perf_counter); the *_cpu_seconds columns are CPU time over the
+same spans (the process's for the server, whose mask threads run inside its spans; the
+thread's for a client), which is what to compare on a shared, loaded machine.
 
     python benchmarks/secagg.py [--quick] [--json PATH] [--n 1000 --d 1000000 --dropout 0.1]
+                                [--threads T]
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from orchard.secure_agg import (
     SecAggClient,
@@ -38,6 +52,7 @@ from orchard.secure_agg import (
     choose_parameters,
     decode,
 )
+from orchard.secure_agg.prg import DEFAULT_CHUNK_BYTES, available_cores
 
 STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING)
 BITS = 16  # quantisation bits: 1000 * 2^16 < 2^32, so the sum never wraps
@@ -56,11 +71,20 @@ class Row:
     client_seconds_max: float
     plain_seconds: float
     server_cpu_seconds: float
+    unmask_seconds: float  # of server_seconds: closing the last stage (seeds and masks)
+    unmask_cpu_seconds: float
     client_cpu_seconds: float
     plain_cpu_seconds: float
     bytes_expansion: float
     download_bytes: float
     overhead_ratio: float
+    threads: int
+    cores: int
+    mask_bytes: float
+    keystream_gbps_per_core: float
+    keystream_bound_seconds: float
+    bound_ratio: float
+    bound_cpu_ratio: float
     correct: bool
 
 
@@ -68,7 +92,28 @@ def _entropy(label: str) -> bytes:
     return hashlib.sha256(label.encode()).digest()
 
 
-def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, seed: int = 0) -> Row:
+def keystream_gbps(seconds: float = 0.3, repeats: int = 3) -> float:
+    """AES-128-CTR keystream, GB/s on one core: the call the PRG makes (``update_into``
+    of zeros into a preallocated buffer), one chunk of the mask folder at a time. Bytes
+    over the thread's CPU time, best of ``repeats`` runs of ``seconds`` each, so a loaded
+    host (whose other processes steal wall time, not CPU time) still gives the core's speed.
+    """
+    nbytes = DEFAULT_CHUNK_BYTES
+    zeros, out = bytes(nbytes), bytearray(nbytes + 15)
+    best = 0.0
+    for r in range(repeats):
+        update = Cipher(algorithms.AES(bytes([r + 1]) * 16), modes.CTR(bytes(16))).encryptor().update_into
+        done, c0, t0 = 0, time.thread_time(), time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(64):
+                update(zeros, out)
+            done += 64 * nbytes
+        best = max(best, done / (time.thread_time() - c0) / 1e9)
+    return best
+
+
+def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: float,
+            threads: int | None = None, seed: int = 0) -> Row:
     params = choose_parameters(n, dropout, corrupt_fraction=corrupt_fraction)
     ids = [f"client-{i:05d}" for i in range(n)]
     config = SessionConfig.create(ids, d, neighbours=params.neighbours,
@@ -76,51 +121,59 @@ def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, seed: in
                                   entropy=_entropy(f"session/{seed}/{n}/{d}/{dropout}"))
     rng = np.random.default_rng(seed)
     dropped = set(rng.choice(config.participants, size=int(round(dropout * n)), replace=False))
-    server = SecAggServer(config)
+    server = SecAggServer(config, threads=threads)
     clients = {p: SecAggClient(p, entropy=_entropy(f"client/{seed}/{p}")) for p in ids}
     client_time = dict.fromkeys(ids, 0.0)
     upload = dict.fromkeys(ids, 0)
     download = dict.fromkeys(ids, 0)
-    server_time = plain_time = server_cpu = plain_cpu = 0.0
+    server_time = plain_time = server_cpu = plain_cpu = unmask_time = unmask_cpu = 0.0
     client_cpu = dict.fromkeys(ids, 0.0)
-    clock, cpu = time.perf_counter, time.thread_time
+    # Server spans take the process's CPU time (the server's mask threads run inside them;
+    # nothing else runs then), client spans the thread's.
+    clock, cpu, pcpu = time.perf_counter, time.thread_time, time.process_time
     plain = np.zeros(d, dtype=np.uint32)
 
     for stage in STAGES:
         for node in sorted(server.pending()):
             if stage is Stage.MASKED_INPUT and node in dropped:
                 continue
-            t0, c0 = clock(), cpu()
+            t0, c0 = clock(), pcpu()
             bcast = server.broadcast_for(node).to_bytes()
-            t1, c1 = clock(), cpu()
+            t1, c1 = clock(), pcpu()
             vector = None
             if stage is Stage.MASKED_INPUT:
                 vector = rng.integers(0, 1 << BITS, size=d, dtype=np.uint32)
             t2, c2 = clock(), cpu()
             reply = clients[node].respond(decode(bcast), vector).to_bytes()
-            t3, c3 = clock(), cpu()
+            t3, c3, p3 = clock(), cpu(), pcpu()
             server.receive(stage, node, reply)
-            t4, c4 = clock(), cpu()
+            t4, p4 = clock(), pcpu()
             if vector is not None:
                 np.add(plain, vector, out=plain)  # the baseline: plain aggregation
                 plain_time += clock() - t4
-                plain_cpu += cpu() - c4
+                plain_cpu += pcpu() - p4
             server_time += (t1 - t0) + (t4 - t3)
-            server_cpu += (c1 - c0) + (c4 - c3)
+            server_cpu += (c1 - c0) + (p4 - p3)
             client_time[node] += t3 - t2
             client_cpu[node] += c3 - c2
             upload[node] += len(reply)
             download[node] += len(bcast)
-        t0, c0 = clock(), cpu()
+        t0, c0 = clock(), pcpu()
         server.close_stage()
-        server_time += clock() - t0
-        server_cpu += cpu() - c0
+        t1, c1 = clock(), pcpu()
+        server_time += t1 - t0
+        server_cpu += c1 - c0
+        if stage is Stage.UNMASKING:
+            unmask_time, unmask_cpu = t1 - t0, c1 - c0
         if stage is Stage.MASKED_INPUT:
             clients = {p: c for p, c in clients.items() if p not in dropped}  # free state
 
     result = server.result()
     survivors = [p for p in ids if p not in dropped]
     times = [client_time[p] for p in survivors]
+    mask_bytes = result.measurements["mask_expansions"] * d * 4
+    cores = available_cores()
+    bound = mask_bytes / (gbps * 1e9 * cores)
     return Row(
         n=n, d=d, dropout=dropout, neighbours=params.neighbours, threshold=params.threshold,
         contributors=len(result.contributors),
@@ -129,11 +182,20 @@ def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, seed: in
         client_seconds_max=float(np.max(times)),
         plain_seconds=plain_time,
         server_cpu_seconds=server_cpu,
+        unmask_seconds=unmask_time,
+        unmask_cpu_seconds=unmask_cpu,
         client_cpu_seconds=float(np.mean([client_cpu[p] for p in survivors])),
         plain_cpu_seconds=plain_cpu,
         bytes_expansion=float(np.mean([upload[p] for p in survivors])) / (4 * d),
         download_bytes=float(np.mean([download[p] for p in survivors])),
         overhead_ratio=server_time / plain_time,
+        threads=server.threads,
+        cores=cores,
+        mask_bytes=mask_bytes,
+        keystream_gbps_per_core=gbps,
+        keystream_bound_seconds=bound,
+        bound_ratio=server_time / bound if bound else float("nan"),
+        bound_cpu_ratio=server_cpu / (bound * cores) if bound else float("nan"),
         correct=bool(np.array_equal(result.total, plain)),
     )
 
@@ -145,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, nargs="*", help="cohort sizes (default 100 1000)")
     ap.add_argument("--d", type=int, nargs="*", help="vector lengths (default 1e5 1e6)")
     ap.add_argument("--dropout", type=float, nargs="*", help="dropout rates (default 0 0.1 0.3)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="server mask-expansion threads (default: every core available)")
     ap.add_argument("--corrupt-fraction", type=float, default=0.05,
                     help="fraction of clients assumed to collude with the server (sets k, t)")
     args = ap.parse_args(argv)
@@ -152,8 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     ds = args.d or ([10_000] if args.quick else [100_000, 1_000_000])
     drops = args.dropout if args.dropout is not None else [0.0, 0.1, 0.3]
 
+    gbps = keystream_gbps()
+    print(f"AES-128-CTR keystream: {gbps:.2f} GB/s per core (CPU time), {available_cores()} "
+          f"core(s) available")
     rows = []
     header = (f"{'n':>5} {'d':>9} {'drop':>5} {'k':>4} {'t':>4} {'server s':>9} {'(cpu)':>8} "
+              f"{'unmask s':>8} {'(cpu)':>6} {'bound s':>8} {'x bound':>8} {'(cpu)':>6} "
               f"{'client s':>9} {'(cpu)':>7} {'client max':>10} {'plain s':>8} {'overhead':>9} "
               f"{'bytes x':>8} {'ok':>3}")
     print(header)
@@ -161,10 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     for n in ns:
         for d in ds:
             for p in drops:
-                r = run_one(n, d, p, corrupt_fraction=args.corrupt_fraction)
+                r = run_one(n, d, p, corrupt_fraction=args.corrupt_fraction, gbps=gbps,
+                            threads=args.threads)
                 rows.append(r)
                 print(f"{r.n:>5} {r.d:>9} {r.dropout:>5.2f} {r.neighbours:>4} {r.threshold:>4} "
                       f"{r.server_seconds:>9.3f} {r.server_cpu_seconds:>8.3f} "
+                      f"{r.unmask_seconds:>8.3f} {r.unmask_cpu_seconds:>6.2f} "
+                      f"{r.keystream_bound_seconds:>8.3f} {r.bound_ratio:>7.2f}x "
+                      f"{r.bound_cpu_ratio:>5.2f}x "
                       f"{r.client_seconds:>9.4f} {r.client_cpu_seconds:>7.4f} "
                       f"{r.client_seconds_max:>10.4f} {r.plain_seconds:>8.4f} "
                       f"{r.overhead_ratio:>8.1f}x {r.bytes_expansion:>8.4f} "

@@ -36,7 +36,7 @@ from orchard.secure_agg.messages import (
     UnmaskRequest,
     UnmaskShares,
 )
-from orchard.secure_agg.prg import SEED_BYTES, ByteStream, MaskExpander, modulus_mask, word_dtype
+from orchard.secure_agg.prg import SEED_BYTES, ByteStream, MaskFolder, modulus_mask, word_dtype
 from orchard.secure_agg.shamir import share_bytes
 
 __all__ = ["SecAggClient"]
@@ -203,17 +203,20 @@ class SecAggClient:
         x = self._check_vector(vector, cfg)
         dtype = word_dtype(cfg.modulus_bits)
         y = x.astype(dtype, copy=True)
-        exp = MaskExpander(cfg.vector_length, cfg.modulus_bits)
-        exp.add_into(y, self._seed)
         me = self._index[self.node_id]
-        for peer in held:
-            seed = crypto.pairwise_seed(self._s_sk, self._peers[peer][1], cfg.session_id,
-                                        cfg.round_number, self.node_id, peer)
-            # The lower-indexed node of a pair adds the mask, the higher one subtracts it,
-            # so the pair's masks cancel in the sum (§4, "masking with one-time pads").
-            exp.add_into(y, seed, 1 if me < self._index[peer] else -1)
+        # One thread: a device has few cores, and a simulator runs many clients at once.
+        # All the masks go in one batch, so y is walked once, a cache-sized chunk at a time.
+        with MaskFolder(y, threads=1, batch=len(held) + 1) as folder:
+            folder.add(self._seed)
+            for peer in held:
+                seed = crypto.pairwise_seed(self._s_sk, self._peers[peer][1], cfg.session_id,
+                                            cfg.round_number, self.node_id, peer)
+                # The lower-indexed node of a pair adds the mask, the higher one subtracts
+                # it, so the pair's masks cancel in the sum (§4, "masking with one-time pads").
+                folder.add(seed, 1 if me < self._index[peer] else -1)
+            folder.finish()
         y &= np.asarray(modulus_mask(cfg.modulus_bits), dtype=dtype)
-        self.masks_expanded += exp.expansions
+        self.masks_expanded += folder.expansions
         self._held = held
         self._channel.clear()
         self.stage = Stage.UNMASKING

@@ -83,19 +83,21 @@ def public_bytes(key: X25519PrivateKey) -> bytes:
     return key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
 
 
-def _exchange(sk: X25519PrivateKey, pk: bytes) -> bytes:
+def _exchange(sk: X25519PrivateKey, pk: bytes | X25519PublicKey) -> bytes:
     try:
-        return sk.exchange(load_public(pk))
+        return sk.exchange(pk if isinstance(pk, X25519PublicKey) else load_public(pk))
     except ValueError as err:  # all-zero shared secret: a low-order public key
         raise MalformedMessage(f"public key rejected by X25519: {err}") from None
 
 
-def pairwise_seed(s_sk: X25519PrivateKey, peer_s_pk: bytes, session_id: bytes,
-                  round_number: int, a: str, b: str) -> bytes:
+def pairwise_seed(s_sk: X25519PrivateKey, peer_s_pk: bytes | X25519PublicKey,
+                  session_id: bytes, round_number: int, a: str, b: str) -> bytes:
     """s_{a,b} = HKDF(DH(s_sk, peer_s_pk)) for the unordered pair {a, b} (§4, round 2).
 
     Both ends (and the server, once it has reconstructed a dropped node's s_sk) derive the
-    same seed; ``a``/``b`` are put in sorted order so the derivation is symmetric.
+    same seed; ``a``/``b`` are put in sorted order so the derivation is symmetric. The
+    peer's key may come loaded (a server derives k seeds per dropped node and loads each
+    survivor's key once).
     """
     lo, hi = sorted((a, b))
     return hkdf(_exchange(s_sk, peer_s_pk), _context(b"mask", session_id, round_number, lo, hi),

@@ -16,14 +16,16 @@ long as every secret that must be reconstructed still has ``threshold`` holders,
 otherwise raises :class:`~orchard.errors.SecAggAbort` and stays aborted.
 
 Masked inputs are added to one running sum as they arrive: memory is O(d + n k), never
-O(n d).
+O(n d) (O(threads d + n k) while unmasking: each mask thread folds into its own sum).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
 from orchard.secure_agg import crypto
 from orchard.secure_agg._wire import (
@@ -57,8 +59,14 @@ from orchard.secure_agg.messages import (
     UnmaskShares,
     decode,
 )
-from orchard.secure_agg.prg import SEED_BYTES, MaskExpander, modulus_mask, word_dtype
-from orchard.secure_agg.shamir import reconstruct_bytes
+from orchard.secure_agg.prg import (
+    SEED_BYTES,
+    MaskFolder,
+    available_cores,
+    modulus_mask,
+    word_dtype,
+)
+from orchard.secure_agg.shamir import reconstruct_many_bytes
 
 __all__ = ["SecAggResult", "SecAggServer", "StageReport"]
 
@@ -98,10 +106,18 @@ class SecAggResult:
 
 
 class SecAggServer:
-    """The server's side of one session. Not thread-safe: the caller serialises calls."""
+    """The server's side of one session. Not thread-safe: the caller serialises calls.
 
-    def __init__(self, config: SessionConfig) -> None:
+    ``threads`` is how many threads expand masks when the session unmasks (None: every
+    core this process may use). Mask expansion is nearly all of the server's work in a
+    large session; the threads live only inside :meth:`close_stage` of the last stage.
+    """
+
+    def __init__(self, config: SessionConfig, *, threads: int | None = None) -> None:
+        if threads is not None and threads < 1:
+            raise ValueError(f"threads must be >= 1 (or None for every core), got {threads}")
         self.config = config
+        self.threads = threads if threads is not None else available_cores()
         self.stage = Stage.ADVERTISE_KEYS
         self.abort_reason: str | None = None
         ids = config.participants
@@ -112,9 +128,17 @@ class SecAggServer:
         self._live: set[int] = set(range(len(ids)))  # may send in the current stage
         self._sent: set[int] = set()  # sent in the current stage
         self._keys: dict[int, tuple[bytes, bytes]] = {}  # U1: (c_pk, s_pk)
+        self._peer_keys: dict[int, PeerKeys] = {}  # U1, as sent to neighbours (made once)
+        self._mask_pk: dict[int, X25519PublicKey] = {}  # U1: s_pk, loaded
+        # Expected ciphertext length i -> j is _ct_base + _id_len[i] + _id_len[j]
+        # (ciphertext_size without encoding both ids for each of the n k ciphertexts).
+        self._id_len = [len(p.encode()) for p in ids]
+        self._ct_base = ciphertext_size("", "")
         self._seen_keys: set[bytes] = set()
-        self._inbox: dict[int, list[tuple[str, bytes]]] = {}  # recipient -> (sender, ct)
-        self._outbox: dict[int, list[tuple[int, bytes]]] = {}  # sender -> (recipient, ct)
+        # Ciphertexts in transit, as parallel lists rather than n k long-lived pairs (fewer
+        # objects for the garbage collector to walk while the session runs).
+        self._inbox: dict[int, tuple[list[str], list[bytes]]] = {}  # recipient -> senders, cts
+        self._outbox: dict[int, tuple[list[int], list[bytes]]] = {}  # sender -> recipients, cts
         self._u2: frozenset[int] = frozenset()
         self._u3: frozenset[int] = frozenset()
         self._dtype = word_dtype(config.modulus_bits)
@@ -164,11 +188,12 @@ class SecAggServer:
             return SessionSetup(node, cfg)
         sid, rnd = cfg.session_id, cfg.round_number
         if self.stage is Stage.SHARE_KEYS:
-            peers = sorted(self._nbrs[i] & self._keys.keys())
+            pk = self._peer_keys
             return KeysBroadcast(sid, rnd, node, tuple(
-                PeerKeys(self._ids[j], *self._keys[j]) for j in peers))
+                pk[j] for j in sorted(self._nbrs[i] & pk.keys())))
         if self.stage is Stage.MASKED_INPUT:
-            return SharesBroadcast(sid, rnd, node, tuple(self._inbox.get(i, ())))
+            senders, cts = self._inbox.get(i, ((), ()))
+            return SharesBroadcast(sid, rnd, node, tuple(zip(senders, cts, strict=True)))
         nb = self._nbrs[i] & self._u2
         return UnmaskRequest(sid, rnd, node,
                              tuple(self._ids[j] for j in sorted(nb & self._u3)),
@@ -223,34 +248,39 @@ class SecAggServer:
         self._measurements["bytes_received"] += nbytes
 
     def _on_keys(self, i: int, msg: AdvertiseKeys) -> None:
-        for pk in (msg.channel_pk, msg.mask_pk):
-            crypto.load_public(pk)
+        crypto.load_public(msg.channel_pk)
+        mask_pk = crypto.load_public(msg.mask_pk)
         if msg.channel_pk == msg.mask_pk or {msg.channel_pk, msg.mask_pk} & self._seen_keys:
             raise DuplicateMessage(f"{msg.sender!r} advertises a public key already in use: "
                                    f"keys must be fresh and distinct")
         self._seen_keys.update((msg.channel_pk, msg.mask_pk))
         self._keys[i] = (msg.channel_pk, msg.mask_pk)
+        self._mask_pk[i] = mask_pk
 
     def _on_shares(self, i: int, msg: ShareKeys) -> None:
         expected = self._nbrs[i] & self._keys.keys()
-        got: list[tuple[int, bytes]] = []
+        index, id_len = self._index, self._id_len
+        base = self._ct_base + id_len[i]
+        js: list[int] = []
+        cts: list[bytes] = []
         for recipient, ct in msg.ciphertexts:
-            j = self._index.get(recipient)
+            j = index.get(recipient)
             if j is None or j not in expected:
                 raise UnknownPeer(f"{msg.sender!r} sends shares to {recipient!r}, which is not "
                                   f"one of its neighbours that advertised keys")
-            if len(ct) != ciphertext_size(msg.sender, recipient):
+            if len(ct) != base + id_len[j]:
                 raise MalformedMessage(f"ciphertext {msg.sender!r} -> {recipient!r} has length "
-                                       f"{len(ct)}, expected {ciphertext_size(msg.sender, recipient)}")
-            got.append((j, ct))
-        recipients = [j for j, _ in got]
-        if len(set(recipients)) != len(recipients):
+                                       f"{len(ct)}, expected {base + id_len[j]}")
+            js.append(j)
+            cts.append(ct)
+        recipients = set(js)
+        if len(recipients) != len(js):
             raise DuplicateMessage(f"{msg.sender!r} sends two ciphertexts to the same neighbour")
-        if set(recipients) != expected:
-            missing = sorted(self._ids[j] for j in expected - set(recipients))
+        if recipients != expected:
+            missing = sorted(self._ids[j] for j in expected - recipients)
             raise MalformedMessage(f"{msg.sender!r} must send shares to every neighbour that "
                                    f"advertised keys; missing {missing}")
-        self._outbox[i] = got
+        self._outbox[i] = (js, cts)
 
     def _on_masked(self, i: int, msg: MaskedInput) -> None:
         cfg = self.config
@@ -267,27 +297,32 @@ class SecAggServer:
 
     def _on_unmask(self, i: int, msg: UnmaskShares) -> None:
         nb = self._nbrs[i] & self._u2
-        want_seed = {self._ids[j] for j in nb & self._u3}
-        want_key = {self._ids[j] for j in nb - self._u3}
-        parsed: list[tuple[dict[int, dict[int, bytes]], int, bytes]] = []
+        index = self._index
+        staged: list[tuple[dict[int, dict[int, bytes]], list[int], tuple[tuple[str, bytes], ...]]] = []
         for pairs, want, size, store in (
-            (msg.self_mask_shares, want_seed, SELF_MASK_SHARE_BYTES, self._seed_shares),
-            (msg.mask_key_shares, want_key, MASK_KEY_SHARE_BYTES, self._key_shares),
+            (msg.self_mask_shares, nb & self._u3, SELF_MASK_SHARE_BYTES, self._seed_shares),
+            (msg.mask_key_shares, nb - self._u3, MASK_KEY_SHARE_BYTES, self._key_shares),
         ):
-            owners = [o for o, _ in pairs]
-            if len(set(owners)) != len(owners):
+            names = [o for o, _ in pairs]
+            if len(set(names)) != len(names):
                 raise DuplicateMessage(f"{msg.sender!r} sends two shares for one node")
+            owners = [index.get(o, -1) for o in names]
             if set(owners) != want:
-                raise UnknownPeer(f"{msg.sender!r} sends shares for {sorted(set(owners) - want)} "
-                                  f"and misses {sorted(want - set(owners))}: not what was asked")
+                asked = {self._ids[j] for j in want}
+                raise UnknownPeer(f"{msg.sender!r} sends shares for {sorted(set(names) - asked)} "
+                                  f"and misses {sorted(asked - set(names))}: not what was asked")
             for owner, share in pairs:
                 if len(share) != size:
                     raise MalformedMessage(f"share of {owner!r} from {msg.sender!r} is "
                                            f"{len(share)} bytes, expected {size}")
-                parsed.append((store, self._index[owner], share))
-        x = i + 1
-        for store, owner, share in parsed:
-            store.setdefault(owner, {})[x] = share
+            staged.append((store, owners, pairs))
+        x = i + 1  # i's Shamir evaluation point
+        for store, owners, pairs in staged:
+            for j, (_, share) in zip(owners, pairs, strict=True):
+                held = store.get(j)
+                if held is None:
+                    held = store[j] = {}
+                held[x] = share
 
     # ------------------------------------------------------------------ close
 
@@ -308,14 +343,20 @@ class SecAggServer:
             if stage is Stage.ADVERTISE_KEYS:
                 self._prune(alive)
                 self._keys = {j: k for j, k in self._keys.items() if j in alive}
+                self._peer_keys = {j: PeerKeys(self._ids[j], *k) for j, k in self._keys.items()}
             elif stage is Stage.SHARE_KEYS:
                 self._prune(alive)
                 self._u2 = frozenset(alive)
-                for s, outs in self._outbox.items():
-                    if s in alive:
-                        for r, ct in outs:
-                            if r in alive:
-                                self._inbox.setdefault(r, []).append((self._ids[s], ct))
+                inbox = self._inbox = {r: ([], []) for r in sorted(alive)}
+                for s, (recipients, cts) in self._outbox.items():
+                    if s not in alive:
+                        continue
+                    sender = self._ids[s]
+                    for r, ct in zip(recipients, cts, strict=True):
+                        if r in alive:
+                            senders, held = inbox[r]
+                            senders.append(sender)
+                            held.append(ct)
                 self._outbox.clear()
             elif stage is Stage.MASKED_INPUT:
                 self._u3 = frozenset(sent)
@@ -373,32 +414,40 @@ class SecAggServer:
         t = cfg.threshold
         self._check_reconstructible(frozenset(responders), "responded")
         total = self._total if self._total is not None else np.zeros(cfg.vector_length, self._dtype)
-        exp = MaskExpander(cfg.vector_length, cfg.modulus_bits)
-        try:
-            for u in sorted(self._u3):
-                seed = reconstruct_bytes(self._seed_shares.get(u, {}), t, SEED_BYTES)
-                exp.add_into(total, seed, -1)
-            agreements = 0
-            for d in sorted(self._u2 - self._u3):
-                partners = sorted(self._nbrs[d] & self._u3)
-                if not partners:
-                    continue
-                raw = reconstruct_bytes(self._key_shares.get(d, {}), t, crypto.KEY_BYTES)
-                s_sk = crypto.load_private(raw)
-                if crypto.public_bytes(s_sk) != self._keys[d][1]:
-                    raise SecAggAbort(f"the mask key reconstructed for {self._ids[d]!r} does not "
-                                      f"match its advertised public key: a share was corrupted")
-                for v in partners:
-                    seed = crypto.pairwise_seed(s_sk, self._keys[v][1], cfg.session_id,
-                                                cfg.round_number, self._ids[d], self._ids[v])
-                    # v added +PRG(s_vd) if v < d, else -PRG(s_vd): take off the same term.
-                    exp.add_into(total, seed, -1 if v < d else 1)
-                    agreements += 1
-        except (NotEnoughShares, MalformedMessage) as err:
-            raise SecAggAbort(f"reconstruction failed: {err}") from None
+        agreements = 0
+        # Survivors' self-mask seeds come from one batched Shamir pass. The dropped nodes'
+        # pairwise seeds are handed to the folder as derivations: its threads run each
+        # X25519 agreement (which holds the GIL) between their AES calls (which release
+        # it), instead of this thread running all of them first while the others wait.
+        with MaskFolder(total, threads=self.threads) as folder:
+            try:
+                seeds = reconstruct_many_bytes(
+                    {self._ids[u]: self._seed_shares.get(u, {}) for u in sorted(self._u3)},
+                    t, SEED_BYTES)
+                for seed in seeds.values():
+                    folder.add(seed, -1)
+                # Dropped nodes with a surviving neighbour: their pairwise masks are in the sum.
+                dropped = [d for d in sorted(self._u2 - self._u3) if self._nbrs[d] & self._u3]
+                keys = reconstruct_many_bytes({d: self._key_shares.get(d, {}) for d in dropped},
+                                              t, crypto.KEY_BYTES)
+                for d in dropped:
+                    s_sk = crypto.load_private(keys[d])
+                    if crypto.public_bytes(s_sk) != self._keys[d][1]:
+                        raise SecAggAbort(f"the mask key reconstructed for {self._ids[d]!r} does "
+                                          f"not match its advertised public key: a share was "
+                                          f"corrupted")
+                    for v in sorted(self._nbrs[d] & self._u3):
+                        # v added +PRG(s_vd) if v < d, else -PRG(s_vd): take off the same term.
+                        folder.add(functools.partial(
+                            crypto.pairwise_seed, s_sk, self._mask_pk[v], cfg.session_id,
+                            cfg.round_number, self._ids[d], self._ids[v]), -1 if v < d else 1)
+                        agreements += 1
+                folder.finish()
+            except (NotEnoughShares, MalformedMessage) as err:
+                raise SecAggAbort(f"reconstruction failed: {err}") from None
         total &= np.asarray(modulus_mask(cfg.modulus_bits), dtype=self._dtype)
         m = self._measurements
-        m["mask_expansions"] = float(exp.expansions)
+        m["mask_expansions"] = float(folder.expansions)
         m["key_agreements"] = float(agreements)
         m["contributors"] = float(len(self._u3))
         m["dropped_pairwise_removed"] = float(agreements)

@@ -11,7 +11,8 @@ why coefficients are drawn exactly uniformly (rejection of the single value 2^31
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from typing import TypeVar
 
 import numpy as np
 
@@ -21,8 +22,11 @@ from orchard.secure_agg.prg import ByteStream
 PRIME = (1 << 31) - 1
 LIMB_BITS = 16
 
-__all__ = ["PRIME", "share_bytes", "reconstruct_bytes", "share_limbs", "reconstruct_limbs",
-           "share_size"]
+__all__ = ["PRIME", "share_bytes", "reconstruct_bytes", "reconstruct_many_bytes", "share_limbs",
+           "reconstruct_limbs", "share_size"]
+
+_K = TypeVar("_K", bound=Hashable)
+_INCONSISTENT = "shares are inconsistent: they do not interpolate to a byte secret"
 
 
 def share_size(secret_len: int) -> int:
@@ -86,31 +90,6 @@ def _prod_mod(a: np.ndarray) -> np.ndarray:
     return a[0]
 
 
-def _lagrange_at_zero(xs: np.ndarray) -> np.ndarray:
-    """lambda_j = prod_{m != j} x_m / (x_m - x_j) mod p, for distinct points ``xs``."""
-    t = xs.size
-    diff = (xs[:, None] + PRIME - xs[None, :]) % PRIME  # [m, j] = x_m - x_j
-    num = np.broadcast_to(xs[:, None], (t, t)).copy()
-    np.fill_diagonal(diff, 1)
-    np.fill_diagonal(num, 1)
-    num_j, den_j = _prod_mod(num), _prod_mod(diff)
-    return (num_j * _batch_inverse(den_j)) % PRIME
-
-
-def _batch_inverse(values: np.ndarray) -> np.ndarray:
-    """Inverses mod p of nonzero ``values`` with one exponentiation (Montgomery's trick)."""
-    vals = values.tolist()
-    prefix = [1] * (len(vals) + 1)
-    for i, v in enumerate(vals):
-        prefix[i + 1] = prefix[i] * v % PRIME
-    inv_all = pow(prefix[-1], PRIME - 2, PRIME)
-    out = [0] * len(vals)
-    for i in range(len(vals) - 1, -1, -1):
-        out[i] = inv_all * prefix[i] % PRIME
-        inv_all = inv_all * vals[i] % PRIME
-    return np.array(out, dtype=np.uint64)
-
-
 def reconstruct_limbs(shares: Mapping[int, np.ndarray], threshold: int) -> np.ndarray:
     """The secret limbs from any ``threshold`` of the shares (point -> share row).
 
@@ -118,8 +97,9 @@ def reconstruct_limbs(shares: Mapping[int, np.ndarray], threshold: int) -> np.nd
     ``threshold`` lowest points are used.
     """
     points = _pick(shares, threshold)
+    xs = _check_points(points)
     rows = np.stack([np.asarray(shares[p], dtype=np.uint64) for p in points])
-    return _interpolate_at_zero(points, rows)
+    return _interpolate_many(xs[None, :], rows[None, :, :])[0]
 
 
 def _pick(shares: Mapping[int, object], threshold: int) -> list[int]:
@@ -133,14 +113,6 @@ def _pick(shares: Mapping[int, object], threshold: int) -> list[int]:
     return sorted(shares)[:threshold]
 
 
-def _interpolate_at_zero(points: list[int], rows: np.ndarray) -> np.ndarray:
-    xs = _check_points(points)
-    if np.any(rows >= PRIME):
-        raise MalformedMessage("a share holds a value outside the field (>= 2^31 - 1)")
-    lam = _lagrange_at_zero(xs)
-    return ((rows * lam[:, None]) % PRIME).sum(axis=0) % PRIME
-
-
 def share_bytes(secret: bytes, threshold: int, xs: Sequence[int],
                 rand: ByteStream) -> list[bytes]:
     """Shamir shares of a byte string, one serialised share per point in ``xs``."""
@@ -152,16 +124,94 @@ def share_bytes(secret: bytes, threshold: int, xs: Sequence[int],
 
 def reconstruct_bytes(shares: Mapping[int, bytes], threshold: int, secret_len: int) -> bytes:
     """The ``secret_len``-byte secret from any ``threshold`` serialised shares."""
+    points, blob = _gather(shares, threshold, secret_len)
+    limbs = _interpolate_many(np.array([points], dtype=np.uint64),
+                              _rows(blob, 1, threshold, secret_len))
+    return _limbs_to_bytes(limbs[0], secret_len)
+
+
+def reconstruct_many_bytes(secrets: Mapping[_K, Mapping[int, bytes]], threshold: int,
+                           secret_len: int) -> dict[_K, bytes]:
+    """:func:`reconstruct_bytes` for many secrets of one length at once (a server
+    recovering every survivor's self-mask seed): one numpy pass interpolates all of
+    them, each from its own ``threshold`` lowest points. Errors name the secret's key.
+    """
+    keys = list(secrets)
+    if not keys:
+        return {}
+    points: list[list[int]] = []
+    blobs: list[bytes] = []
+    for key in keys:
+        try:
+            pts, blob = _gather(secrets[key], threshold, secret_len)
+        except (NotEnoughShares, MalformedMessage) as err:
+            raise type(err)(f"secret of {key!r}: {err}") from None
+        points.append(pts)
+        blobs.append(blob)
+    xs = np.array(points, dtype=np.uint64)
+    limbs = _interpolate_many(xs, _rows(b"".join(blobs), len(keys), threshold, secret_len))
+    bad = np.flatnonzero((limbs >= 1 << LIMB_BITS).any(axis=1))
+    if bad.size:
+        raise MalformedMessage(f"secret of {keys[bad[0]]!r}: {_INCONSISTENT}")
+    raw = limbs.astype("<u2").tobytes()
+    width = 2 * limbs.shape[1]
+    return {key: raw[i * width:i * width + secret_len] for i, key in enumerate(keys)}
+
+
+def _gather(shares: Mapping[int, bytes], threshold: int, secret_len: int) -> tuple[list[int], bytes]:
+    """The ``threshold`` lowest points and their shares, concatenated, checked."""
     expected = share_size(secret_len)
     for s in shares.values():
         if len(s) != expected:
             raise MalformedMessage(f"a share of a {secret_len}-byte secret is {expected} bytes, "
                                    f"got {len(s)}")
     points = _pick(shares, threshold)
-    rows = np.frombuffer(b"".join(shares[p] for p in points), dtype="<u4")
-    limbs = _interpolate_at_zero(points, rows.reshape(len(points), -1).astype(np.uint64))
+    if points[0] <= 0 or points[-1] >= PRIME:
+        raise ValueError(f"evaluation points must lie in 1..{PRIME - 1}")
+    return points, b"".join(shares[p] for p in points)
+
+
+def _rows(blob: bytes, count: int, threshold: int, secret_len: int) -> np.ndarray:
+    rows = np.frombuffer(blob, dtype="<u4").astype(np.uint64)
+    return rows.reshape(count, threshold, _num_limbs(secret_len))
+
+
+def _limbs_to_bytes(limbs: np.ndarray, secret_len: int) -> bytes:
     if np.any(limbs >= 1 << LIMB_BITS):
         # Honest shares of a byte secret interpolate to 16-bit limbs; anything else means
         # the shares are of different secrets or were altered.
-        raise MalformedMessage("shares are inconsistent: they do not interpolate to a byte secret")
+        raise MalformedMessage(_INCONSISTENT)
     return limbs.astype("<u2").tobytes()[:secret_len]
+
+
+def _interpolate_many(xs: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """f_i(0) for each secret i, from its distinct points ``xs[i]`` (m, t) and share rows
+    ``rows[i]`` (m, t, L), by Lagrange interpolation at zero:
+
+        lambda_ij = prod_{a != j} x_ia / (x_ia - x_ij) = P_i / (x_ij * D_ij),
+        P_i = prod_a x_ia,  D_ij = prod_{a != j} (x_ia - x_ij),
+
+    with every x_ij * D_ij inverted at once by Fermat's little theorem. O(m t) memory.
+    """
+    if np.any(rows >= PRIME):
+        raise MalformedMessage("a share holds a value outside the field (>= 2^31 - 1)")
+    m, t = xs.shape
+    den = np.array(xs, dtype=np.uint64, copy=True)  # accumulates x_ij * D_ij
+    for a in range(t):
+        d = (xs[:, a:a + 1] + PRIME - xs) % PRIME  # x_ia - x_ij; zero at j = a
+        d[:, a] = 1
+        den = (den * d) % PRIME
+    lam = (_prod_mod(xs.T)[:, None] * _pow_mod(den, PRIME - 2)) % PRIME  # (m, t)
+    return ((rows * lam[:, :, None]) % PRIME).sum(axis=1) % PRIME
+
+
+def _pow_mod(base: np.ndarray, exponent: int) -> np.ndarray:
+    """Elementwise base^exponent mod p (square and multiply; products stay < 2^62)."""
+    result = np.ones_like(base)
+    base = base % PRIME
+    while exponent:
+        if exponent & 1:
+            result = (result * base) % PRIME
+        base = (base * base) % PRIME
+        exponent >>= 1
+    return result

@@ -26,13 +26,13 @@ def make_config(n: int, d: int, k: int, t: int, *, seed: int = 0, round_number: 
 
 def run_session(config: SessionConfig, inputs: Mapping[str, np.ndarray],
                 drop: Mapping[Stage, Sequence[str]] | None = None, *, seed: int = 0,
-                server_sees: list[np.ndarray] | None = None):
+                server_sees: list[np.ndarray] | None = None, threads: int | None = None):
     """Run every stage; ``drop[stage]`` lists nodes that go silent from that stage on.
 
     Returns (server, clients). Raises whatever the protocol raises (e.g. SecAggAbort).
     """
     drop = drop or {}
-    server = SecAggServer(config)
+    server = SecAggServer(config, threads=threads)
     clients = {p: SecAggClient(p, entropy=entropy(p, seed)) for p in config.participants}
     gone: set[str] = set()
     for stage in STAGES:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -15,7 +17,7 @@ from orchard.secure_agg import (
     expand_mask,
     quantize,
 )
-from orchard.secure_agg.prg import MaskExpander
+from orchard.secure_agg.prg import DEFAULT_CHUNK_BYTES, MaskExpander, MaskFolder
 
 
 def test_mask_is_deterministic_and_seed_dependent() -> None:
@@ -93,3 +95,111 @@ def test_headroom() -> None:
         check_headroom(1000, 24, 32)
     with pytest.raises(SecAggConfigError):
         quantize(np.zeros(3), 0.0, 8, np.random.default_rng(0))
+
+
+def _one_shot_sum(terms: list[tuple[bytes, int]], length: int, bits: int) -> np.ndarray:
+    """sum_i sign_i * PRG(seed_i) from whole one-shot masks: the reference for MaskFolder."""
+    acc = np.zeros(length, dtype=np.uint32 if bits <= 32 else np.uint64)
+    for seed, sign in terms:
+        m = MaskExpander(length, bits).expand(seed)
+        if sign > 0:
+            acc += m
+        else:
+            acc -= m
+    return acc
+
+
+@settings(max_examples=60, deadline=None)
+@given(length=st.integers(0, 5000), bits=st.sampled_from([32, 64]),
+       signs=st.lists(st.sampled_from([1, -1]), max_size=12),
+       threads=st.integers(1, 3), batch=st.integers(1, 5),
+       chunk_bytes=st.sampled_from([16, 48, 100, 1024, 4096, 1 << 18]))
+def test_folder_equals_one_shot_masks(length: int, bits: int, signs: list[int], threads: int,
+                                      batch: int, chunk_bytes: int) -> None:
+    # Chunks that do not divide the length, chunks that are not whole AES blocks (100),
+    # chunks larger than the vector, batches split over threads: always the same words.
+    terms = [(bytes([i + 1]) * 16, s) for i, s in enumerate(signs)]
+    acc = np.arange(length, dtype=np.uint32 if bits <= 32 else np.uint64)
+    start = acc.copy()
+    with MaskFolder(acc, threads=threads, batch=batch, chunk_bytes=chunk_bytes) as folder:
+        for seed, sign in terms:
+            folder.add(seed, sign)
+        out = folder.finish()
+    assert out is acc
+    assert np.array_equal(acc - start, _one_shot_sum(terms, length, bits))
+    assert folder.expansions == len(terms)
+
+
+def test_folder_on_a_long_vector_matches_expand_mask() -> None:
+    # Several default-size chunks and a ragged last chunk, on two threads.
+    length = 3 * DEFAULT_CHUNK_BYTES // 4 + 12_345
+    terms = [(bytes([7, i]) * 8, 1 if i % 3 else -1) for i in range(9)]
+    acc = np.zeros(length, dtype=np.uint32)
+    with MaskFolder(acc, threads=2, batch=2) as folder:
+        for seed, sign in terms:
+            folder.add(seed, sign)
+        folder.finish()
+    want = np.zeros(length, dtype=np.uint32)
+    for seed, sign in terms:
+        want += expand_mask(seed, length) if sign > 0 else -expand_mask(seed, length)
+    assert np.array_equal(acc, want)
+
+
+def test_folder_masks_cancel_and_refuses_misuse() -> None:
+    acc = np.arange(1000, dtype=np.uint32)
+    with MaskFolder(acc, threads=2, batch=1) as folder:
+        folder.add(b"\x05" * 16, 1)
+        folder.add(b"\x05" * 16, -1)
+        folder.finish()
+        with pytest.raises(RuntimeError):
+            folder.add(b"\x05" * 16)
+    assert np.array_equal(acc, np.arange(1000))
+    with pytest.raises(ValueError, match="seed"):
+        MaskFolder(np.zeros(4, np.uint32)).add(b"short")
+    for bad in (np.zeros(4, np.int32), np.zeros((2, 2), np.uint32), np.zeros(8, np.uint32)[::2],
+                np.zeros(4, ">u4")):
+        with pytest.raises(ValueError, match="accumulator"):
+            MaskFolder(bad)
+    with pytest.raises(ValueError, match="threads"):
+        MaskFolder(np.zeros(4, np.uint32), threads=0)
+
+
+def test_folder_error_in_a_thread_surfaces_in_finish() -> None:
+    acc = np.zeros(100, dtype=np.uint32)
+    folder = MaskFolder(acc, threads=2, batch=1)
+    acc.flags.writeable = False  # the first batch folds into acc: its in-place add fails
+    folder.add(b"\x01" * 16)
+    with pytest.raises(ValueError, match="read-only"):
+        folder.finish()
+
+
+@pytest.mark.parametrize("length", [0, 1000, DEFAULT_CHUNK_BYTES // 4 + 5])
+def test_folder_derives_seeds_given_as_functions(length: int) -> None:
+    # A seed may be a derivation run on the folding thread: same sum as the seed itself,
+    # each derivation called once, and one that fails (or returns a bad seed) fails finish.
+    calls: list[int] = []
+
+    def derive(i: int) -> bytes:
+        calls.append(i)
+        return bytes([i + 1]) * 16
+
+    terms = [(bytes([i + 1]) * 16, 1 if i % 2 else -1) for i in range(7)]
+    for threads in (1, 2):
+        calls.clear()
+        lazy = np.zeros(length, dtype=np.uint32)
+        with MaskFolder(lazy, threads=threads, batch=3) as folder:
+            for i, (_, sign) in enumerate(terms):
+                folder.add(functools.partial(derive, i), sign)
+            folder.finish()
+        assert sorted(calls) == list(range(7))
+        assert np.array_equal(lazy, _one_shot_sum(terms, length, 32))
+
+    def broken() -> bytes:
+        raise ArithmeticError("derivation failed")
+
+    for bad, err in ((broken, ArithmeticError), (lambda: b"short", ValueError)):
+        with MaskFolder(np.zeros(length, np.uint32), threads=2, batch=1) as folder:
+            folder.add(b"\x01" * 16)
+            folder.add(bad)
+            with pytest.raises(err):
+                folder.finish()

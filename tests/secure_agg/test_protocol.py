@@ -11,7 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from uniformity import chi_square_uniform_bytes
 
-from orchard.secure_agg import SecAggAbort, Stage, dequantize, quantize
+from orchard.secure_agg import SecAggAbort, SecAggServer, Stage, dequantize, quantize
+from orchard.secure_agg.prg import DEFAULT_CHUNK_BYTES
 
 
 def _plain_sum(inputs, contributors, modulus_bits: int) -> np.ndarray:
@@ -96,6 +97,24 @@ def test_complete_graph_is_the_original_protocol() -> None:
     assert np.array_equal(r.total, _plain_sum(inputs, p[2:], 32))
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_sum_is_exact_with_masks_longer_than_a_chunk(threads: int) -> None:
+    # Vectors of several mask-folder chunks plus a ragged tail, folded on one thread or
+    # spread over three: survivors' self masks and dropped nodes' pairwise masks all come off.
+    n, d, k, t = 12, 2 * DEFAULT_CHUNK_BYTES // 4 + 777, 6, 4
+    cfg = make_config(n, d, k, t, seed=21)
+    rng = np.random.default_rng(21)
+    inputs = {p: rng.integers(0, 1 << 16, d, dtype=np.uint32) for p in cfg.participants}
+    p = cfg.participants
+    server, _ = run_session(cfg, inputs, {Stage.MASKED_INPUT: [p[2], p[7]]}, seed=21,
+                            threads=threads)
+    r = server.result()
+    assert server.threads == threads
+    assert r.contributors == tuple(q for q in p if q not in (p[2], p[7]))
+    assert np.array_equal(r.total, _plain_sum(inputs, r.contributors, 32))
+    assert r.measurements["mask_expansions"] == 10 + r.measurements["key_agreements"]
+
+
 def test_larger_sparse_session_with_quantised_floats() -> None:
     n, d, k, t = 60, 3000, 12, 8
     cfg = make_config(n, d, k, t, seed=5)
@@ -160,3 +179,8 @@ def test_paper_parameters_at_a_few_hundred_clients() -> None:
     r = server.result()
     assert len(r.contributors) == n - n // 10
     assert np.array_equal(r.total, _plain_sum(inputs, r.contributors, 32))
+
+
+def test_server_refuses_zero_threads() -> None:
+    with pytest.raises(ValueError, match="threads"):
+        SecAggServer(make_config(4, 10, 2, 2), threads=0)

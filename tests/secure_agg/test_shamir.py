@@ -15,6 +15,7 @@ from orchard.secure_agg.shamir import (
     PRIME,
     reconstruct_bytes,
     reconstruct_limbs,
+    reconstruct_many_bytes,
     share_bytes,
     share_limbs,
 )
@@ -89,3 +90,41 @@ def test_bad_arguments() -> None:
         share_bytes(b"x", 1, [0], _stream())
     with pytest.raises(MalformedMessage):
         reconstruct_bytes({1: b"\x00" * 3}, 1, 2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(count=st.integers(0, 6), m=st.integers(1, 9), secret_len=st.integers(1, 33),
+       data=st.data())
+def test_many_secrets_at_once_match_one_at_a_time(count: int, m: int, secret_len: int,
+                                                  data: st.DataObject) -> None:
+    # Each secret has its own holders and its own surviving subset (so its own Lagrange
+    # coefficients), as the server sees when it recovers every survivor's seed at once.
+    t = data.draw(st.integers(1, m))
+    secrets, held = {}, {}
+    for i in range(count):
+        secret = data.draw(st.binary(min_size=secret_len, max_size=secret_len))
+        xs = data.draw(st.lists(st.integers(1, 2000), min_size=m, max_size=m, unique=True))
+        shares = dict(zip(xs, share_bytes(secret, t, xs, _stream(i)), strict=True))
+        subset = data.draw(st.lists(st.sampled_from(xs), min_size=t, max_size=m, unique=True))
+        secrets[f"node-{i}"] = secret
+        held[f"node-{i}"] = {x: shares[x] for x in subset}
+    got = reconstruct_many_bytes(held, t, secret_len)
+    assert got == secrets
+    assert got == {k: reconstruct_bytes(v, t, secret_len) for k, v in held.items()}
+
+
+def test_many_secrets_name_the_one_that_fails() -> None:
+    xs = [1, 2, 3]
+    good = dict(zip(xs, share_bytes(b"\x01" * 16, 2, xs, _stream(1)), strict=True))
+    with pytest.raises(NotEnoughShares, match="'b'"):
+        reconstruct_many_bytes({"a": good, "b": {1: good[1]}}, 2, 16)
+    with pytest.raises(MalformedMessage, match="'b'"):
+        reconstruct_many_bytes({"a": good, "b": {1: good[1], 2: b"\x00" * 3}}, 2, 16)
+    other = dict(zip(xs, share_bytes(b"\x02" * 16, 2, xs, _stream(2)), strict=True))
+    mixed = {1: good[1], 2: other[2]}  # shares of two different secrets
+    try:
+        out = reconstruct_many_bytes({"a": good, "b": mixed}, 2, 16)
+    except MalformedMessage as err:
+        assert "'b'" in str(err)
+    else:
+        assert out["a"] == b"\x01" * 16 and out["b"] not in (b"\x01" * 16, b"\x02" * 16)
