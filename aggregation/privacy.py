@@ -46,29 +46,44 @@ from orchard.config import RunConfig
 from orchard.errors import ConfigError
 from orchard.typing import NDArrays
 
+_BLOCK = 1 << 14  # elements per step of the samplers' vector loops (128 KiB of float64)
+_THIN_BELOW = 64.0  # expected coin tosses per batch below which the sampler thins (see discrete_gaussian)
 NOISE_SHARE_BOUND = 10.0  # a client's noise share is clamped at this many standard deviations
 
 
 # ------------------------------------------------------------------------------ clipping
 
 
+def squared_norm(x: np.ndarray) -> float:
+    """``||x||^2`` in float64 arithmetic, whatever float dtype ``x`` has. einsum casts a
+    block at a time: no float64 copy of a large ``x``, and no BLAS call (a threaded BLAS
+    dot costs milliseconds on a busy host, for what is a 100 microsecond sum)."""
+    v = x.reshape(-1)
+    return float(np.einsum("i,i->", v, v, dtype=np.float64))
+
+
 def global_norm(update: NDArrays) -> float:
     """The L2 norm of all tensors of ``update`` together."""
-    return math.sqrt(sum(float(np.dot(v.ravel().astype(np.float64), v.ravel().astype(np.float64)))
-                         for v in update.values()))
+    return math.sqrt(sum(squared_norm(v) for v in update.values()))
+
+
+def clip_factor(norm: float, bound: float) -> float:
+    """What an update of L2 norm ``norm`` is multiplied by to clip it to ``bound``: 1
+    within the bound, else ``bound / norm`` a hair (1e-6 relative) lower, so that float32
+    rounding of the scaled values cannot lift their norm above the bound: the bound is
+    what sensitivity analyses rely on."""
+    return 1.0 if norm <= bound else bound / norm * (1.0 - 1e-6)
 
 
 def clip_l2(update: NDArrays, norm: float) -> tuple[NDArrays, float]:
-    """``update * min(1, norm / ||update||)`` (float32, as it came) and the norm it had.
-    An update within the bound comes back as the very same arrays. A clipped one is
-    scaled a hair (1e-6 relative) below the bound, so float32 rounding cannot lift its
-    norm above it: the bound is what sensitivity analyses rely on."""
+    """``update * min(1, norm / ||update||)`` (float32, as it came; :func:`clip_factor`)
+    and the norm it had. An update within the bound comes back as the very same arrays."""
     if not norm > 0:
         raise ConfigError(f"a clipping norm must be > 0, got {norm}")
     n = global_norm(update)
     if n <= norm:
         return update, n
-    scale = norm / n * (1.0 - 1e-6)
+    scale = clip_factor(n, norm)
     return {k: (v.astype(np.float64) * scale).astype(v.dtype) for k, v in update.items()}, n
 
 

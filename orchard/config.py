@@ -245,9 +245,10 @@ class RunConfig(_Strict):
 
     @property
     def needs_decoded_updates(self) -> bool:
-        """A tier must decode each client update (to clip it or take a robust statistic):
-        no compressed-domain sum."""
-        return (self.clip_norm is not None and not self.secure_aggregation.enabled) or self.robust.statistic != "mean"
+        """A tier must decode each client update (a robust statistic of them): no
+        compressed-domain sum. Clipping does not need it: a tier reads an update's norm
+        from its payload and scales its weight (``orchard.compression.sums_compressed``)."""
+        return self.robust.statistic != "mean"
     # Synchronous rounds or buffered asynchronous aggregation ([run.mode], see ModeConfig).
     mode: ModeConfig = ModeConfig()
 
