@@ -391,16 +391,23 @@ class PrivacyLedger:
     def plan(cls, cfg: RunConfig, population: int | None = None) -> PrivacyLedger | None:
         """The ledger of a run (None when privacy is off). Derives the noise multiplier from
         the target epsilon for ``cfg.rounds`` rounds; refuses a run whose given noise cannot
-        meet its target."""
+        meet its target.
+
+        The sampling rate, unless the config states it, is the share of the population a
+        round selects, ``ceil(target x over_selection) / population``: every selected
+        client's update can reach the sum (under secure aggregation all of them do; in a
+        plain round the first ``target`` to arrive, which for a fast device is nearly
+        certain once selected), so ``target / population`` would understate a device's
+        chance of being in a round by the over-selection factor."""
         p = cfg.privacy
         if not p.enabled:
             return None
         q = p.sampling_rate
         if q is None:
             if population is None:
-                raise ConfigError("privacy.sampling_rate is needed for accounting: the expected share of the "
-                                  "population selected per round (cohort.target / population)")
-            q = min(1.0, cfg.cohort.target / population)
+                raise ConfigError("privacy.sampling_rate is needed for accounting: the share of the population "
+                                  "selected per round (ceil(cohort.target x cohort.over_selection) / population)")
+            q = min(1.0, math.ceil(cfg.cohort.target * cfg.cohort.over_selection) / population)
         if p.noise_multiplier is not None:
             z = p.noise_multiplier
             if p.target_epsilon is not None:

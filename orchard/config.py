@@ -170,8 +170,9 @@ class PrivacyConfig(_Strict):
     adds Gaussian noise); "distributed" (no tier is trusted: under secure aggregation
     each client clips and adds its share of discrete Gaussian noise, so every cohort sum
     a tier learns is already private). The noise multiplier comes from ``target_epsilon``
-    (at ``delta``, over the planned rounds, at ``sampling_rate`` = clients per round /
-    population; the simulator knows its population) or is given as ``noise_multiplier``.
+    (at ``delta``, over the planned rounds, at ``sampling_rate`` = clients selected per
+    round / population, ``ceil(cohort.target x cohort.over_selection) / population`` by
+    default; the simulator knows its population) or is given as ``noise_multiplier``.
     """
 
     mode: Literal["off", "central", "distributed"] = "off"
