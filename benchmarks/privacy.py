@@ -124,6 +124,13 @@ def main() -> None:
     plan.append(("secure, no DP", "secure", None, {"secure": True}))
     plan += [(f"distributed DP eps={eps:g}", "distributed", eps,
               {"secure": True, "privacy": {"mode": "distributed", "target_epsilon": eps}}) for eps in a.epsilons]
+    if a.epsilons and a.aggregators:
+        # Every secure cohort's sum must carry the whole noise (no tier is trusted), so a
+        # tree of k cohorts releases k times the noise central DP adds once. One cohort
+        # under the root shows what distributed DP costs without that.
+        eps = min(a.epsilons)
+        plan.append((f"distributed DP eps={eps:g}, 1 cohort", "distributed", eps,
+                     {"secure": True, "aggregators": 0, "privacy": {"mode": "distributed", "target_epsilon": eps}}))
     if not a.no_robustness:
         defences: list[tuple[str, dict[str, Any] | None]] = [
             ("no defence", None), ("norm bound", {"norm_bound": a.clip}),
@@ -138,21 +145,34 @@ def main() -> None:
         refs = {"non-private"} | ({"secure, no DP"} if any(c[1] == "distributed" for c in wanted) else set())
         plan = [c for c in plan if c in wanted or c[0] in refs]
     rows: list[dict[str, Any]] = []
+
+    def write(rows: list[dict[str, Any]], complete: bool) -> None:
+        if not a.json_path:
+            return
+        with open(a.json_path, "w") as fh:
+            json.dump({"task": a.task, "population": a.population, "per_round": a.per_round, "rounds": a.rounds,
+                       "aggregators": a.aggregators, "clip": a.clip, "delta": 1e-5, "seeds": a.seeds,
+                       "dropout_rate": a.dropout_rate, "trim_fraction": a.trim_fraction, "complete": complete,
+                       "cases": rows, "load_average": {"before": list(load_before), "now": list(os.getloadavg())}},
+                      fh, indent=2)
+
     for name, kind, target, kw in plan:
         runs = []
         for seed in a.seeds:
-            r = _case(**common, seed=seed, **kw)  # type: ignore[arg-type]
+            r = _case(**{**common, **kw}, seed=seed)  # type: ignore[arg-type]
             runs.append(r)
             print(f"  {name}, seed {seed}: accuracy {r['accuracy']}, epsilon {r['epsilon']}, "
                   f"{r['seconds_per_round']} s/round, {r['total_cpu_seconds']} CPU s in {r['total_seconds']} s",
                   flush=True)
         rows.append({"case": name, "kind": kind, "target_epsilon": target, **_mean_over_seeds(runs)})
+        write(rows, complete=False)  # what is done survives an interrupted run
     plain = rows[0]
     secure = next((r for r in rows if r["kind"] == "secure"), None)
     base_acc = plain["accuracy"] or 0.0
     for r in rows:
         r["accuracy_minus_nonprivate"] = None if r["accuracy"] is None else round(r["accuracy"] - base_acc, 4)
-        ref = secure if r["kind"] == "distributed" else plain
+        # A one-cohort run's costs are not comparable with the tree's secure run: no ratios.
+        ref = None if "1 cohort" in r["case"] else secure if r["kind"] == "distributed" else plain
         for k, out in (("seconds_per_round", "time_vs_off"), ("bytes_up_per_round", "bytes_vs_off"),
                        ("total_cpu_seconds", "cpu_vs_off")):
             r[out] = round(r[k] / ref[k], 3) if ref is not None and ref[k] else None
@@ -165,7 +185,7 @@ def main() -> None:
     print(f"\n{a.task}, population {a.population}, {a.per_round} per round, {a.rounds} rounds, clip {a.clip}, "
           f"delta 1e-5, seeds {a.seeds} (accuracy: mean ± sample stddev over seeds); DP cost is read against "
           f"the run without DP on the same transport")
-    print(f"{'case':<28} {'target eps':>10} {'eps spent':>9} {'z':>6} {'accuracy':>16} {'vs non-priv':>11} "
+    print(f"{'case':<32} {'target eps':>10} {'eps spent':>9} {'z':>6} {'accuracy':>16} {'vs non-priv':>11} "
           f"{'s/round':>8} {'x time':>7} {'CPU s':>7} {'x CPU':>6} {'bytes up/rd':>12} {'x bytes':>7}")
 
     def f(v: Any, fmt: str) -> str:
@@ -174,23 +194,17 @@ def main() -> None:
 
     for r in rows:
         acc = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.2f} ± {100 * r['accuracy_spread']:.2f}"
-        print(f"{r['case']:<28} {f(r['target_epsilon'], '10g')} {f(r['epsilon'], '9.3f')} "
+        print(f"{r['case']:<32} {f(r['target_epsilon'], '10g')} {f(r['epsilon'], '9.3f')} "
               f"{f(r['noise_multiplier'], '6.3f')} {acc:>16} "
               f"{f(None if r['accuracy_minus_nonprivate'] is None else 100 * r['accuracy_minus_nonprivate'], '+11.2f')} "
               f"{f(r['seconds_per_round'], '8.2f')} {f(r['time_vs_off'], '7.2f')} {f(r['total_cpu_seconds'], '7.1f')} "
               f"{f(r['cpu_vs_off'], '6.2f')} {f(round(r['bytes_up_per_round']), '12,d')} {f(r['bytes_vs_off'], '7.3f')}")
     for r in rows:
         if "minus_central_at_equal_epsilon" in r:
-            print(f"distributed - central at epsilon {r['target_epsilon']:g}: "
+            print(f"{r['case']} - central at epsilon {r['target_epsilon']:g}: "
                   f"{100 * r['minus_central_at_equal_epsilon']:+.2f} points (means over seeds)")
     print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
-    if a.json_path:
-        with open(a.json_path, "w") as fh:
-            json.dump({"task": a.task, "population": a.population, "per_round": a.per_round, "rounds": a.rounds,
-                       "clip": a.clip, "delta": 1e-5, "seeds": a.seeds, "dropout_rate": a.dropout_rate,
-                       "trim_fraction": a.trim_fraction, "cases": rows,
-                       "load_average": {"before": list(load_before), "after": list(load_after)}}, fh, indent=2)
-
+    write(rows, complete=True)
 
 if __name__ == "__main__":
     main()
