@@ -93,6 +93,20 @@ def _mean_over_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _paired(r: dict[str, Any], ref: dict[str, Any]) -> list[float] | None:
+    """Mean and sample stddev over the seeds both ran of ``r``'s accuracy minus ``ref``'s."""
+    mine = {x["seed"]: x["accuracy"] for x in r["per_seed"] if x["accuracy"] is not None}
+    theirs = {x["seed"]: x["accuracy"] for x in ref["per_seed"] if x["accuracy"] is not None}
+    diffs = [mine[k] - theirs[k] for k in sorted(mine.keys() & theirs.keys())]
+    if not diffs:
+        return None
+    return [round(statistics.fmean(diffs), 4), round(statistics.stdev(diffs), 4) if len(diffs) > 1 else 0.0]
+
+
+def _pm(v: list[float] | None) -> str:
+    return "-" if v is None else f"{100 * v[0]:+.2f} ± {100 * v[1]:.2f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default="mnist")
@@ -160,7 +174,7 @@ def main() -> None:
         runs = []
         for seed in a.seeds:
             r = _case(**{**common, **kw}, seed=seed)  # type: ignore[arg-type]
-            runs.append(r)
+            runs.append({"seed": seed, **r})
             print(f"  {name}, seed {seed}: accuracy {r['accuracy']}, epsilon {r['epsilon']}, "
                   f"{r['seconds_per_round']} s/round, {r['total_cpu_seconds']} CPU s in {r['total_seconds']} s",
                   flush=True)
@@ -176,17 +190,21 @@ def main() -> None:
         for k, out in (("seconds_per_round", "time_vs_off"), ("bytes_up_per_round", "bytes_vs_off"),
                        ("total_cpu_seconds", "cpu_vs_off")):
             r[out] = round(r[k] / ref[k], 3) if ref is not None and ref[k] else None
+        # Paired by seed (same population, data and attackers): the seed-to-seed spread of
+        # the accuracies themselves cancels, what is left is the case's own effect.
+        r["paired_minus_nonprivate"] = _paired(r, plain)
     central = {r["target_epsilon"]: r for r in rows if r["kind"] == "central"}
     for r in rows:
         if r["kind"] == "distributed" and r["target_epsilon"] in central and r["accuracy"] is not None:
             c = central[r["target_epsilon"]]["accuracy"]
             r["minus_central_at_equal_epsilon"] = None if c is None else round(r["accuracy"] - c, 4)
+            r["paired_minus_central"] = _paired(r, central[r["target_epsilon"]])
     load_after = os.getloadavg()
     print(f"\n{a.task}, population {a.population}, {a.per_round} per round, {a.rounds} rounds, clip {a.clip}, "
           f"delta 1e-5, seeds {a.seeds} (accuracy: mean ± sample stddev over seeds); DP cost is read against "
           f"the run without DP on the same transport")
     print(f"{'case':<32} {'target eps':>10} {'eps spent':>9} {'z':>6} {'accuracy':>16} {'vs non-priv':>11} "
-          f"{'s/round':>8} {'x time':>7} {'CPU s':>7} {'x CPU':>6} {'bytes up/rd':>12} {'x bytes':>7}")
+          f"{'paired':>14} {'s/round':>8} {'x time':>7} {'CPU s':>7} {'x CPU':>6} {'bytes up/rd':>12} {'x bytes':>7}")
 
     def f(v: Any, fmt: str) -> str:
         width = int("".join(c for c in fmt.split(".")[0] if c.isdigit()) or 0)
@@ -197,12 +215,14 @@ def main() -> None:
         print(f"{r['case']:<32} {f(r['target_epsilon'], '10g')} {f(r['epsilon'], '9.3f')} "
               f"{f(r['noise_multiplier'], '6.3f')} {acc:>16} "
               f"{f(None if r['accuracy_minus_nonprivate'] is None else 100 * r['accuracy_minus_nonprivate'], '+11.2f')} "
+              f"{_pm(r['paired_minus_nonprivate']):>14} "
               f"{f(r['seconds_per_round'], '8.2f')} {f(r['time_vs_off'], '7.2f')} {f(r['total_cpu_seconds'], '7.1f')} "
               f"{f(r['cpu_vs_off'], '6.2f')} {f(round(r['bytes_up_per_round']), '12,d')} {f(r['bytes_vs_off'], '7.3f')}")
     for r in rows:
         if "minus_central_at_equal_epsilon" in r:
             print(f"{r['case']} - central at epsilon {r['target_epsilon']:g}: "
-                  f"{100 * r['minus_central_at_equal_epsilon']:+.2f} points (means over seeds)")
+                  f"{100 * r['minus_central_at_equal_epsilon']:+.2f} points (means over seeds); paired by seed "
+                  f"{_pm(r['paired_minus_central'])}")
     print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     write(rows, complete=True)
 
