@@ -123,10 +123,16 @@ def main() -> None:
     ap.add_argument("--trim-fraction", type=float, default=0.2, help="trimmed mean: the share cut at each end")
     ap.add_argument("--no-robustness", action="store_true")
     ap.add_argument("--only", nargs="*", default=None, help="run only the cases whose name contains one of these")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for the simulated training")
     ap.add_argument("--quick", action="store_true", help="digits, 1,000 devices, 50 per round, 8 rounds")
     ap.add_argument("--json", dest="json_path", default=None)
     a = ap.parse_args()
     logging.getLogger("absl").setLevel(logging.ERROR)  # the accountant's convergence chatter
+    import torch
+
+    # One thread, as benchmarks/simulation.py: the vectorised training is small, and on a
+    # shared host two spinning OpenMP threads cost several times the CPU (and wall) of one.
+    torch.set_num_threads(a.threads)
     if a.quick:
         a.task, a.population, a.per_round, a.rounds, a.epsilons = "digits", 1000, 50, 8, [8.0]
     load_before = os.getloadavg()
