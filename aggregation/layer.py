@@ -87,19 +87,42 @@ class WeightedSum:
 
 
 @dataclass
-class _ClipState:
-    inner: Any
+class ClipStats:
+    """What clipping saw of a cohort: how many clients, how many were clipped, how many
+    were within the norm (the bit adaptive clipping counts), the sum of their norms."""
+
     clients: int = 0
     clipped: int = 0
-    below: int = 0  # within the norm (the bit adaptive clipping counts)
+    below: int = 0
     norm_sum: float = 0.0
+
+    def record(self, norm: float, bound: float) -> None:
+        self.clients += 1
+        self.clipped += int(norm > bound)
+        self.below += int(norm <= bound)
+        self.norm_sum += norm
+
+    def merge(self, other: ClipStats) -> None:
+        self.clients += other.clients
+        self.clipped += other.clipped
+        self.below += other.below
+        self.norm_sum += other.norm_sum
+
+
+@dataclass
+class _ClipState:
+    inner: Any
+    stats: ClipStats = field(default_factory=ClipStats)
 
 
 class Clip:
     """Per-client L2 clipping before the inner sum: every contribution has norm <= ``norm``.
 
     The count of clients within the norm travels up the tree as the metric
-    ``clip_below`` (a mean over clients), which adaptive clipping steers by."""
+    ``clip_below`` (a mean over clients), which adaptive clipping steers by. Updates a
+    tier sums in the compressed domain are clipped there, by scaling their weight with
+    :func:`~orchard.aggregation.privacy.clip_factor` of the norm read from the payload;
+    their :class:`ClipStats` join this stage's through :meth:`merge_stats`."""
 
     def __init__(self, norm: float, inner: Aggregator) -> None:
         if not norm > 0:
@@ -115,22 +138,25 @@ class Clip:
                    metrics: MetricSums | None = None) -> _ClipState:
         clipped, n = clip_l2(update, self.norm)
         state.inner = self.inner.accumulate(state.inner, clipped, weight, metrics)
-        state.clients += 1
-        state.clipped += int(n > self.norm)
-        state.below += int(n <= self.norm)
-        state.norm_sum += n
+        state.stats.record(n, self.norm)
         return state
 
     def merge(self, state: _ClipState, partial: Partial, owned: bool = False) -> _ClipState:
         state.inner = self.inner.merge(state.inner, partial, owned)
         return state
 
+    def merge_stats(self, state: _ClipState, stats: ClipStats) -> _ClipState:
+        """Count clients clipped outside this stage (summed in the compressed domain)."""
+        state.stats.merge(stats)
+        return state
+
     def finalize(self, state: _ClipState) -> tuple[Partial, Measurements]:
         partial, m = self.inner.finalize(state.inner)
-        if state.clients:
-            partial.metrics.merge(MetricSums({CLIP_BELOW: float(state.below)}, {CLIP_BELOW: float(state.clients)}))
-        return partial, {**m, "clipped": float(state.clipped), "clip_clients": float(state.clients),
-                         "mean_norm": state.norm_sum / state.clients if state.clients else 0.0}
+        st = state.stats
+        if st.clients:
+            partial.metrics.merge(MetricSums({CLIP_BELOW: float(st.below)}, {CLIP_BELOW: float(st.clients)}))
+        return partial, {**m, "clipped": float(st.clipped), "clip_clients": float(st.clients),
+                         "mean_norm": st.norm_sum / st.clients if st.clients else 0.0}
 
     def count(self, state: _ClipState) -> int:
         return self.inner.count(state.inner)
@@ -251,6 +277,17 @@ class Robust:
 
     def count(self, state: _RobustState) -> int:
         return len(state.updates) + self.inner.count(state.below)
+
+
+def clip_stage(agg: Aggregator, state: Any) -> tuple[Clip, Any] | None:
+    """The clip stage of a stack and its state, when the stack clips the updates it is
+    given (a clip under noise; not one under a robust statistic, which takes no sums of
+    client updates from outside)."""
+    if isinstance(agg, Clip):
+        return agg, state
+    if isinstance(agg, Noise):  # noise keeps no state of its own
+        return clip_stage(agg.inner, state)
+    return None
 
 
 def clip(norm: float, inner: Aggregator) -> Clip:

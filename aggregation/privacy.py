@@ -46,30 +46,47 @@ from orchard.config import RunConfig
 from orchard.errors import ConfigError
 from orchard.typing import NDArrays
 
+_BLOCK = 1 << 14  # elements per step of the samplers' vector loops (128 KiB of float64)
+_THIN_BELOW = 64.0  # expected coin tosses per batch below which the sampler thins (see discrete_gaussian)
 NOISE_SHARE_BOUND = 10.0  # a client's noise share is clamped at this many standard deviations
 
 
 # ------------------------------------------------------------------------------ clipping
 
 
+def squared_norm(x: np.ndarray) -> float:
+    """``||x||^2`` in float64 arithmetic, whatever float dtype ``x`` has. einsum casts a
+    block at a time: no float64 copy of a large ``x``, and no BLAS call (a threaded BLAS
+    dot costs milliseconds on a busy host, for what is a 100 microsecond sum)."""
+    v = x.reshape(-1)
+    return float(np.einsum("i,i->", v, v, dtype=np.float64))
+
+
 def global_norm(update: NDArrays) -> float:
     """The L2 norm of all tensors of ``update`` together."""
-    return math.sqrt(sum(float(np.dot(v.ravel().astype(np.float64), v.ravel().astype(np.float64)))
-                         for v in update.values()))
+    return math.sqrt(sum(squared_norm(v) for v in update.values()))
+
+
+def clip_factor(norm: float, bound: float) -> float:
+    """What an update of L2 norm ``norm`` is multiplied by to clip it to ``bound``: 1
+    within the bound, else ``bound / norm`` a hair (1e-6 relative) lower, so that float32
+    rounding of the scaled values cannot lift their norm above the bound: the bound is
+    what sensitivity analyses rely on."""
+    return 1.0 if norm <= bound else bound / norm * (1.0 - 1e-6)
 
 
 def clip_l2(update: NDArrays, norm: float) -> tuple[NDArrays, float]:
-    """``update * min(1, norm / ||update||)`` (float32, as it came) and the norm it had.
-    An update within the bound comes back as the very same arrays. A clipped one is
-    scaled a hair (1e-6 relative) below the bound, so float32 rounding cannot lift its
-    norm above it: the bound is what sensitivity analyses rely on."""
+    """``update * min(1, norm / ||update||)`` (float32, as it came; :func:`clip_factor`)
+    and the norm it had. An update within the bound comes back as the very same arrays."""
     if not norm > 0:
         raise ConfigError(f"a clipping norm must be > 0, got {norm}")
     n = global_norm(update)
     if n <= norm:
         return update, n
-    scale = norm / n * (1.0 - 1e-6)
-    return {k: (v.astype(np.float64) * scale).astype(v.dtype) for k, v in update.items()}, n
+    # Scaled in the update's own dtype: one temporary per tensor, not two float64 ones. The
+    # scale's rounding to float32 (6e-8 relative) is far inside clip_factor's 1e-6 margin.
+    scale = clip_factor(n, norm)
+    return {k: v * np.asarray(scale, dtype=v.dtype) for k, v in update.items()}, n
 
 
 # ------------------------------------------------------------------------------ central noise
@@ -99,24 +116,73 @@ def adapt_clip(norm: float, below_fraction: float, target_quantile: float, learn
 
 
 def discrete_gaussian(sigma: float, size: int, rng: np.random.Generator) -> np.ndarray:
-    """``size`` draws from the discrete Gaussian N_Z(0, sigma^2) (int64).
+    """``size`` independent draws from the discrete Gaussian N_Z(0, sigma^2) (int64):
+    ``P(k) ∝ exp(-k^2 / (2 sigma^2))`` on the integers.
 
-    Canonne, Kamath and Steinke (2020), Algorithm 3: discrete Laplace proposals with
-    scale ``t = floor(sigma) + 1``, accepted with probability
-    ``exp(-(|y| - sigma^2/t)^2 / (2 sigma^2))``; vectorised, in float64 arithmetic."""
-    if not sigma > 0:
-        raise ConfigError(f"discrete Gaussian sigma must be > 0, got {sigma}")
+    Rejection from a rounded continuous Gaussian, exact in real arithmetic (float64 in
+    practice). Draw ``X ~ N(0, s^2)`` with ``s^2 = sigma^2 + D``, let ``k = round(X)``,
+    ``u = X - k``; accept ``k`` with probability ``exp(L - B)`` where
+    ``L = X^2 / (2 s^2) - k^2 / (2 sigma^2)`` and ``B = 1 / (8 D)`` bounds ``L`` for all
+    ``k`` and ``|u| <= 1/2`` (``B - L >= 0``). An accepted ``k`` then has probability
+    ``∫ phi_s(k + u) exp(L - B) du = exp(-k^2 / (2 sigma^2) - B) / (sqrt(2 pi) s)``: the
+    discrete Gaussian, exactly. ``D = (1 + sqrt(1 + 16 sigma^2)) / 8`` maximises the
+    acceptance rate ``~ (sigma / s) exp(-B)``: 0.64 at sigma = 1, ``1 - 1 / (2 sigma)``
+    for large sigma. The coin is ``E >= B - L`` with ``E ~ Exp(1)``. Per draw: one normal,
+    one exponential (numpy's ziggurats) and a few vector operations, where Canonne,
+    Kamath and Steinke's Algorithm 3 (discrete Laplace proposals) takes two geometrics,
+    a uniform and an exponential function at a 76% acceptance rate. For large sigma,
+    where the coin almost never rejects, only the candidates a thinning step picks toss
+    it (same law, see the code)."""
+    if not (math.isfinite(sigma) and sigma > 0):
+        raise ConfigError(f"discrete Gaussian sigma must be > 0 and finite, got {sigma}")
+    if size < 0:
+        raise ConfigError(f"discrete Gaussian size must be >= 0, got {size}")
+    d = (1.0 + math.sqrt(1.0 + 16.0 * sigma * sigma)) / 8.0
+    s2 = sigma * sigma + d
+    s = math.sqrt(s2)
+    a = d / (2.0 * sigma * sigma * s2)  # 1/(2 sigma^2) - 1/(2 s^2)
+    bound = 1.0 / (8.0 * d)
+    rate = (sigma / s) * math.exp(-bound)  # the acceptance rate, a hair low for sigma < 1
     out = np.empty(size, np.int64)
-    t = math.floor(sigma) + 1
-    p = 1.0 - math.exp(-1.0 / t)
+    # A block at a time, in three scratch arrays: a temporary the size of a model costs
+    # page faults, not only flops (and more than the flops on a busy host).
+    x, k, gap = np.empty(_BLOCK), np.empty(_BLOCK), np.empty(_BLOCK)
     filled = 0
     while filled < size:
-        m = max(64, int(1.3 * (size - filled)))
-        y = rng.geometric(p, m).astype(np.int64) - rng.geometric(p, m).astype(np.int64)
-        accept = rng.random(m) < np.exp(-((np.abs(y) - sigma * sigma / t) ** 2) / (2 * sigma * sigma))
-        got = y[accept][: size - filled]
-        out[filled:filled + got.size] = got
-        filled += got.size
+        need = size - filled
+        m = min(_BLOCK, int(need / rate * 1.02) + 32)
+        xs, ks, gs = x[:m], k[:m], gap[:m]
+        rng.standard_normal(out=xs)
+        xs *= s
+        np.rint(xs, out=ks)
+        xs -= ks  # u, exactly (x and k are within 1/2 of each other)
+        np.multiply(ks, 2.0, out=gs)  # B - L = B + a k^2 - (2 k u + u^2) / (2 s^2) >= 0
+        gs += xs
+        gs *= xs
+        gs *= -0.5 / s2
+        np.multiply(ks, ks, out=xs)
+        xs *= a
+        gs += xs
+        gs += bound
+        top = float(gs.max())
+        if top * m <= _THIN_BELOW:
+            # Large sigma: rejections are rare (gap ~ 1 / sigma). Each candidate is still
+            # rejected independently with probability r_i = 1 - exp(-gap_i) <= r = 1 -
+            # exp(-top): a Binomial(m, r) count of candidates, uniformly chosen, are
+            # tested, and each is rejected with probability r_i / r (thinning).
+            r = -math.expm1(-top)
+            tested = int(rng.binomial(m, r))
+            keep = ks
+            if tested:
+                idx = rng.choice(m, tested, replace=False)
+                rejected = idx[rng.random(tested) * r < -np.expm1(-gs[idx])]
+                if rejected.size:
+                    keep = np.delete(ks, rejected)
+        else:
+            keep = ks[rng.standard_exponential(m) >= gs]
+        got = min(need, keep.size)
+        out[filled:filled + got] = keep[:got]
+        filled += got
     return out
 
 
@@ -196,25 +262,34 @@ def ddg_encode(x: np.ndarray, p: DDGParams, rng: np.random.Generator, max_tries:
     """A client's field vector: clip ``x`` to ``p.clip``, scale by ``1 / gamma``, round
     conditionally (norm <= delta2), add its noise share (clamped at
     NOISE_SHARE_BOUND sigmas), reduce modulo 2^modulus_bits. Unsigned words."""
-    x = np.asarray(x, np.float64).ravel()
-    n = float(np.linalg.norm(x))
-    if n > p.clip:
-        x = x * (p.clip / n)
-    y = x / p.gamma
+    x = np.asarray(x).reshape(-1)
+    n = math.sqrt(squared_norm(x))
+    y = np.multiply(x, (min(1.0, p.clip / n) if n > 0 else 1.0) / p.gamma, dtype=np.float64)
     floor = np.floor(y)
-    frac = y - floor
+    frac = np.subtract(y, floor, out=y)
+    z = np.empty(y.size, np.int64)  # the rounded vector, then the word
+    u, r = np.empty(min(_BLOCK, y.size)), np.empty(min(_BLOCK, y.size))
+    bound2 = p.delta2 ** 2
     for _ in range(max_tries):
-        r = floor + (rng.random(y.shape) < frac)
-        if float(np.dot(r, r)) <= p.delta2 ** 2:
+        total = 0.0
+        for i in range(0, y.size, _BLOCK):  # a block at a time: no model-sized temporaries
+            j = min(i + _BLOCK, y.size)
+            us, rs = u[: j - i], r[: j - i]
+            rng.random(out=us)
+            np.less(us, frac[i:j], out=us, casting="unsafe")  # 1.0 where rounded up
+            np.add(floor[i:j], us, out=rs)
+            total += squared_norm(rs)
+            z[i:j] = rs
+        if total <= bound2:
             break
     else:  # P(failure) <= beta^max_tries: never in practice
         raise ConfigError("conditional rounding failed to meet its norm bound; this is a bug in the parameters")
-    bound = int(NOISE_SHARE_BOUND * p.share_sigma)
-    noise = np.clip(discrete_gaussian(p.share_sigma, y.size, rng), -bound, bound)
-    z = r.astype(np.int64) + noise
-    mask = (1 << p.modulus_bits) - 1
-    word = np.uint32 if p.modulus_bits <= 32 else np.uint64
-    return (z & mask).astype(word)
+    limit = int(NOISE_SHARE_BOUND * p.share_sigma)
+    noise = discrete_gaussian(p.share_sigma, z.size, rng)
+    np.clip(noise, -limit, limit, out=noise)
+    z += noise
+    np.bitwise_and(z, (1 << p.modulus_bits) - 1, out=z)
+    return z.astype(np.uint32 if p.modulus_bits <= 32 else np.uint64)
 
 
 def ddg_decode(total: np.ndarray, p: DDGParams) -> np.ndarray:
@@ -318,16 +393,23 @@ class PrivacyLedger:
     def plan(cls, cfg: RunConfig, population: int | None = None) -> PrivacyLedger | None:
         """The ledger of a run (None when privacy is off). Derives the noise multiplier from
         the target epsilon for ``cfg.rounds`` rounds; refuses a run whose given noise cannot
-        meet its target."""
+        meet its target.
+
+        The sampling rate, unless the config states it, is the share of the population a
+        round selects, ``ceil(target x over_selection) / population``: every selected
+        client's update can reach the sum (under secure aggregation all of them do; in a
+        plain round the first ``target`` to arrive, which for a fast device is nearly
+        certain once selected), so ``target / population`` would understate a device's
+        chance of being in a round by the over-selection factor."""
         p = cfg.privacy
         if not p.enabled:
             return None
         q = p.sampling_rate
         if q is None:
             if population is None:
-                raise ConfigError("privacy.sampling_rate is needed for accounting: the expected share of the "
-                                  "population selected per round (cohort.target / population)")
-            q = min(1.0, cfg.cohort.target / population)
+                raise ConfigError("privacy.sampling_rate is needed for accounting: the share of the population "
+                                  "selected per round (ceil(cohort.target x cohort.over_selection) / population)")
+            q = min(1.0, math.ceil(cfg.cohort.target * cfg.cohort.over_selection) / population)
         if p.noise_multiplier is not None:
             z = p.noise_multiplier
             if p.target_epsilon is not None:

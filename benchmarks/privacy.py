@@ -12,13 +12,18 @@ rounds for every case. Cases, all in one invocation:
   with each client's share of discrete Gaussian noise (the cost of DP is read against
   the secure run: same transport);
 - **robustness**: 10% of devices send their update scaled by 100, or sign-flipped, each
-  without and with norm bounding (robust.norm_bound).
+  with no defence, with norm bounding (robust.norm_bound, which also works under secure
+  aggregation), and with the coordinate-wise trimmed mean and median of each lowest
+  tier's cohort (plain cohorts only).
 
-For each: final test accuracy, its difference from the non-private run, epsilon spent,
-wall seconds per round, upload bytes per round; and the ratios DP on / off for time and
-bytes. Prints a table, writes JSON with --json.
+Every case runs once per seed (``--seeds``: the population, data, attackers and
+training all follow the seed); the table shows the mean over seeds with its spread
+(sample standard deviation), and every difference is taken between means. For each:
+final test accuracy, its difference from the non-private run, epsilon spent, wall
+seconds per round, upload bytes per round, CPU seconds of the whole run; and the ratios
+DP on / off for time and bytes. Prints a table, writes JSON with --json.
 
-    python benchmarks/privacy.py [--rounds 30] [--epsilons 1 4 8] [--json out.json] [--quick]
+    python benchmarks/privacy.py [--rounds 30] [--seeds 0 1 2] [--epsilons 1 4 8] [--json out.json] [--quick]
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import time
 from typing import Any
 
@@ -35,7 +41,7 @@ BASE_TRAIN = {"epochs": 1, "batch_size": 10, "learning_rate": 0.05}
 
 def _case(task: str, rounds: int, population: int, per_round: int, aggregators: int, *, privacy: dict | None = None,
           secure: bool = False, robust: dict | None = None, attack: dict | None = None,
-          clip: float = 0.1, seed: int = 0) -> dict[str, Any]:
+          clip: float = 0.1, seed: int = 0, dropout_rate: float = 0.3) -> dict[str, Any]:
     from orchard.simulation import SimulationConfig, run_simulation
 
     run: dict[str, Any] = {"task": task, "task_params": {"with_replacement": True, "samples_per_client": 20},
@@ -46,13 +52,13 @@ def _case(task: str, rounds: int, population: int, per_round: int, aggregators: 
     if secure:
         # Phones drop out: the session tolerates 30% of its clients going silent, and
         # distributed DP sizes every noise share for the 70% that remain.
-        run["secure_aggregation"] = {"enabled": True, "dropout_rate": 0.3, "modulus_bits": 32}
+        run["secure_aggregation"] = {"enabled": True, "dropout_rate": dropout_rate, "modulus_bits": 32}
     if robust is not None:
         run["robust"] = robust
     cfg = SimulationConfig.model_validate(dict(
         clients=population, clients_per_round=per_round, rounds=rounds, aggregators=aggregators, seed=seed,
         evaluate_every=0, progress=False, run=run, **({"attack": attack} if attack else {})))
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     rep = run_simulation(cfg)
     done = rep.rounds
     return {
@@ -65,7 +71,40 @@ def _case(task: str, rounds: int, population: int, per_round: int, aggregators: 
         "bytes_up_per_round": round(sum(r["bytes_up"] for r in done) / max(1, len(done))),
         "participants_per_round": round(sum(r["participants"] for r in done) / max(1, len(done)), 1),
         "total_seconds": round(time.perf_counter() - t0, 1),
+        "total_cpu_seconds": round(time.process_time() - c0, 1),
     }
+
+
+MEASURES = ("accuracy", "epsilon", "noise_multiplier", "seconds_per_round", "bytes_up_per_round",
+            "participants_per_round", "total_seconds", "total_cpu_seconds")
+
+
+def _mean_over_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each measure's mean over the seeds' runs, and the accuracy's spread (sample
+    standard deviation; 0 with one seed) and range."""
+    out: dict[str, Any] = {"status": sorted({r["status"] for r in runs}), "rounds": min(r["rounds"] for r in runs)}
+    for k in MEASURES:
+        vals = [r[k] for r in runs if r[k] is not None]
+        out[k] = None if not vals else round(statistics.fmean(vals), 4 if k == "accuracy" else 3)
+    acc = [r["accuracy"] for r in runs if r["accuracy"] is not None]
+    out["accuracy_spread"] = round(statistics.stdev(acc), 4) if len(acc) > 1 else 0.0
+    out["accuracy_range"] = [min(acc), max(acc)] if acc else None
+    out["per_seed"] = runs
+    return out
+
+
+def _paired(r: dict[str, Any], ref: dict[str, Any]) -> list[float] | None:
+    """Mean and sample stddev over the seeds both ran of ``r``'s accuracy minus ``ref``'s."""
+    mine = {x["seed"]: x["accuracy"] for x in r["per_seed"] if x["accuracy"] is not None}
+    theirs = {x["seed"]: x["accuracy"] for x in ref["per_seed"] if x["accuracy"] is not None}
+    diffs = [mine[k] - theirs[k] for k in sorted(mine.keys() & theirs.keys())]
+    if not diffs:
+        return None
+    return [round(statistics.fmean(diffs), 4), round(statistics.stdev(diffs), 4) if len(diffs) > 1 else 0.0]
+
+
+def _pm(v: list[float] | None) -> str:
+    return "-" if v is None else f"{100 * v[0]:+.2f} ± {100 * v[1]:.2f}"
 
 
 def main() -> None:
@@ -75,74 +114,123 @@ def main() -> None:
     ap.add_argument("--population", type=int, default=10_000)
     ap.add_argument("--per-round", type=int, default=100)
     ap.add_argument("--aggregators", type=int, default=2)
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run of every case per seed")
     ap.add_argument("--epsilons", type=float, nargs="*", default=[1.0, 4.0, 8.0])
     ap.add_argument("--clip", type=float, default=0.1, help="L2 clip norm (DP) and norm bound (robustness)")
+    ap.add_argument("--dropout-rate", type=float, default=0.3,
+                    help="secure aggregation's dropout tolerance: distributed DP sizes each noise share for "
+                         "(1 - rate) of the session")
+    ap.add_argument("--trim-fraction", type=float, default=0.2, help="trimmed mean: the share cut at each end")
     ap.add_argument("--no-robustness", action="store_true")
+    ap.add_argument("--only", nargs="*", default=None, help="run only the cases whose name contains one of these")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads for the simulated training")
     ap.add_argument("--quick", action="store_true", help="digits, 1,000 devices, 50 per round, 8 rounds")
     ap.add_argument("--json", dest="json_path", default=None)
     a = ap.parse_args()
     logging.getLogger("absl").setLevel(logging.ERROR)  # the accountant's convergence chatter
+    import torch
+
+    # One thread, as benchmarks/simulation.py: the vectorised training is small, and on a
+    # shared host two spinning OpenMP threads cost several times the CPU (and wall) of one.
+    torch.set_num_threads(a.threads)
     if a.quick:
         a.task, a.population, a.per_round, a.rounds, a.epsilons = "digits", 1000, 50, 8, [8.0]
     load_before = os.getloadavg()
     common = dict(task=a.task, rounds=a.rounds, population=a.population, per_round=a.per_round,
-                  aggregators=a.aggregators, clip=a.clip)
+                  aggregators=a.aggregators, clip=a.clip, dropout_rate=a.dropout_rate)
+    plan: list[tuple[str, str, float | None, dict[str, Any]]] = [("non-private", "baseline", None, {})]
+    plan += [(f"central DP eps={eps:g}", "central", eps, {"privacy": {"mode": "central", "target_epsilon": eps}})
+             for eps in a.epsilons]
+    plan.append(("secure, no DP", "secure", None, {"secure": True}))
+    plan += [(f"distributed DP eps={eps:g}", "distributed", eps,
+              {"secure": True, "privacy": {"mode": "distributed", "target_epsilon": eps}}) for eps in a.epsilons]
+    if a.epsilons and a.aggregators:
+        # Every secure cohort's sum must carry the whole noise (no tier is trusted), so a
+        # tree of k cohorts releases k times the noise central DP adds once. One cohort
+        # under the root shows what distributed DP costs without that.
+        eps = min(a.epsilons)
+        plan.append((f"distributed DP eps={eps:g}, 1 cohort", "distributed", eps,
+                     {"secure": True, "aggregators": 0, "privacy": {"mode": "distributed", "target_epsilon": eps}}))
+    if not a.no_robustness:
+        defences: list[tuple[str, dict[str, Any] | None]] = [
+            ("no defence", None), ("norm bound", {"norm_bound": a.clip}),
+            ("trimmed mean", {"statistic": "trimmed_mean", "trim_fraction": a.trim_fraction}),
+            ("median", {"statistic": "median"})]
+        for kind in ("scale", "sign_flip"):
+            plan += [(f"10% {kind}, {name}", "attack", None,
+                      {"attack": {"fraction": 0.1, "kind": kind}, **({"robust": robust} if robust else {})})
+                     for name, robust in defences]
+    if a.only:  # and the references they are read against
+        wanted = [c for c in plan if any(o in c[0] for o in a.only)]
+        refs = {"non-private"} | ({"secure, no DP"} if any(c[1] == "distributed" for c in wanted) else set())
+        plan = [c for c in plan if c in wanted or c[0] in refs]
     rows: list[dict[str, Any]] = []
 
-    def add(name: str, kind: str, target: float | None, **kw: Any) -> dict[str, Any]:
-        r = {"case": name, "kind": kind, "target_epsilon": target, **_case(**common, **kw)}  # type: ignore[arg-type]
-        rows.append(r)
-        print(f"  {name}: accuracy {r['accuracy']}, epsilon {r['epsilon']}, {r['seconds_per_round']} s/round",
-              flush=True)
-        return r
+    def write(rows: list[dict[str, Any]], complete: bool) -> None:
+        if not a.json_path:
+            return
+        with open(a.json_path, "w") as fh:
+            json.dump({"task": a.task, "population": a.population, "per_round": a.per_round, "rounds": a.rounds,
+                       "aggregators": a.aggregators, "clip": a.clip, "delta": 1e-5, "seeds": a.seeds,
+                       "dropout_rate": a.dropout_rate, "trim_fraction": a.trim_fraction, "complete": complete,
+                       "cases": rows, "load_average": {"before": list(load_before), "now": list(os.getloadavg())}},
+                      fh, indent=2)
 
-    plain = add("non-private", "baseline", None)
-    for eps in a.epsilons:
-        add(f"central DP eps={eps:g}", "central", eps, privacy={"mode": "central", "target_epsilon": eps})
-    secure = add("secure, no DP", "secure", None, secure=True)
-    for eps in a.epsilons:
-        add(f"distributed DP eps={eps:g}", "distributed", eps, secure=True,
-            privacy={"mode": "distributed", "target_epsilon": eps})
-    if not a.no_robustness:
-        for kind in ("scale", "sign_flip"):
-            add(f"10% {kind}, no bound", "attack", None, attack={"fraction": 0.1, "kind": kind})
-            add(f"10% {kind}, norm bound", "attack", None, attack={"fraction": 0.1, "kind": kind},
-                robust={"norm_bound": a.clip})
+    for name, kind, target, kw in plan:
+        runs = []
+        for seed in a.seeds:
+            r = _case(**{**common, **kw}, seed=seed)  # type: ignore[arg-type]
+            runs.append({"seed": seed, **r})
+            print(f"  {name}, seed {seed}: accuracy {r['accuracy']}, epsilon {r['epsilon']}, "
+                  f"{r['seconds_per_round']} s/round, {r['total_cpu_seconds']} CPU s in {r['total_seconds']} s",
+                  flush=True)
+        rows.append({"case": name, "kind": kind, "target_epsilon": target, **_mean_over_seeds(runs)})
+        write(rows, complete=False)  # what is done survives an interrupted run
+    plain = rows[0]
+    secure = next((r for r in rows if r["kind"] == "secure"), None)
     base_acc = plain["accuracy"] or 0.0
     for r in rows:
         r["accuracy_minus_nonprivate"] = None if r["accuracy"] is None else round(r["accuracy"] - base_acc, 4)
-        ref = secure if r["kind"] == "distributed" else plain
-        r["time_vs_off"] = round(r["seconds_per_round"] / ref["seconds_per_round"], 3) if ref["seconds_per_round"] else None
-        r["bytes_vs_off"] = (round(r["bytes_up_per_round"] / ref["bytes_up_per_round"], 3)
-                             if ref["bytes_up_per_round"] else None)
+        # A one-cohort run's costs are not comparable with the tree's secure run: no ratios.
+        ref = None if "1 cohort" in r["case"] else secure if r["kind"] == "distributed" else plain
+        for k, out in (("seconds_per_round", "time_vs_off"), ("bytes_up_per_round", "bytes_vs_off"),
+                       ("total_cpu_seconds", "cpu_vs_off")):
+            r[out] = round(r[k] / ref[k], 3) if ref is not None and ref[k] else None
+        # Paired by seed (same population, data and attackers): the seed-to-seed spread of
+        # the accuracies themselves cancels, what is left is the case's own effect.
+        r["paired_minus_nonprivate"] = _paired(r, plain)
     central = {r["target_epsilon"]: r for r in rows if r["kind"] == "central"}
     for r in rows:
         if r["kind"] == "distributed" and r["target_epsilon"] in central and r["accuracy"] is not None:
             c = central[r["target_epsilon"]]["accuracy"]
             r["minus_central_at_equal_epsilon"] = None if c is None else round(r["accuracy"] - c, 4)
+            r["paired_minus_central"] = _paired(r, central[r["target_epsilon"]])
     load_after = os.getloadavg()
     print(f"\n{a.task}, population {a.population}, {a.per_round} per round, {a.rounds} rounds, clip {a.clip}, "
-          f"delta 1e-5; DP cost is read against the run without DP on the same transport")
-    print(f"{'case':<28} {'target eps':>10} {'eps spent':>9} {'z':>6} {'accuracy':>8} {'vs non-priv':>11} "
-          f"{'s/round':>8} {'x time':>7} {'bytes up/rd':>12} {'x bytes':>7}")
+          f"delta 1e-5, seeds {a.seeds} (accuracy: mean ± sample stddev over seeds); DP cost is read against "
+          f"the run without DP on the same transport")
+    print(f"{'case':<32} {'target eps':>10} {'eps spent':>9} {'z':>6} {'accuracy':>16} {'vs non-priv':>11} "
+          f"{'paired':>14} {'s/round':>8} {'x time':>7} {'CPU s':>7} {'x CPU':>6} {'bytes up/rd':>12} {'x bytes':>7}")
+
+    def f(v: Any, fmt: str) -> str:
+        width = int("".join(c for c in fmt.split(".")[0] if c.isdigit()) or 0)
+        return format(v, fmt) if isinstance(v, int | float) else "-".rjust(width)
+
     for r in rows:
-        def f(v: Any, fmt: str) -> str:
-            width = int("".join(c for c in fmt.split(".")[0] if c.isdigit()) or 0)
-            return format(v, fmt) if isinstance(v, int | float) else "-".rjust(width)
-        print(f"{r['case']:<28} {f(r['target_epsilon'], '10g')} {f(r['epsilon'], '9.3f')} "
-              f"{f(r['noise_multiplier'], '6.3f')} {f(r['accuracy'], '8.4f')} {f(r['accuracy_minus_nonprivate'], '+11.4f')} "
-              f"{f(r['seconds_per_round'], '8.2f')} {f(r['time_vs_off'], '7.2f')} {f(r['bytes_up_per_round'], '12,d')} "
-              f"{f(r['bytes_vs_off'], '7.3f')}")
+        acc = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.2f} ± {100 * r['accuracy_spread']:.2f}"
+        print(f"{r['case']:<32} {f(r['target_epsilon'], '10g')} {f(r['epsilon'], '9.3f')} "
+              f"{f(r['noise_multiplier'], '6.3f')} {acc:>16} "
+              f"{f(None if r['accuracy_minus_nonprivate'] is None else 100 * r['accuracy_minus_nonprivate'], '+11.2f')} "
+              f"{_pm(r['paired_minus_nonprivate']):>14} "
+              f"{f(r['seconds_per_round'], '8.2f')} {f(r['time_vs_off'], '7.2f')} {f(r['total_cpu_seconds'], '7.1f')} "
+              f"{f(r['cpu_vs_off'], '6.2f')} {f(round(r['bytes_up_per_round']), '12,d')} {f(r['bytes_vs_off'], '7.3f')}")
     for r in rows:
         if "minus_central_at_equal_epsilon" in r:
-            print(f"distributed - central at epsilon {r['target_epsilon']:g}: {r['minus_central_at_equal_epsilon']:+.4f}")
+            print(f"{r['case']} - central at epsilon {r['target_epsilon']:g}: "
+                  f"{100 * r['minus_central_at_equal_epsilon']:+.2f} points (means over seeds); paired by seed "
+                  f"{_pm(r['paired_minus_central'])}")
     print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
-    if a.json_path:
-        with open(a.json_path, "w") as fh:
-            json.dump({"task": a.task, "population": a.population, "per_round": a.per_round, "rounds": a.rounds,
-                       "clip": a.clip, "delta": 1e-5, "cases": rows,
-                       "load_average": {"before": list(load_before), "after": list(load_after)}}, fh, indent=2)
-
+    write(rows, complete=True)
 
 if __name__ == "__main__":
     main()

@@ -199,9 +199,11 @@ class PayloadSum:
         another's of this shape)."""
         self._add_admitted(checked, self.admit(checked, weight))
 
-    def _add_admitted(self, checked: CheckedPayload, w: float) -> None:
+    def _add_admitted(self, checked: CheckedPayload, w: float, counted: float | None = None) -> None:
         """:meth:`add`, for a summand and float weight that :meth:`admit` just let through
-        (nothing changed between the two): it refuses nothing."""
+        (nothing changed between the two): it refuses nothing. ``counted``: what the
+        summand adds to :attr:`weight` when that is not ``w`` (a clipped update: scaled
+        down, counted at its full weight)."""
         coords = checked.coords
         if coords is not None:
             if self.coords is not None and coords.dtype.kind == "f":  # the usual case, flat
@@ -215,7 +217,7 @@ class PayloadSum:
                 decoded = self.codec.decode_parsed(checked.enc, 1, self.shared_seed)
             self._add_dense(decoded, w)
         self.count += 1
-        self.weight += w
+        self.weight += w if counted is None else counted
         self.bound += w * checked.bound
 
     def merge(self, other: PayloadSum) -> None:
@@ -284,6 +286,13 @@ class PayloadSum:
             add_weighted(self.dense, x, weight)
 
 
+def _squared_norm(x: np.ndarray) -> float:
+    """``||x||^2`` in float64 arithmetic without a float64 copy of ``x`` (einsum casts a
+    block at a time) and without a BLAS call."""
+    v = x.reshape(-1)
+    return float(np.einsum("i,i->", v, v, dtype=np.float64))
+
+
 def _weighted_copy(x: np.ndarray, weight: float) -> np.ndarray:
     """``weight * x`` as a new float64 array of x's shape (a 0-d one included)."""
     out = np.empty(x.shape, np.float64)
@@ -330,22 +339,42 @@ class UpdateSum:
                 raise type(err)(f"tensor {name!r}: {err}") from None
         return out
 
-    def add(self, checked: Mapping[str, CheckedPayload], weight: float = 1.0) -> None:
-        """Fold in ``weight`` times a whole checked update."""
+    def add(self, checked: Mapping[str, CheckedPayload], weight: float = 1.0, scale: float = 1.0) -> None:
+        """Fold in ``scale * weight`` times a whole checked update, counted at ``weight``
+        in :attr:`weight` (``scale`` < 1: the update clipped to a norm bound, its client's
+        weight unchanged in the mean's denominator)."""
         if checked.keys() != self.sums.keys():
             check_names(checked, self.sums, "checked payloads")
         w = check_weight(weight)
+        if not (math.isfinite(scale) and 0 < scale <= 1):
+            raise CodecError(f"a summand's scale must be in (0, 1], got {scale!r}")
+        m = w * scale
         for name, acc in self.sums.items():  # every refusal before any tensor changes
             try:
-                acc._admit(checked[name], w)
+                acc._admit(checked[name], m)
             except CodecError as err:
                 raise type(err)(f"tensor {name!r}: {err}") from None
         # Each sum admitted its summand just above, and nothing has changed since (add is
         # serialised by the caller): fold without asking again.
         for name, acc in self.sums.items():
-            acc._add_admitted(checked[name], w)
+            acc._add_admitted(checked[name], m, w)
         self.count += 1
         self.weight += w
+
+    def norm(self, checked: Mapping[str, CheckedPayload]) -> float:
+        """The L2 norm of the whole update a checked upload decodes to: read from its
+        coordinates where the codec says how (:meth:`Codec.coordinate_scale`), else from
+        what it decodes to. Only reads."""
+        total = 0.0
+        for name, acc in self.sums.items():
+            cp = checked[name]
+            scale = self.codec.coordinate_scale(acc.shape) if cp.coords is not None else None
+            if scale is not None and cp.coords is not None and cp.coords.dtype.kind == "f":
+                total += scale * scale * _squared_norm(cp.coords)
+            else:
+                x = cp.decoded if cp.decoded is not None else self.codec.decode_parsed(cp.enc, 1, acc.shared_seed)
+                total += _squared_norm(x)
+        return math.sqrt(total)
 
     def result(self) -> dict[str, np.ndarray]:
         """The float32 weighted sum of every update, per tensor, in the order of ``shapes``."""
@@ -376,15 +405,24 @@ def sums_compressed(cfg: RunConfig, codec: Codec | None = None) -> bool:
     ``scale`` alone or inside randk (:attr:`Algebra.weighted_sums` is False) -- take this
     path only under ``weighting = "uniform"``, where every weight is 1; under any other
     weighting their uploads are decoded and then accumulated.
+
+    A run that clips updates (DP's clip norm, ``robust.norm_bound``) sums compressed too,
+    for codecs with real weights: the tier reads each update's norm from its payload
+    (:meth:`Codec.coordinate_scale`, else what it decodes to) and adds it times
+    ``w_i min(1, C / ||x_i||)``, still counted at ``w_i``.
     """
     if cfg.compressed_aggregation == "off" or cfg.secure_aggregation.enabled or cfg.needs_decoded_updates:
-        return False  # also when each update must be seen: to clip it, or for a robust statistic
+        return False  # also when each update must be seen, for a robust statistic
     if codec is None:
         from orchard.compression.registry import build_codec
 
         codec = build_codec(cfg.codec)
     if not codec.algebra.linear:
         return False
+    if cfg.clip_norm is not None:
+        # A tier clips each update by scaling its weight (its norm read from the payload),
+        # which integer codes cannot take: they add only unweighted.
+        return codec.algebra.weighted_sums
     return codec.algebra.weighted_sums or cfg.cohort.weighting == "uniform"
 
 

@@ -98,6 +98,8 @@ class Codec(Protocol):
         self, shape: tuple[int, ...], coords: np.ndarray, shared_seed: int = 0
     ) -> EncodedTensor: ...
 
+    def coordinate_scale(self, shape: tuple[int, ...]) -> float | None: ...
+
     def bound(
         self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0
     ) -> float: ...
@@ -284,6 +286,14 @@ class BaseCodec(ABC):
     ) -> EncodedTensor:
         """The payload for ``shape`` (and ``shared_seed``) whose coordinates are ``coords``."""
         raise CodecError(f"{self.name} payloads do not add coordinate-wise")
+
+    def coordinate_scale(self, shape: tuple[int, ...]) -> float | None:
+        """``s`` such that one payload of ``shape`` decodes to ``s`` times its float
+        coordinates, each at its own element, zeros elsewhere: then the decoded update's
+        L2 norm is ``s * ||coordinates||``, read without decoding (a tier clips updates
+        it sums in the compressed domain by it). None when that does not hold (integer
+        codes, data-dependent scales, no coordinates)."""
+        return None
 
     def parse_for_sum(
         self, payload: bytes, shape: tuple[int, ...], shared_seed: int = 0

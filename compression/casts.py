@@ -206,6 +206,10 @@ class CastCodec(BaseCodec):
         """float32's values themselves (a view of the payload)."""
         return self._values(enc) if self.algebra.linear else None
 
+    def coordinate_scale(self, shape: tuple[int, ...]) -> float | None:
+        """float32's coordinates are its values."""
+        return 1.0 if self.algebra.linear else None
+
     def from_coordinates(
         self, shape: tuple[int, ...], coords: np.ndarray, shared_seed: int = 0
     ) -> EncodedTensor:

@@ -105,6 +105,9 @@ class ErrorFeedback:
     ) -> EncodedTensor:
         return self.inner.from_coordinates(shape, coords, shared_seed)
 
+    def coordinate_scale(self, shape: tuple[int, ...]) -> float | None:
+        return self.inner.coordinate_scale(shape)
+
     def bound(self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0) -> float:
         return self.inner.bound(enc, num_summands, shared_seed)
 

@@ -241,6 +241,15 @@ class SparsifiedCodec(BaseCodec):
         _, values = self._checked_values(enc, shared_seed)
         return self.inner.coordinates(values, shared_seed)
 
+    def coordinate_scale(self, shape: tuple[int, ...]) -> float | None:
+        """randk: the kept values (distinct elements) times ``d / k`` when unbiased."""
+        if not isinstance(self.selector, RandK):
+            return None
+        size = numel(shape)
+        kept = keep_count(size, self.selector.k, self.selector.fraction)
+        inner = self.inner.coordinate_scale((kept,))
+        return None if inner is None else inner * self.selector.decode_scale(size, kept)
+
     def from_coordinates(
         self, shape: tuple[int, ...], coords: np.ndarray, shared_seed: int = 0
     ) -> EncodedTensor:

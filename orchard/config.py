@@ -170,8 +170,9 @@ class PrivacyConfig(_Strict):
     adds Gaussian noise); "distributed" (no tier is trusted: under secure aggregation
     each client clips and adds its share of discrete Gaussian noise, so every cohort sum
     a tier learns is already private). The noise multiplier comes from ``target_epsilon``
-    (at ``delta``, over the planned rounds, at ``sampling_rate`` = clients per round /
-    population; the simulator knows its population) or is given as ``noise_multiplier``.
+    (at ``delta``, over the planned rounds, at ``sampling_rate`` = clients selected per
+    round / population, ``ceil(cohort.target x cohort.over_selection) / population`` by
+    default; the simulator knows its population) or is given as ``noise_multiplier``.
     """
 
     mode: Literal["off", "central", "distributed"] = "off"
@@ -245,9 +246,10 @@ class RunConfig(_Strict):
 
     @property
     def needs_decoded_updates(self) -> bool:
-        """A tier must decode each client update (to clip it or take a robust statistic):
-        no compressed-domain sum."""
-        return (self.clip_norm is not None and not self.secure_aggregation.enabled) or self.robust.statistic != "mean"
+        """A tier must decode each client update (a robust statistic of them): no
+        compressed-domain sum. Clipping does not need it: a tier reads an update's norm
+        from its payload and scales its weight (``orchard.compression.sums_compressed``)."""
+        return self.robust.statistic != "mean"
     # Synchronous rounds or buffered asynchronous aggregation ([run.mode], see ModeConfig).
     mode: ModeConfig = ModeConfig()
 

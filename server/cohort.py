@@ -23,7 +23,17 @@ from dataclasses import dataclass
 import numpy as np
 
 from orchard.aggregation import Accumulator, MetricSums, Partial
-from orchard.aggregation.layer import Aggregator, Measurements, WeightedSum, clip, noise, robust
+from orchard.aggregation.layer import (
+    Aggregator,
+    ClipStats,
+    Measurements,
+    WeightedSum,
+    clip,
+    clip_stage,
+    noise,
+    robust,
+)
+from orchard.aggregation.privacy import clip_factor
 from orchard.compression import CheckedPayload, NonFiniteError, UpdateSum, build_codec
 from orchard.errors import CodecError, ConfigError, RoundClosedError, UpdateSchemaError
 from orchard.messages import UploadHeader
@@ -50,9 +60,11 @@ class Assignment:
 
 @dataclass(frozen=True)
 class CheckedUpload:
-    """A direct client's upload, parsed and checked, ready to join the compressed sum."""
+    """A direct client's upload, parsed and checked, ready to join the compressed sum;
+    with its L2 norm when the round clips updates."""
 
     parts: dict[str, CheckedPayload]
+    norm: float | None = None
 
 
 class CompressedCohort:
@@ -66,9 +78,17 @@ class CompressedCohort:
     scale) add only unweighted; such a run comes here only under uniform weighting, and
     an upload whose header weight is not 1 is refused. ``check`` only reads and runs in
     the decode pool; ``fold`` runs in the fold pool, one at a time, like the
-    accumulator's fold."""
+    accumulator's fold.
+
+    When the round clips updates (``clip_norm``), ``check`` reads each update's L2 norm
+    ``n_i`` from its payload and ``fold`` adds it times ``w_i * clip_factor(n_i, C)``
+    counted at weight ``w_i``: the sum the decode path forms from clipped updates, to
+    float rounding (that path rounds each clipped update to float32 first). What it
+    clipped is kept in :attr:`clip_stats` for the round's clip stage."""
 
     def __init__(self, task: RoundTask) -> None:
+        self.clip = task.config.clip_norm
+        self.clip_stats = ClipStats()
         self.codec = build_codec(task.config.codec)
         self.unit_weights = not self.codec.algebra.weighted_sums  # integer codes: every weight is 1
         self.shapes = {s.name: tuple(s.shape) for s in task.schema}
@@ -92,7 +112,8 @@ class CompressedCohort:
                                     f"the header says {h.weight}")
         try:
             parts = dict(zip(self.shapes, split(payload, h.payload_sizes), strict=True))
-            return CheckedUpload(self.sums.check(parts))
+            checked = self.sums.check(parts)
+            return CheckedUpload(checked, None if self.clip is None else self.sums.norm(checked))
         except NonFiniteError as err:
             raise UpdateSchemaError(f"{err}; refusing the update") from None
         except (CodecError, UpdateSchemaError):
@@ -103,7 +124,13 @@ class CompressedCohort:
     def fold(self, h: UploadHeader, up: CheckedUpload) -> None:
         if self.merged:  # the outcome was read: nothing may join the sum after that
             raise RoundClosedError("the round's outcome was already read; late uploads are refused")
-        self.sums.add(up.parts, h.weight)  # refuses before it changes anything
+        if self.clip is None:
+            self.sums.add(up.parts, h.weight)  # refuses before it changes anything
+        else:
+            if up.norm is None:
+                raise UpdateSchemaError("this round clips updates; the upload was checked without its norm")
+            self.sums.add(up.parts, h.weight, clip_factor(up.norm, self.clip))
+            self.clip_stats.record(up.norm, self.clip)
         self.metrics.merge(MetricSums(h.metric_sums, h.metric_weights))  # merge only reads them
 
     def partial(self) -> Partial:
@@ -199,6 +226,11 @@ class CohortRound:
         if c is not None and not c.merged:
             if c.count:
                 self.state = self.agg.merge(self.state, c.partial(), owned=True)
+            if c.clip_stats.clients:
+                found = clip_stage(self.agg, self.state)
+                if found is None:  # tier_aggregator puts a clip stage wherever clip_norm is set
+                    raise ConfigError("updates were clipped in the compressed sum of a round without a clip stage")
+                found[0].merge_stats(found[1], c.clip_stats)
             c.merged = True
         if self.secure_sum is not None:
             self.state = self.agg.merge(self.state, self.secure_sum)

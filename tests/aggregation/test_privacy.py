@@ -166,6 +166,64 @@ def test_discrete_gaussian_has_its_variance(sigma: float) -> None:
     assert x.var() == pytest.approx(sigma ** 2, rel=0.02)
 
 
+def _exact_pmf(sigma: float) -> tuple[np.ndarray, np.ndarray]:
+    """The discrete Gaussian's pmf on [-30 sigma - 3, 30 sigma + 3] (mass beyond: < 1e-190)."""
+    half = int(30 * sigma) + 3
+    ks = np.arange(-half, half + 1)
+    w = np.exp(-(ks.astype(np.float64) ** 2) / (2 * sigma * sigma))
+    return ks, w / w.sum()
+
+
+@pytest.mark.parametrize("sigma", [0.3, 0.8, 1.7, 6.0])
+def test_discrete_gaussian_follows_the_exact_pmf(sigma: float) -> None:
+    """Pearson's chi-square against the exact pmf (cells with >= 20 expected draws, the
+    rest pooled into one tail cell): a wrong law by a relative 1% in any well-populated
+    cell fails it; the threshold is the 1e-6 upper quantile, so an exact sampler fails
+    one run in a million."""
+    from scipy import stats
+
+    n = 1_000_000
+    x = discrete_gaussian(sigma, n, np.random.default_rng(int(sigma * 1000)))
+    ks, pmf = _exact_pmf(sigma)
+    counts = np.bincount(x - ks[0], minlength=ks.size)
+    assert counts.size == ks.size  # nothing outside 30 sigma
+    big = pmf * n >= 20
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(pmf[big] * n, pmf[~big].sum() * n)
+    keep = exp > 0
+    chi2 = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    assert chi2 < stats.chi2.isf(1e-6, keep.sum() - 1), (chi2, keep.sum())
+    # The sampler's first two moments are the pmf's.
+    k2 = ks.astype(np.float64) ** 2
+    var, m4 = float((pmf * k2).sum()), float((pmf * k2 * k2).sum())
+    assert abs(x.mean()) < 6 * math.sqrt(var / n)
+    assert abs(x.var() - var) < 6 * math.sqrt((m4 - var * var) / n)
+
+
+@pytest.mark.parametrize("sigma", [250.0, 9.9e5])
+def test_large_sigma_draws_have_the_exact_variance_and_tails(sigma: float) -> None:
+    """Where the sampler thins its coin tosses (rejections are rare): mean, variance and
+    the two tails P(|X| > 2 sigma), P(|X| > 3.5 sigma) against the exact pmf's, within
+    6 standard errors."""
+    n = 2_000_000
+    x = discrete_gaussian(sigma, n, np.random.default_rng(7))
+    ks, pmf = _exact_pmf(sigma)
+    var = float((pmf * ks.astype(np.float64) ** 2).sum())
+    assert abs(x.mean()) < 6 * math.sqrt(var / n)
+    assert x.var() == pytest.approx(var, rel=6 * math.sqrt(2 / n))
+    for t in (2.0, 3.5):
+        p = float(pmf[np.abs(ks) > t * sigma].sum())
+        got = float(np.mean(np.abs(x) > t * sigma))
+        assert abs(got - p) < 6 * math.sqrt(p * (1 - p) / n), (t, got, p)
+
+
+def test_discrete_gaussian_refuses_what_is_not_a_sigma() -> None:
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="sigma"):
+            discrete_gaussian(bad, 10, np.random.default_rng(0))
+    assert discrete_gaussian(2.0, 0, np.random.default_rng(0)).shape == (0,)
+
+
 def test_noise_shares_sum_to_the_target_variance() -> None:
     """n_min clients' shares add up to the cohort's target sigma^2 (statistical test)."""
     p = ddg_params(clip=1.0, noise_multiplier=1.0, participants=12, min_contributors=10, dim=64, modulus_bits=32)
@@ -248,7 +306,10 @@ def _dp_config(**privacy: object) -> RunConfig:
 def test_the_ledger_spends_exactly_its_target_and_stops_there() -> None:
     ledger = PrivacyLedger.plan(_dp_config(target_epsilon=4.0), population=10_000)
     assert ledger is not None
-    assert ledger.noise_multiplier == pytest.approx(noise_multiplier_for(4.0, 1e-5, 0.01, 20))
+    # 130 of 10,000 devices are selected per round (target 100, over-selection 1.3): any
+    # of them may be in the sum, so the accountant's sampling rate is 0.013, not 0.01.
+    assert ledger.sampling_rate == pytest.approx(0.013)
+    assert ledger.noise_multiplier == pytest.approx(noise_multiplier_for(4.0, 1e-5, 0.013, 20))
     for _ in range(20):
         ledger.check_next()
         ledger.charge()

@@ -130,6 +130,43 @@ def test_exactly_the_field_linear_codecs_add_coordinate_wise(name: str) -> None:
 FIELD_LINEAR = [n for n, s in SPECS.items() if build_codec(s).algebra.field_linear]
 
 
+@pytest.mark.parametrize("name", list(SPECS))
+@given(xs=cohorts())
+def test_a_norm_read_from_the_payload_is_the_norm_of_its_decode(name: str, xs: list[np.ndarray]) -> None:
+    """``UpdateSum.norm`` (what a tier clips by without decoding, through the codec's
+    ``coordinate_scale`` where it declares one) equals the L2 norm of what the payload
+    decodes to, for every codec; and only codecs with float coordinates declare a scale."""
+    codec = build_codec(SPECS[name])
+    shape = xs[0].shape
+    sums = UpdateSum(codec, {"t": shape}, shared_seed=5)
+    seed = tensor_seed(5, "t")
+    for p in _encode(name, xs, seed):
+        checked = sums.check({"t": p})
+        want = float(np.linalg.norm(codec.decode(p, shape, 1, seed).astype(np.float64)))
+        assert sums.norm(checked) == pytest.approx(want, rel=1e-6, abs=1e-30)
+        coords = checked["t"].coords
+        if codec.coordinate_scale(shape) is not None:
+            assert coords is not None and coords.dtype.kind == "f"
+    declares = name in ("float32", "randk", "randk-biased")
+    assert (codec.coordinate_scale((12, 9)) is not None) == declares
+
+
+def test_an_update_scaled_by_its_clip_counts_at_its_full_weight() -> None:
+    """``add(checked, weight, scale)``: the sum gets ``scale * weight * x``, the weight sum
+    gets ``weight``; a scale outside (0, 1] is refused and changes nothing."""
+    codec = build_codec(SPECS["float32"])
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    sums = UpdateSum(codec, {"t": (2, 3)})
+    checked = sums.check({"t": codec.encode(x, np.random.default_rng(0), None, tensor_seed(0, "t"))[0]})
+    sums.add(checked, 4.0, 0.25)
+    assert sums.weight == 4.0 and sums.count == 1
+    for bad in (0.0, 1.5, float("nan")):
+        with pytest.raises(CodecError, match="scale"):
+            sums.add(checked, 1.0, bad)
+    assert sums.weight == 4.0 and sums.count == 1
+    np.testing.assert_array_equal(sums.result()["t"], x)  # 0.25 * 4 * x
+
+
 @pytest.mark.parametrize("name", FIELD_LINEAR)
 @given(xs=cohorts())
 def test_the_compressed_sum_is_a_payload_that_decodes_to_the_sum(name: str, xs: list[np.ndarray]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -217,6 +218,44 @@ def test_integer_codes_under_weighted_modes_take_the_decode_path(name: str, weig
     ws = [h.weight for h, _ in uploads]
     assert out.partial.weight == pytest.approx(sum(ws))
     _assert_close(_mean(out), _weighted_mean(_decoded(tier, uploads), ws), 1e-6)
+
+
+@pytest.mark.parametrize("name", list(CODECS))
+@pytest.mark.parametrize("weighting", ["examples", "uniform"])
+def test_clipping_in_the_compressed_domain_equals_decode_then_clip(name: str, weighting: str) -> None:
+    """A run that bounds update norms (robust.norm_bound; DP's clip is the same stage):
+    codecs with real weights sum compressed, each update times ``w min(1, C / ||x||)``
+    with its norm read from the payload, counted at ``w``; equal to decoding, clipping
+    and accumulating every update, to 1e-6 of the largest mean element. The clip stage
+    reports the same clients, clips and norms either way. Integer codes stay on the
+    decode path (their codes add only unweighted)."""
+    deltas = _updates(8, seed=5)
+    for i in (1, 4, 6):  # well over the bound; the rest straddle it
+        deltas[i] = {k: v * np.float32(20.0) for k, v in deltas[i].items()}
+    weights = WEIGHTS if weighting == "examples" else [1.0] * 8
+    kw: dict[str, Any] = {"robust": {"norm_bound": 0.5}}
+    on, off = Tier(_cfg(CODECS[name], "auto", weighting, **kw), 8), Tier(_cfg(CODECS[name], "off", weighting, **kw), 8)
+    assert (on.cr.compressed is not None) == (name not in INTEGER_CODES) and off.cr.compressed is None
+    uploads = [on.upload(i, d, w) for i, (d, w) in enumerate(zip(deltas, weights, strict=True))]
+    for h, p in uploads:
+        on.submit(h, p)
+        off.submit(h, p)
+    got, want = on.coord.outcome(on.cr), off.coord.outcome(off.cr)
+    assert got.partial.weight == want.partial.weight == sum(weights)
+    assert got.partial.metrics.means() == pytest.approx(want.partial.metrics.means())
+    assert got.partial.metrics.means()["clip_below"] == pytest.approx(want.partial.metrics.means()["clip_below"])
+    for m in ("clipped", "clip_clients", "mean_norm"):
+        assert got.measurements[m] == pytest.approx(want.measurements[m], rel=1e-9), m
+    sent = _decoded(on, uploads)
+    norms = [math.sqrt(sum(float(np.sum(d[k].astype(np.float64) ** 2)) for k in SHAPES)) for d in sent]
+    assert got.measurements["clipped"] == sum(n > 0.5 for n in norms) >= 3
+    if name == "float32":
+        assert sum(n > 0.5 for n in norms) == 3  # and five within the bound, untouched
+    _assert_close(_mean(got), _mean(want), 1e-6)
+    # The plain reference: each decoded update scaled to the bound, then the weighted mean.
+    clipped = [{k: d[k].astype(np.float64) * min(1.0, 0.5 / n) for k in SHAPES} for d, n in zip(sent, norms,
+                                                                                                strict=True)]
+    _assert_close(_mean(got), _weighted_mean(clipped, weights), 2e-6)
 
 
 def test_integer_codes_refuse_a_weight_other_than_1_and_the_sum_is_untouched() -> None:
