@@ -416,6 +416,16 @@ class Row:
     rss_timeline: dict[str, list[tuple[float, float]]]  # process -> [(seconds from run start, MiB)]
 
 
+def _transfers(times: list[dict[str, Any]]) -> tuple[float, float, float, list[str], list[dict[str, Any]], int]:
+    """From the generator's per-client records: (upload span s, upload MB/s, download MB/s,
+    the errors, the clients whose push completed, the bytes they pushed)."""
+    up_span, up = _span_mb_s(times, "push_start", "pushed", "bytes_up")
+    _, down = _span_mb_s(times, "task", "pulled", "bytes_down")
+    delivered = [t for t in times if "pushed" in t]
+    return (up_span, up, down, [t["error"] for t in times if "error" in t], delivered,
+            sum(t["bytes_up"] for t in delivered))
+
+
 def _span_mb_s(times: list[dict[str, Any]], start: str, end: str, nbytes: str) -> tuple[float, float]:
     done = [t for t in times if end in t]
     if not done:
@@ -524,10 +534,7 @@ def run_scenario(n: int, connections: int, work: Path, verbose: bool, profile: b
     finally:
         for p in reversed(procs):
             _procs.stop(p)
-    up_span, up = _span_mb_s(times, "push_start", "pushed", "bytes_up")
-    _, down = _span_mb_s(times, "task", "pulled", "bytes_down")
-    errors = [t["error"] for t in times if "error" in t]
-    ingested = sum(t["bytes_up"] for t in times if "pushed" in t)
+    up_span, up, down, errors, delivered, ingested = _transfers(times)
     agg_s, root_s = sampler.series["aggregator"], sampler.series["root"]
     server_cpu = cpu["aggregator"] + cpu["root"]
     return Row(
@@ -581,11 +588,7 @@ def run_baseline(n: int, connections: int, work: Path) -> Row:
     finally:
         for p in reversed(procs):
             _procs.stop(p)
-    up_span, up = _span_mb_s(times, "push_start", "pushed", "bytes_up")
-    _, down = _span_mb_s(times, "task", "pulled", "bytes_down")
-    errors = [t["error"] for t in times if "error" in t]
-    delivered = [t for t in times if "pushed" in t]
-    ingested = sum(t["bytes_up"] for t in delivered)
+    up_span, up, down, errors, delivered, ingested = _transfers(times)
     s = sampler.series["sink"]
     nan = float("nan")
     return Row(
