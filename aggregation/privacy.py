@@ -45,6 +45,7 @@ import numpy as np
 from orchard.config import RunConfig
 from orchard.errors import ConfigError
 from orchard.typing import NDArrays
+from orchard.updates import squared_norm
 
 _BLOCK = 1 << 14  # elements per step of the samplers' vector loops (128 KiB of float64)
 _THIN_BELOW = 64.0  # expected coin tosses per batch below which the sampler thins (see discrete_gaussian)
@@ -52,14 +53,6 @@ NOISE_SHARE_BOUND = 10.0  # a client's noise share is clamped at this many stand
 
 
 # ------------------------------------------------------------------------------ clipping
-
-
-def squared_norm(x: np.ndarray) -> float:
-    """``||x||^2`` in float64 arithmetic, whatever float dtype ``x`` has. einsum casts a
-    block at a time: no float64 copy of a large ``x``, and no BLAS call (a threaded BLAS
-    dot costs milliseconds on a busy host, for what is a 100 microsecond sum)."""
-    v = x.reshape(-1)
-    return float(np.einsum("i,i->", v, v, dtype=np.float64))
 
 
 def global_norm(update: NDArrays) -> float:

@@ -41,6 +41,7 @@ from orchard.compression.update import check_names, tensor_seed
 from orchard.compression.wire import EncodedTensor
 from orchard.config import RunConfig
 from orchard.errors import CodecError
+from orchard.updates import squared_norm
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 UINT32_MAX = int(np.iinfo(np.uint32).max)
@@ -286,13 +287,6 @@ class PayloadSum:
             add_weighted(self.dense, x, weight)
 
 
-def _squared_norm(x: np.ndarray) -> float:
-    """``||x||^2`` in float64 arithmetic without a float64 copy of ``x`` (einsum casts a
-    block at a time) and without a BLAS call."""
-    v = x.reshape(-1)
-    return float(np.einsum("i,i->", v, v, dtype=np.float64))
-
-
 def _weighted_copy(x: np.ndarray, weight: float) -> np.ndarray:
     """``weight * x`` as a new float64 array of x's shape (a 0-d one included)."""
     out = np.empty(x.shape, np.float64)
@@ -370,10 +364,10 @@ class UpdateSum:
             cp = checked[name]
             scale = self.codec.coordinate_scale(acc.shape) if cp.coords is not None else None
             if scale is not None and cp.coords is not None and cp.coords.dtype.kind == "f":
-                total += scale * scale * _squared_norm(cp.coords)
+                total += scale * scale * squared_norm(cp.coords)
             else:
                 x = cp.decoded if cp.decoded is not None else self.codec.decode_parsed(cp.enc, 1, acc.shared_seed)
-                total += _squared_norm(x)
+                total += squared_norm(x)
         return math.sqrt(total)
 
     def result(self) -> dict[str, np.ndarray]:

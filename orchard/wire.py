@@ -141,7 +141,10 @@ def check_payload(payload: bytes | bytearray | memoryview, expected_bytes: int, 
     """IntegrityError unless ``payload`` has the size and sha256 its header declared."""
     if len(payload) != expected_bytes:
         raise IntegrityError(f"payload of {len(payload)} bytes, the header declares {expected_bytes}")
-    got = sha256_hex(payload)
+    _check_digest(sha256_hex(payload), expected_sha256)
+
+
+def _check_digest(got: str, expected_sha256: str) -> None:
     if got != expected_sha256.lower():
         raise IntegrityError(f"payload sha256 {got[:16]}... does not match the declared {expected_sha256[:16]}...")
 
@@ -210,11 +213,7 @@ class ChunkAssembler:
                 f"stream ended after {self._n} of {self.expected_bytes} declared bytes (truncated); send it again"
             )
         if self._hash is not None and self.expected_sha256 is not None:
-            got = self._hash.hexdigest()
-            if got != self.expected_sha256:
-                raise IntegrityError(
-                    f"payload sha256 {got[:16]}... does not match the declared {self.expected_sha256[:16]}..."
-                )
+            _check_digest(self._hash.hexdigest(), self.expected_sha256)
         parts, self._parts = self._parts, []
         if len(parts) == 1:
             return parts[0]
