@@ -146,10 +146,6 @@ class Tier:
         self.cr, self.pushed, self.waiting, self.last_silence = None, False, 0, -math.inf
         self.working, self.assignment, self.secure = set(), None, {}
 
-    @property
-    def is_leaf(self) -> bool:
-        return not self.children
-
 
 @dataclass
 class Arrival:
