@@ -41,11 +41,12 @@ BASE_TRAIN = {"epochs": 1, "batch_size": 10, "learning_rate": 0.05}
 
 def _case(task: str, rounds: int, population: int, per_round: int, aggregators: int, *, privacy: dict | None = None,
           secure: bool = False, robust: dict | None = None, attack: dict | None = None,
-          clip: float = 0.1, seed: int = 0, dropout_rate: float = 0.3) -> dict[str, Any]:
+          clip: float = 0.1, seed: int = 0, dropout_rate: float = 0.3,
+          over_selection: float = 1.3) -> dict[str, Any]:
     from orchard.simulation import SimulationConfig, run_simulation
 
     run: dict[str, Any] = {"task": task, "task_params": {"with_replacement": True, "samples_per_client": 20},
-                           "train": BASE_TRAIN, "cohort": {"weighting": "uniform", "over_selection": 1.3},
+                           "train": BASE_TRAIN, "cohort": {"weighting": "uniform", "over_selection": over_selection},
                            "server_optimizer": {"name": "fedavgm", "lr": 1.0, "momentum": 0.9}}
     if privacy is not None:
         run["privacy"] = {"clip_norm": clip, "delta": 1e-5, **privacy}
@@ -120,6 +121,10 @@ def main() -> None:
     ap.add_argument("--dropout-rate", type=float, default=0.3,
                     help="secure aggregation's dropout tolerance: distributed DP sizes each noise share for "
                          "(1 - rate) of the session")
+    ap.add_argument("--over-selection", type=float, default=1.3,
+                    help="devices selected per round over the target. A plain round folds the first target "
+                         "arrivals and a secure cohort every masked input, so above 1 secure runs sum more "
+                         "clients than plain ones; 1.0 makes every case sum the same clients")
     ap.add_argument("--trim-fraction", type=float, default=0.2, help="trimmed mean: the share cut at each end")
     ap.add_argument("--no-robustness", action="store_true")
     ap.add_argument("--only", nargs="*", default=None, help="run only the cases whose name contains one of these")
@@ -137,7 +142,8 @@ def main() -> None:
         a.task, a.population, a.per_round, a.rounds, a.epsilons = "digits", 1000, 50, 8, [8.0]
     load_before = os.getloadavg()
     common = dict(task=a.task, rounds=a.rounds, population=a.population, per_round=a.per_round,
-                  aggregators=a.aggregators, clip=a.clip, dropout_rate=a.dropout_rate)
+                  aggregators=a.aggregators, clip=a.clip, dropout_rate=a.dropout_rate,
+                  over_selection=a.over_selection)
     plan: list[tuple[str, str, float | None, dict[str, Any]]] = [("non-private", "baseline", None, {})]
     plan += [(f"central DP eps={eps:g}", "central", eps, {"privacy": {"mode": "central", "target_epsilon": eps}})
              for eps in a.epsilons]
@@ -172,7 +178,7 @@ def main() -> None:
         with open(a.json_path, "w") as fh:
             json.dump({"task": a.task, "population": a.population, "per_round": a.per_round, "rounds": a.rounds,
                        "aggregators": a.aggregators, "clip": a.clip, "delta": 1e-5, "seeds": a.seeds,
-                       "dropout_rate": a.dropout_rate, "trim_fraction": a.trim_fraction, "complete": complete,
+                       "dropout_rate": a.dropout_rate, "over_selection": a.over_selection, "trim_fraction": a.trim_fraction, "complete": complete,
                        "cases": rows, "load_average": {"before": list(load_before), "now": list(os.getloadavg())}},
                       fh, indent=2)
 
