@@ -462,6 +462,16 @@ class PeerKeys:
         _check_key("channel_pk", self.channel_pk)
         _check_key("mask_pk", self.mask_pk)
 
+    @functools.cached_property
+    def encoded(self) -> bytes:
+        """This entry in wire form, encoded once: a server puts the same PeerKeys into k
+        broadcasts (n k entries a session, each otherwise three writes)."""
+        w = _Writer()
+        w.string(self.node)
+        w.raw(self.channel_pk)
+        w.raw(self.mask_pk)
+        return w.getvalue()
+
 
 @dataclass(frozen=True)
 class KeysBroadcast(Message):
@@ -480,10 +490,7 @@ class KeysBroadcast(Message):
 
     def _write(self, w: _Writer) -> None:
         w.u32(len(self.keys))
-        for k in self.keys:
-            w.string(k.node)
-            w.raw(k.channel_pk)
-            w.raw(k.mask_pk)
+        w.raw(b"".join([k.encoded for k in self.keys]))
 
     @classmethod
     def _read(cls, r: _Reader, session_id: bytes, round_number: int, node: str) -> KeysBroadcast:

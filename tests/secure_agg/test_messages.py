@@ -106,6 +106,20 @@ GOLDEN = hashlib.sha256(
 ).hexdigest()
 
 
+def test_keys_broadcast_layout() -> None:
+    # A server encodes each PeerKeys once and joins the encodings into every broadcast
+    # that lists it: the entries must still be laid out field by field.
+    peers = (PeerKeys("b", b"\x03" * 32, b"\x04" * 32), PeerKeys("cc", b"\x05" * 32, b"\x06" * 32))
+    raw = KeysBroadcast(SID, 7, "a", peers).to_bytes()
+    assert raw == (b"OSA\x01\x03" + SID + (7).to_bytes(8, "big") + b"\x00\x01a"
+                   + (2).to_bytes(4, "big")
+                   + b"\x00\x01b" + b"\x03" * 32 + b"\x04" * 32
+                   + b"\x00\x02cc" + b"\x05" * 32 + b"\x06" * 32)
+    # The same PeerKeys in a second broadcast (its encoding is reused) reads back equal.
+    again = KeysBroadcast(SID, 8, "d", peers[::-1])
+    assert decode(again.to_bytes()) == again
+
+
 def test_wrong_type_and_garbage() -> None:
     raw = AdvertiseKeys(SID, 1, "a", b"\x01" * 32, b"\x02" * 32).to_bytes()
     with pytest.raises(MalformedMessage, match="expected a ShareKeys"):
