@@ -14,7 +14,7 @@ rounds for every case. Cases, all in one invocation:
 - **robustness**: 10% of devices send their update scaled by 100, or sign-flipped, each
   with no defence, with norm bounding (robust.norm_bound, which also works under secure
   aggregation), and with the coordinate-wise trimmed mean and median of each lowest
-  tier's cohort (plain cohorts only). These run for ``--robust-rounds`` (60 by default)
+  tier's cohort (plain cohorts only). These run for ``--robust-rounds`` (100 by default)
   and are read against their own clean run of that length: the claim is about the
   *final* accuracy, and sign-flipped updates of ordinary norm (the sum keeps about 0.8 of
   the honest direction) slow training rather than derail it, so a run stopped well
@@ -28,7 +28,7 @@ non-private run, or for the robustness cases the clean run of their length), eps
 seconds per round, upload bytes per round, CPU seconds of the whole run; and the ratios
 DP on / off for time and bytes. Prints a table, writes JSON with --json.
 
-    python benchmarks/privacy.py [--rounds 30] [--robust-rounds 60] [--seeds 0 1 2] [--epsilons 1 4 8]
+    python benchmarks/privacy.py [--rounds 30] [--robust-rounds 100] [--seeds 0 1 2] [--epsilons 1 4 8]
                                  [--only CASE ...] [--json out.json] [--quick]
 """
 
@@ -47,7 +47,7 @@ BASE_TRAIN = {"epochs": 1, "batch_size": 10, "learning_rate": 0.05}
 
 def _case(task: str, rounds: int, population: int, per_round: int, aggregators: int, *, privacy: dict | None = None,
           secure: bool = False, robust: dict | None = None, attack: dict | None = None,
-          clip: float = 0.1, seed: int = 0, dropout_rate: float = 0.3) -> dict[str, Any]:
+          clip: float = 0.1, seed: int = 0, dropout_rate: float = 0.3, eval_every: int = 0) -> dict[str, Any]:
     from orchard.simulation import SimulationConfig, run_simulation
 
     run: dict[str, Any] = {"task": task, "task_params": {"with_replacement": True, "samples_per_client": 20},
@@ -63,7 +63,7 @@ def _case(task: str, rounds: int, population: int, per_round: int, aggregators: 
         run["robust"] = robust
     cfg = SimulationConfig.model_validate(dict(
         clients=population, clients_per_round=per_round, rounds=rounds, aggregators=aggregators, seed=seed,
-        evaluate_every=0, progress=False, run=run, **({"attack": attack} if attack else {})))
+        evaluate_every=eval_every, progress=False, run=run, **({"attack": attack} if attack else {})))
     t0, c0 = time.perf_counter(), time.process_time()
     rep = run_simulation(cfg)
     done = rep.rounds
@@ -71,6 +71,9 @@ def _case(task: str, rounds: int, population: int, per_round: int, aggregators: 
         "status": rep.status,
         "accuracy": rep.final_accuracy,
         "rounds": len(done),
+        # Test accuracy after every ``eval_every``-th round and the last (evaluation draws
+        # no randomness: the run is the same with or without it).
+        "accuracy_by_round": {r["round"]: r["accuracy"] for r in done if r.get("accuracy") is not None},
         "epsilon": rep.privacy["epsilon"] if rep.privacy else None,
         "noise_multiplier": rep.privacy["noise_multiplier"] if rep.privacy else None,
         "seconds_per_round": round(sum(r["seconds"] for r in done) / max(1, len(done)), 3),
@@ -99,10 +102,14 @@ def _mean_over_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _paired(r: dict[str, Any], ref: dict[str, Any]) -> list[float] | None:
-    """Mean and sample stddev over the seeds both ran of ``r``'s accuracy minus ``ref``'s."""
-    mine = {x["seed"]: x["accuracy"] for x in r["per_seed"] if x["accuracy"] is not None}
-    theirs = {x["seed"]: x["accuracy"] for x in ref["per_seed"] if x["accuracy"] is not None}
+def _paired(r: dict[str, Any], ref: dict[str, Any], after: int | None = None) -> list[float] | None:
+    """Mean and sample stddev over the seeds both ran of ``r``'s final accuracy minus
+    ``ref``'s (or their accuracies after round ``after``, where both were tested then)."""
+    def acc(x: dict[str, Any]) -> float | None:
+        return x["accuracy"] if after is None else x["accuracy_by_round"].get(after)
+
+    mine = {x["seed"]: acc(x) for x in r["per_seed"] if acc(x) is not None}
+    theirs = {x["seed"]: acc(x) for x in ref["per_seed"] if acc(x) is not None}
     diffs = [mine[k] - theirs[k] for k in sorted(mine.keys() & theirs.keys())]
     if not diffs:
         return None
@@ -117,8 +124,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default="mnist")
     ap.add_argument("--rounds", type=int, default=30, help="rounds of the non-private, DP and secure cases")
-    ap.add_argument("--robust-rounds", type=int, default=60,
+    ap.add_argument("--robust-rounds", type=int, default=100,
                     help="rounds of the robustness cases and of the clean run they are read against")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="also test the model after every N-th round (0: only the final model); the attacks' gap "
+                         "to their clean run is then shown at each of those rounds")
     ap.add_argument("--population", type=int, default=10_000)
     ap.add_argument("--per-round", type=int, default=100)
     ap.add_argument("--aggregators", type=int, default=2)
@@ -145,7 +155,7 @@ def main() -> None:
         a.task, a.population, a.per_round, a.rounds, a.robust_rounds, a.epsilons = "digits", 1000, 50, 8, 8, [8.0]
     load_before = os.getloadavg()
     common = dict(task=a.task, rounds=a.rounds, population=a.population, per_round=a.per_round,
-                  aggregators=a.aggregators, clip=a.clip, dropout_rate=a.dropout_rate)
+                  aggregators=a.aggregators, clip=a.clip, dropout_rate=a.dropout_rate, eval_every=a.eval_every)
     # (name, kind, target epsilon, the case's arguments, the case its accuracy is read against)
     plan: list[tuple[str, str, float | None, dict[str, Any], str]] = [("non-private", "baseline", None, {}, "")]
     plan += [(f"central DP eps={eps:g}", "central", eps, {"privacy": {"mode": "central", "target_epsilon": eps}},
@@ -189,7 +199,7 @@ def main() -> None:
             return
         with open(a.json_path, "w") as fh:
             json.dump({"task": a.task, "population": a.population, "per_round": a.per_round, "rounds": a.rounds,
-                       "robust_rounds": a.robust_rounds,
+                       "robust_rounds": a.robust_rounds, "eval_every": a.eval_every,
                        "aggregators": a.aggregators, "clip": a.clip, "delta": 1e-5, "seeds": a.seeds,
                        "dropout_rate": a.dropout_rate, "trim_fraction": a.trim_fraction, "complete": complete,
                        "cases": rows, "load_average": {"before": list(load_before), "now": list(os.getloadavg())}},
@@ -251,6 +261,18 @@ def main() -> None:
             print(f"{r['case']} - central at epsilon {r['target_epsilon']:g}: "
                   f"{100 * r['minus_central_at_equal_epsilon']:+.2f} points (means over seeds); paired by seed "
                   f"{_pm(r['paired_minus_central'])}")
+    checkpoints = sorted({k for r in rows if r["kind"] == "attack" for x in r["per_seed"]
+                          for k in x["accuracy_by_round"]})
+    if a.eval_every and checkpoints:
+        # The same runs tested along the way: how the gap to the clean run evolves (a
+        # slowdown closes as both runs converge; a derailed run does not).
+        print("\nattacks minus their clean run, paired by seed, after round: "
+              + ", ".join(str(c) for c in checkpoints))
+        for r in rows:
+            base = by_name.get(r["reference"]) if r["reference"] else None
+            if r["kind"] != "attack" or base is None:
+                continue
+            print(f"{r['case']:<32} " + " ".join(f"{_pm(_paired(r, base, c)):>14}" for c in checkpoints))
     print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     write(rows, complete=True)
 
