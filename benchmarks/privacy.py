@@ -19,16 +19,22 @@ in one invocation:
 - **robustness**: 10% of devices send their update scaled by 100, or sign-flipped, each
   with no defence, with norm bounding (robust.norm_bound, which also works under secure
   aggregation), and with the coordinate-wise trimmed mean and median of each lowest
-  tier's cohort (plain cohorts only).
+  tier's cohort (plain cohorts only). These run for ``--robust-rounds`` (100 by default)
+  and are read against their own clean run of that length: the claim is about the
+  *final* accuracy, and sign-flipped updates of ordinary norm (the sum keeps about 0.8 of
+  the honest direction) slow training rather than derail it, so a run stopped well
+  before convergence measures the slowdown, not where the run ends.
 
 Every case runs once per seed (``--seeds``: the population, data, attackers and
 training all follow the seed); the table shows the mean over seeds with its spread
-(sample standard deviation), and every difference is taken between means. For each:
-final test accuracy, its difference from the non-private run, epsilon spent, wall
+(sample standard deviation), and every difference is taken between means, and again
+paired by seed. For each: final test accuracy, its difference from its reference (the
+non-private run, or for the robustness cases the clean run of their length), epsilon spent, wall
 seconds per round, upload bytes per round, CPU seconds of the whole run; and the ratios
 DP on / off for time and bytes. Prints a table, writes JSON with --json.
 
-    python benchmarks/privacy.py [--rounds 30] [--seeds 0 1 2] [--epsilons 1 4 8] [--json out.json] [--quick]
+    python benchmarks/privacy.py [--rounds 30] [--robust-rounds 100] [--seeds 0 1 2] [--epsilons 1 4 8]
+                                 [--only CASE ...] [--json out.json] [--quick]
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ BASE_TRAIN = {"epochs": 1, "batch_size": 10, "learning_rate": 0.05}
 
 def _case(task: str, rounds: int, population: int, per_round: int, aggregators: int, *, privacy: dict | None = None,
           secure: bool = False, robust: dict | None = None, attack: dict | None = None,
-          clip: float = 0.1, seed: int = 0, dropout_rate: float = 0.3,
+          clip: float = 0.1, seed: int = 0, dropout_rate: float = 0.3, eval_every: int = 0,
           over_selection: float = 1.0) -> dict[str, Any]:
     from orchard.simulation import SimulationConfig, run_simulation
 
@@ -63,7 +69,7 @@ def _case(task: str, rounds: int, population: int, per_round: int, aggregators: 
         run["robust"] = robust
     cfg = SimulationConfig.model_validate(dict(
         clients=population, clients_per_round=per_round, rounds=rounds, aggregators=aggregators, seed=seed,
-        evaluate_every=0, progress=False, run=run, **({"attack": attack} if attack else {})))
+        evaluate_every=eval_every, progress=False, run=run, **({"attack": attack} if attack else {})))
     t0, c0 = time.perf_counter(), time.process_time()
     rep = run_simulation(cfg)
     done = rep.rounds
@@ -71,6 +77,9 @@ def _case(task: str, rounds: int, population: int, per_round: int, aggregators: 
         "status": rep.status,
         "accuracy": rep.final_accuracy,
         "rounds": len(done),
+        # Test accuracy after every ``eval_every``-th round and the last (evaluation draws
+        # no randomness: the run is the same with or without it).
+        "accuracy_by_round": {r["round"]: r["accuracy"] for r in done if r.get("accuracy") is not None},
         "epsilon": rep.privacy["epsilon"] if rep.privacy else None,
         "noise_multiplier": rep.privacy["noise_multiplier"] if rep.privacy else None,
         "seconds_per_round": round(sum(r["seconds"] for r in done) / max(1, len(done)), 3),
@@ -99,10 +108,14 @@ def _mean_over_seeds(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _paired(r: dict[str, Any], ref: dict[str, Any]) -> list[float] | None:
-    """Mean and sample stddev over the seeds both ran of ``r``'s accuracy minus ``ref``'s."""
-    mine = {x["seed"]: x["accuracy"] for x in r["per_seed"] if x["accuracy"] is not None}
-    theirs = {x["seed"]: x["accuracy"] for x in ref["per_seed"] if x["accuracy"] is not None}
+def _paired(r: dict[str, Any], ref: dict[str, Any], after: int | None = None) -> list[float] | None:
+    """Mean and sample stddev over the seeds both ran of ``r``'s final accuracy minus
+    ``ref``'s (or their accuracies after round ``after``, where both were tested then)."""
+    def acc(x: dict[str, Any]) -> float | None:
+        return x["accuracy"] if after is None else x["accuracy_by_round"].get(after)
+
+    mine = {x["seed"]: acc(x) for x in r["per_seed"] if acc(x) is not None}
+    theirs = {x["seed"]: acc(x) for x in ref["per_seed"] if acc(x) is not None}
     diffs = [mine[k] - theirs[k] for k in sorted(mine.keys() & theirs.keys())]
     if not diffs:
         return None
@@ -116,7 +129,12 @@ def _pm(v: list[float] | None) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--task", default="mnist")
-    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--rounds", type=int, default=30, help="rounds of the non-private, DP and secure cases")
+    ap.add_argument("--robust-rounds", type=int, default=100,
+                    help="rounds of the robustness cases and of the clean run they are read against")
+    ap.add_argument("--eval-every", type=int, default=0,
+                    help="also test the model after every N-th round (0: only the final model); the attacks' gap "
+                         "to their clean run is then shown at each of those rounds")
     ap.add_argument("--population", type=int, default=10_000)
     ap.add_argument("--per-round", type=int, default=100)
     ap.add_argument("--aggregators", type=int, default=2)
@@ -144,36 +162,46 @@ def main() -> None:
     # shared host two spinning OpenMP threads cost several times the CPU (and wall) of one.
     torch.set_num_threads(a.threads)
     if a.quick:
-        a.task, a.population, a.per_round, a.rounds, a.epsilons = "digits", 1000, 50, 8, [8.0]
+        a.task, a.population, a.per_round, a.rounds, a.robust_rounds, a.epsilons = "digits", 1000, 50, 8, 8, [8.0]
     load_before = os.getloadavg()
     common = dict(task=a.task, rounds=a.rounds, population=a.population, per_round=a.per_round,
-                  aggregators=a.aggregators, clip=a.clip, dropout_rate=a.dropout_rate,
+                  aggregators=a.aggregators, clip=a.clip, dropout_rate=a.dropout_rate, eval_every=a.eval_every,
                   over_selection=a.over_selection)
-    plan: list[tuple[str, str, float | None, dict[str, Any]]] = [("non-private", "baseline", None, {})]
-    plan += [(f"central DP eps={eps:g}", "central", eps, {"privacy": {"mode": "central", "target_epsilon": eps}})
-             for eps in a.epsilons]
-    plan.append(("secure, no DP", "secure", None, {"secure": True}))
+    # (name, kind, target epsilon, the case's arguments, the case its accuracy is read against)
+    plan: list[tuple[str, str, float | None, dict[str, Any], str]] = [("non-private", "baseline", None, {}, "")]
+    plan += [(f"central DP eps={eps:g}", "central", eps, {"privacy": {"mode": "central", "target_epsilon": eps}},
+              "non-private") for eps in a.epsilons]
+    plan.append(("secure, no DP", "secure", None, {"secure": True}, "non-private"))
     plan += [(f"distributed DP eps={eps:g}", "distributed", eps,
-              {"secure": True, "privacy": {"mode": "distributed", "target_epsilon": eps}}) for eps in a.epsilons]
+              {"secure": True, "privacy": {"mode": "distributed", "target_epsilon": eps}}, "non-private")
+             for eps in a.epsilons]
     if a.epsilons and a.aggregators:
         # Every secure cohort's sum must carry the whole noise (no tier is trusted), so a
         # tree of k cohorts releases k times the noise central DP adds once. One cohort
         # under the root shows what distributed DP costs without that.
         eps = min(a.epsilons)
         plan.append((f"distributed DP eps={eps:g}, 1 cohort", "distributed", eps,
-                     {"secure": True, "aggregators": 0, "privacy": {"mode": "distributed", "target_epsilon": eps}}))
+                     {"secure": True, "aggregators": 0, "privacy": {"mode": "distributed", "target_epsilon": eps}},
+                     "non-private"))
     if not a.no_robustness:
         defences: list[tuple[str, dict[str, Any] | None]] = [
             ("no defence", None), ("norm bound", {"norm_bound": a.clip}),
             ("trimmed mean", {"statistic": "trimmed_mean", "trim_fraction": a.trim_fraction}),
             ("median", {"statistic": "median"})]
+        # The attacks' clean reference: same length, same seeds (so the same population,
+        # data and client draws), no attackers, no defence.
+        clean = "non-private"
+        if a.robust_rounds != a.rounds:
+            clean = f"no attack, {a.robust_rounds} rounds"
+            plan.append((clean, "baseline", None, {"rounds": a.robust_rounds}, ""))
         for kind in ("scale", "sign_flip"):
             plan += [(f"10% {kind}, {name}", "attack", None,
-                      {"attack": {"fraction": 0.1, "kind": kind}, **({"robust": robust} if robust else {})})
+                      {"rounds": a.robust_rounds, "attack": {"fraction": 0.1, "kind": kind},
+                       **({"robust": robust} if robust else {})}, clean)
                      for name, robust in defences]
     if a.only:  # and the references they are read against
         wanted = [c for c in plan if any(o in c[0] for o in a.only)]
-        refs = {"non-private"} | ({"secure, no DP"} if any(c[1] == "distributed" for c in wanted) else set())
+        refs = {c[4] for c in wanted} | ({"secure, no DP"} if any(c[1] == "distributed" for c in wanted) else set())
         plan = [c for c in plan if c in wanted or c[0] in refs]
     rows: list[dict[str, Any]] = []
 
@@ -182,12 +210,13 @@ def main() -> None:
             return
         with open(a.json_path, "w") as fh:
             json.dump({"task": a.task, "population": a.population, "per_round": a.per_round, "rounds": a.rounds,
+                       "robust_rounds": a.robust_rounds, "eval_every": a.eval_every,
                        "aggregators": a.aggregators, "clip": a.clip, "delta": 1e-5, "seeds": a.seeds,
                        "dropout_rate": a.dropout_rate, "over_selection": a.over_selection, "trim_fraction": a.trim_fraction, "complete": complete,
                        "cases": rows, "load_average": {"before": list(load_before), "now": list(os.getloadavg())}},
                       fh, indent=2)
 
-    for name, kind, target, kw in plan:
+    for name, kind, target, kw, ref_name in plan:
         runs = []
         for seed in a.seeds:
             r = _case(**{**common, **kw}, seed=seed)  # type: ignore[arg-type]
@@ -195,21 +224,23 @@ def main() -> None:
             print(f"  {name}, seed {seed}: accuracy {r['accuracy']}, epsilon {r['epsilon']}, "
                   f"{r['seconds_per_round']} s/round, {r['total_cpu_seconds']} CPU s in {r['total_seconds']} s",
                   flush=True)
-        rows.append({"case": name, "kind": kind, "target_epsilon": target, **_mean_over_seeds(runs)})
+        rows.append({"case": name, "kind": kind, "target_epsilon": target, "reference": ref_name or None,
+                     **_mean_over_seeds(runs)})
         write(rows, complete=False)  # what is done survives an interrupted run
-    plain = rows[0]
-    secure = next((r for r in rows if r["kind"] == "secure"), None)
-    base_acc = plain["accuracy"] or 0.0
+    by_name = {r["case"]: r for r in rows}
+    secure = by_name.get("secure, no DP")
     for r in rows:
-        r["accuracy_minus_nonprivate"] = None if r["accuracy"] is None else round(r["accuracy"] - base_acc, 4)
+        base = by_name.get(r["reference"]) if r["reference"] else None
+        r["accuracy_minus_reference"] = (None if r["accuracy"] is None or base is None or base["accuracy"] is None
+                                         else round(r["accuracy"] - base["accuracy"], 4))
         # A one-cohort run's costs are not comparable with the tree's secure run: no ratios.
-        ref = None if "1 cohort" in r["case"] else secure if r["kind"] == "distributed" else plain
+        ref = None if "1 cohort" in r["case"] else secure if r["kind"] == "distributed" else base
         for k, out in (("seconds_per_round", "time_vs_off"), ("bytes_up_per_round", "bytes_vs_off"),
                        ("total_cpu_seconds", "cpu_vs_off")):
             r[out] = round(r[k] / ref[k], 3) if ref is not None and ref[k] else None
         # Paired by seed (same population, data and attackers): the seed-to-seed spread of
         # the accuracies themselves cancels, what is left is the case's own effect.
-        r["paired_minus_nonprivate"] = _paired(r, plain)
+        r["paired_minus_reference"] = None if base is None else _paired(r, base)
     central = {r["target_epsilon"]: r for r in rows if r["kind"] == "central"}
     for r in rows:
         if r["kind"] == "distributed" and r["target_epsilon"] in central and r["accuracy"] is not None:
@@ -217,10 +248,11 @@ def main() -> None:
             r["minus_central_at_equal_epsilon"] = None if c is None else round(r["accuracy"] - c, 4)
             r["paired_minus_central"] = _paired(r, central[r["target_epsilon"]])
     load_after = os.getloadavg()
-    print(f"\n{a.task}, population {a.population}, {a.per_round} per round, {a.rounds} rounds, clip {a.clip}, "
-          f"delta 1e-5, seeds {a.seeds} (accuracy: mean ± sample stddev over seeds); DP cost is read against "
-          f"the run without DP on the same transport")
-    print(f"{'case':<32} {'target eps':>10} {'eps spent':>9} {'z':>6} {'accuracy':>16} {'vs non-priv':>11} "
+    print(f"\n{a.task}, population {a.population}, {a.per_round} per round, {a.rounds} rounds "
+          f"({a.robust_rounds} for the attacks), clip {a.clip}, delta 1e-5, seeds {a.seeds} (accuracy: mean ± "
+          f"sample stddev over seeds); accuracy is read against the non-private run of the same length (the "
+          f"attacks: against their clean run), DP cost against the run without DP on the same transport")
+    print(f"{'case':<32} {'rounds':>6} {'target eps':>10} {'eps spent':>9} {'z':>6} {'accuracy':>16} {'vs ref':>8} "
           f"{'paired':>14} {'s/round':>8} {'x time':>7} {'CPU s':>7} {'x CPU':>6} {'bytes up/rd':>12} {'x bytes':>7}")
 
     def f(v: Any, fmt: str) -> str:
@@ -229,10 +261,10 @@ def main() -> None:
 
     for r in rows:
         acc = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.2f} ± {100 * r['accuracy_spread']:.2f}"
-        print(f"{r['case']:<32} {f(r['target_epsilon'], '10g')} {f(r['epsilon'], '9.3f')} "
-              f"{f(r['noise_multiplier'], '6.3f')} {acc:>16} "
-              f"{f(None if r['accuracy_minus_nonprivate'] is None else 100 * r['accuracy_minus_nonprivate'], '+11.2f')} "
-              f"{_pm(r['paired_minus_nonprivate']):>14} "
+        diff = r["accuracy_minus_reference"]
+        print(f"{r['case']:<32} {r['rounds']:>6} {f(r['target_epsilon'], '10g')} {f(r['epsilon'], '9.3f')} "
+              f"{f(r['noise_multiplier'], '6.3f')} {acc:>16} {f(None if diff is None else 100 * diff, '+8.2f')} "
+              f"{_pm(r['paired_minus_reference']):>14} "
               f"{f(r['seconds_per_round'], '8.2f')} {f(r['time_vs_off'], '7.2f')} {f(r['total_cpu_seconds'], '7.1f')} "
               f"{f(r['cpu_vs_off'], '6.2f')} {f(round(r['bytes_up_per_round']), '12,d')} {f(r['bytes_vs_off'], '7.3f')}")
     for r in rows:
@@ -240,6 +272,18 @@ def main() -> None:
             print(f"{r['case']} - central at epsilon {r['target_epsilon']:g}: "
                   f"{100 * r['minus_central_at_equal_epsilon']:+.2f} points (means over seeds); paired by seed "
                   f"{_pm(r['paired_minus_central'])}")
+    checkpoints = sorted({k for r in rows if r["kind"] == "attack" for x in r["per_seed"]
+                          for k in x["accuracy_by_round"]})
+    if a.eval_every and checkpoints:
+        # The same runs tested along the way: how the gap to the clean run evolves (a
+        # slowdown closes as both runs converge; a derailed run does not).
+        print("\nattacks minus their clean run, paired by seed, after round: "
+              + ", ".join(str(c) for c in checkpoints))
+        for r in rows:
+            base = by_name.get(r["reference"]) if r["reference"] else None
+            if r["kind"] != "attack" or base is None:
+                continue
+            print(f"{r['case']:<32} " + " ".join(f"{_pm(_paired(r, base, c)):>14}" for c in checkpoints))
     print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     write(rows, complete=True)
 
