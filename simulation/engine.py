@@ -209,9 +209,9 @@ class Engine:
         self.in_flight: list[tuple[float, int, Arrival]] = []
         self.silent: dict[str, float] = {}
         self._arrivals = itertools.count()
-        # Clients trained ahead of their turn (see _train_ahead): their jobs in flight,
-        # with the partitions in each, and the outputs that came back, by partition.
-        self._ahead_jobs: deque[tuple[set[int], Future[list[ClientOutput]]]] = deque()
+        # Clients trained ahead of their turn (see _train_ahead): their jobs in flight, in
+        # order, the outputs that came back, by partition, and every partition sent ahead.
+        self._ahead_jobs: deque[Future[list[ClientOutput]]] = deque()
         self._ahead: dict[int, ClientOutput] = {}
         self._ahead_parts: set[int] = set()
 
@@ -573,18 +573,17 @@ class Engine:
         early changes nothing; one that turns out never to be needed (its tier closes
         first) was trained for nothing, which costs an idle core only. At most one such
         job waits behind the one running, and at most ``_AHEAD_MAX`` clients a round."""
-        while self._ahead_jobs and self._ahead_jobs[0][1].done():
-            self._collect_ahead(self._ahead_jobs.popleft()[1])
+        while self._ahead_jobs and self._ahead_jobs[0].done():
+            self._collect_ahead(self._ahead_jobs.popleft())
         if len(self._ahead_jobs) >= 2:  # the worker is busy: keep the newest clients for later
             return queued[-_AHEAD_BATCH:]
         if len(self._ahead_parts) + len(queued) > _AHEAD_MAX:
             return []
         jobs = [self._job(a) for a in queued]
         need = {a.start for a in queued if a.start}
-        fut = self.backend.submit(jobs, arrays, {k: v[1] for k, v in starts.items() if k in need} or None)
-        parts = {a.partition for a in queued}
-        self._ahead_parts |= parts
-        self._ahead_jobs.append((parts, fut))
+        self._ahead_jobs.append(
+            self.backend.submit(jobs, arrays, {k: v[1] for k, v in starts.items() if k in need} or None))
+        self._ahead_parts.update(a.partition for a in queued)
         return []
 
     def _collect_ahead(self, fut: Future[list[ClientOutput]]) -> None:
@@ -596,12 +595,12 @@ class Engine:
         if partition not in self._ahead_parts:
             return None
         while partition not in self._ahead:
-            self._collect_ahead(self._ahead_jobs.popleft()[1])
+            self._collect_ahead(self._ahead_jobs.popleft())
         return self._ahead.pop(partition)
 
     def _forget_ahead(self) -> None:
         """Drop what was trained ahead for an earlier round (an attempt that ended early)."""
-        for _, fut in self._ahead_jobs:
+        for fut in self._ahead_jobs:
             fut.cancel()
         self._ahead_jobs.clear()
         self._ahead.clear()
