@@ -93,19 +93,20 @@ class ClipStats:
 
     clients: int = 0
     clipped: int = 0
-    below: int = 0
     norm_sum: float = 0.0
+
+    @property
+    def below(self) -> int:
+        return self.clients - self.clipped
 
     def record(self, norm: float, bound: float) -> None:
         self.clients += 1
-        self.clipped += int(norm > bound)
-        self.below += int(norm <= bound)
+        self.clipped += int(not norm <= bound)  # a NaN norm counts as clipped, never as within
         self.norm_sum += norm
 
     def merge(self, other: ClipStats) -> None:
         self.clients += other.clients
         self.clipped += other.clipped
-        self.below += other.below
         self.norm_sum += other.norm_sum
 
 
