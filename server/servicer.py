@@ -260,12 +260,11 @@ class ChunkCache:
 
     def __init__(self, entries: int = 4) -> None:
         self.entries = entries
-        self._cache: OrderedDict[tuple[str, ...], list[tuple[int, bytes]]] = OrderedDict()
+        self._cache: OrderedDict[tuple[object, ...], list[tuple[int, bytes]]] = OrderedDict()
 
     def get(self, reply: ModelReply, chunk_bytes: int) -> list[tuple[int, bytes]]:
         """(data bytes, serialised Chunk) for every chunk of ``reply``, in order."""
-        key = (reply.sha256, reply.target_hash, reply.delta_from, reply.result_sha256, reply.encoding,
-               str(chunk_bytes))
+        key = (reply.sha256, reply.target_hash, reply.delta_from, reply.result_sha256, reply.encoding, chunk_bytes)
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = [(len(data), _chunk(reply, off, data).SerializeToString())
