@@ -180,11 +180,36 @@ class _Reader:
         Works on one bytes copy of the message (slicing bytes is cheaper than slicing a
         memoryview and copying each blob out); offsets only grow, so one check that the
         blob ends inside the message also covers both length fields before it.
+
+        The usual list has one record size: node ids of one length (a session's ids
+        usually are) and blobs of one length (share ciphertexts, shares). Then every
+        record's two length fields are the first record's, which strided slices check at
+        once, and ids and blobs are cut at fixed offsets; what that parses is exactly what
+        the record-by-record walk below parses, and any other list takes the walk.
         """
         raw, pos = bytes(self.buf), self.pos
         end = len(raw)
-        out = []
         from_bytes = int.from_bytes
+        if n and pos + 2 <= end:
+            name_len = from_bytes(raw[pos:pos + 2], "big")
+            blob_len_at = pos + 2 + name_len
+            if blob_len_at + 4 <= end:
+                blob_len = from_bytes(raw[blob_len_at:blob_len_at + 4], "big")
+                size = 6 + name_len + blob_len
+                stop = pos + n * size
+                if stop <= end and all(
+                        raw[at:stop:size] == raw[at:at + 1] * n
+                        for at in (pos, pos + 1, *range(blob_len_at, blob_len_at + 4))):
+                    try:
+                        names = [raw[at:at + name_len].decode()
+                                 for at in range(pos + 2, stop, size)]
+                    except UnicodeDecodeError:
+                        raise MalformedMessage("a node id is not valid UTF-8") from None
+                    first = blob_len_at + 4
+                    blobs = [raw[at:at + blob_len] for at in range(first, first + n * size, size)]
+                    self.pos = stop
+                    return list(zip(names, blobs, strict=True))
+        out = []
         try:
             for _ in range(n):
                 name_at = pos + 2
@@ -499,11 +524,21 @@ class KeysBroadcast(Message):
         return cls(session_id, round_number, node, keys)
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _encoded_id(name: str) -> bytes:
+    """A node id in wire form (u16 length + UTF-8). Cached: a session's ids recur in
+    every pair list (a server writes n k of them per stage)."""
+    enc = name.encode("utf-8")
+    if len(enc) > 0xFFFF:
+        raise MalformedMessage(f"node id too long ({len(enc)} bytes)")
+    return len(enc).to_bytes(2, "big") + enc
+
+
 def _write_pairs(w: _Writer, pairs: tuple[tuple[str, bytes], ...]) -> None:
-    w.u32(len(pairs))
+    parts = [len(pairs).to_bytes(4, "big")]
     for name, blob in pairs:
-        w.string(name)
-        w.blob(blob)
+        parts += (_encoded_id(name), len(blob).to_bytes(4, "big"), blob)
+    w.raw(b"".join(parts))
 
 
 def _read_pairs(r: _Reader) -> tuple[tuple[str, bytes], ...]:

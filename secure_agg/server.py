@@ -125,6 +125,7 @@ class SecAggServer:
         self._index = {p: i for i, p in enumerate(ids)}
         graph = NeighbourGraph(len(ids), config.neighbours, config.graph_seed)
         self._nbrs: list[frozenset[int]] = graph.adjacency()
+        self._nbr_order: list[list[int]] = [sorted(a) for a in self._nbrs]  # for broadcasts
         self._live: set[int] = set(range(len(ids)))  # may send in the current stage
         self._sent: set[int] = set()  # sent in the current stage
         self._keys: dict[int, tuple[bytes, bytes]] = {}  # U1: (c_pk, s_pk)
@@ -134,6 +135,9 @@ class SecAggServer:
         # (ciphertext_size without encoding both ids for each of the n k ciphertexts).
         self._id_len = [len(p.encode()) for p in ids]
         self._ct_base = ciphertext_size("", "")
+        # With ids of one length (the usual case) every ciphertext has one length.
+        self._ct_len: int | None = (self._ct_base + 2 * self._id_len[0]
+                                    if len(set(self._id_len)) == 1 else None)
         self._seen_keys: set[bytes] = set()
         # Ciphertexts in transit, as parallel lists rather than n k long-lived pairs (fewer
         # objects for the garbage collector to walk while the session runs).
@@ -189,15 +193,14 @@ class SecAggServer:
         sid, rnd = cfg.session_id, cfg.round_number
         if self.stage is Stage.SHARE_KEYS:
             pk = self._peer_keys
-            return KeysBroadcast(sid, rnd, node, tuple(
-                pk[j] for j in sorted(self._nbrs[i] & pk.keys())))
+            return KeysBroadcast(sid, rnd, node, tuple([pk[j] for j in self._nbr_order[i] if j in pk]))
         if self.stage is Stage.MASKED_INPUT:
             senders, cts = self._inbox.get(i, ((), ()))
             return SharesBroadcast(sid, rnd, node, tuple(zip(senders, cts, strict=True)))
-        nb = self._nbrs[i] & self._u2
-        return UnmaskRequest(sid, rnd, node,
-                             tuple(self._ids[j] for j in sorted(nb & self._u3)),
-                             tuple(self._ids[j] for j in sorted(nb - self._u3)))
+        ids, u2, u3 = self._ids, self._u2, self._u3
+        nb = [j for j in self._nbr_order[i] if j in u2]
+        return UnmaskRequest(sid, rnd, node, tuple([ids[j] for j in nb if j in u3]),
+                             tuple([ids[j] for j in nb if j not in u3]))
 
     # ------------------------------------------------------------------ receive
 
@@ -259,28 +262,28 @@ class SecAggServer:
 
     def _on_shares(self, i: int, msg: ShareKeys) -> None:
         expected = self._nbrs[i] & self._keys.keys()
-        index, id_len = self._index, self._id_len
-        base = self._ct_base + id_len[i]
-        js: list[int] = []
-        cts: list[bytes] = []
-        for recipient, ct in msg.ciphertexts:
-            j = index.get(recipient)
-            if j is None or j not in expected:
-                raise UnknownPeer(f"{msg.sender!r} sends shares to {recipient!r}, which is not "
-                                  f"one of its neighbours that advertised keys")
-            if len(ct) != base + id_len[j]:
-                raise MalformedMessage(f"ciphertext {msg.sender!r} -> {recipient!r} has length "
-                                       f"{len(ct)}, expected {base + id_len[j]}")
-            js.append(j)
-            cts.append(ct)
+        names = [r for r, _ in msg.ciphertexts]
+        cts = [ct for _, ct in msg.ciphertexts]
+        js = list(map(self._index.get, names))
         recipients = set(js)
+        if not recipients <= expected:
+            bad = next(r for r, j in zip(names, js, strict=True) if j not in expected)
+            raise UnknownPeer(f"{msg.sender!r} sends shares to {bad!r}, which is not one of its "
+                              f"neighbours that advertised keys")
+        id_len = self._id_len
+        if self._ct_len is None or set(map(len, cts)) - {self._ct_len}:
+            base = self._ct_base + id_len[i]
+            for recipient, j, ct in zip(names, js, cts, strict=True):
+                if len(ct) != base + id_len[j]:  # type: ignore[index]
+                    raise MalformedMessage(f"ciphertext {msg.sender!r} -> {recipient!r} has "
+                                           f"length {len(ct)}, expected {base + id_len[j]}")  # type: ignore[index]
         if len(recipients) != len(js):
             raise DuplicateMessage(f"{msg.sender!r} sends two ciphertexts to the same neighbour")
         if recipients != expected:
             missing = sorted(self._ids[j] for j in expected - recipients)
             raise MalformedMessage(f"{msg.sender!r} must send shares to every neighbour that "
                                    f"advertised keys; missing {missing}")
-        self._outbox[i] = (js, cts)
+        self._outbox[i] = (js, cts)  # type: ignore[assignment]
 
     def _on_masked(self, i: int, msg: MaskedInput) -> None:
         cfg = self.config
@@ -297,32 +300,30 @@ class SecAggServer:
 
     def _on_unmask(self, i: int, msg: UnmaskShares) -> None:
         nb = self._nbrs[i] & self._u2
-        index = self._index
-        staged: list[tuple[dict[int, dict[int, bytes]], list[int], tuple[tuple[str, bytes], ...]]] = []
+        get = self._index.get
+        staged: list[tuple[dict[int, dict[int, bytes]], list[int | None], list[bytes]]] = []
         for pairs, want, size, store in (
             (msg.self_mask_shares, nb & self._u3, SELF_MASK_SHARE_BYTES, self._seed_shares),
             (msg.mask_key_shares, nb - self._u3, MASK_KEY_SHARE_BYTES, self._key_shares),
         ):
             names = [o for o, _ in pairs]
+            shares = [sh for _, sh in pairs]
             if len(set(names)) != len(names):
                 raise DuplicateMessage(f"{msg.sender!r} sends two shares for one node")
-            owners = [index.get(o, -1) for o in names]
+            owners = list(map(get, names))
             if set(owners) != want:
                 asked = {self._ids[j] for j in want}
                 raise UnknownPeer(f"{msg.sender!r} sends shares for {sorted(set(names) - asked)} "
                                   f"and misses {sorted(asked - set(names))}: not what was asked")
-            for owner, share in pairs:
-                if len(share) != size:
-                    raise MalformedMessage(f"share of {owner!r} from {msg.sender!r} is "
-                                           f"{len(share)} bytes, expected {size}")
-            staged.append((store, owners, pairs))
+            if set(map(len, shares)) - {size}:
+                owner, share = next((o, sh) for o, sh in pairs if len(sh) != size)
+                raise MalformedMessage(f"share of {owner!r} from {msg.sender!r} is "
+                                       f"{len(share)} bytes, expected {size}")
+            staged.append((store, owners, shares))
         x = i + 1  # i's Shamir evaluation point
-        for store, owners, pairs in staged:
-            for j, (_, share) in zip(owners, pairs, strict=True):
-                held = store.get(j)
-                if held is None:
-                    held = store[j] = {}
-                held[x] = share
+        for store, owners, shares in staged:
+            for j, share in zip(owners, shares, strict=True):
+                store[j][x] = share  # type: ignore[index]
 
     # ------------------------------------------------------------------ close
 
@@ -362,6 +363,10 @@ class SecAggServer:
                 self._u3 = frozenset(sent)
                 self._check_reconstructible(self._u3, "will be able to respond")
                 self._inbox.clear()
+                # One share store per secret the unmasking stage may reveal (a survivor's
+                # seed, a dropped node's mask key), so receiving a share is one store.
+                self._seed_shares = {u: {} for u in self._u3}
+                self._key_shares = {d: {} for d in self._u2 - self._u3}
             else:
                 self._unmask(sent)
         except SecAggAbort as err:

@@ -130,3 +130,68 @@ def test_wrong_type_and_garbage() -> None:
         decode(raw[:4] + b"\x63" + raw[5:])
     with pytest.raises(MalformedMessage):
         AdvertiseKeys(SID, 1, "a", b"\x01" * 31, b"\x02" * 32)
+
+
+def _walk_pairs(raw: bytes, n: int) -> list[tuple[str, bytes]] | str:
+    """The plain record-by-record reading of ``n`` (str, blob) pairs: the reference for
+    the reader's fixed-stride path. Returns the pairs, or "malformed"."""
+    out, pos = [], 0
+    for _ in range(n):
+        if pos + 2 > len(raw):
+            return "malformed"
+        ln = int.from_bytes(raw[pos:pos + 2], "big")
+        if pos + 2 + ln + 4 > len(raw):
+            return "malformed"
+        try:
+            name = raw[pos + 2:pos + 2 + ln].decode()
+        except UnicodeDecodeError:
+            return "malformed"
+        bl = int.from_bytes(raw[pos + 2 + ln:pos + 6 + ln], "big")
+        if pos + 6 + ln + bl > len(raw):
+            return "malformed"
+        out.append((name, raw[pos + 6 + ln:pos + 6 + ln + bl]))
+        pos += 6 + ln + bl
+    return out
+
+
+@st.composite
+def pair_lists(draw: st.DrawFn) -> tuple[bytes, int]:
+    """Encoded pair lists, mostly of one record size (the fast path), then damaged."""
+    n = draw(st.integers(0, 12))
+    name_len = draw(st.integers(0, 4))
+    blob_len = draw(st.integers(0, 6))
+    uniform = draw(st.booleans())
+    raw = b""
+    for _ in range(n):
+        nl = name_len if uniform else draw(st.integers(0, 4))
+        bl = blob_len if uniform else draw(st.integers(0, 6))
+        name = draw(st.text(alphabet="abcé", min_size=nl, max_size=nl)).encode()[:nl].ljust(nl, b"x")
+        raw += len(name).to_bytes(2, "big") + name + bl.to_bytes(4, "big") + draw(st.binary(min_size=bl, max_size=bl))
+    for _ in range(draw(st.integers(0, 2))):  # damage: flip, cut or extend a byte
+        if not raw:
+            break
+        at = draw(st.integers(0, len(raw) - 1))
+        how = draw(st.sampled_from(["flip", "cut", "extend"]))
+        if how == "flip":
+            raw = raw[:at] + bytes([raw[at] ^ draw(st.integers(1, 255))]) + raw[at + 1:]
+        elif how == "cut":
+            raw = raw[:at]
+        else:
+            raw += b"\x00"
+    return raw, draw(st.sampled_from([n, max(0, n - 1), n + 1]))
+
+
+@settings(max_examples=500, deadline=None)
+@given(case=pair_lists())
+def test_pair_reader_matches_the_record_walk(case: tuple[bytes, int]) -> None:
+    from orchard.secure_agg.messages import _Reader
+
+    raw, n = case
+    want = _walk_pairs(raw, n)
+    reader = _Reader(raw)
+    if want == "malformed":
+        with pytest.raises(MalformedMessage):
+            reader.pairs(n)
+        return
+    assert reader.pairs(n) == want
+    assert reader.pos == sum(6 + len(a.encode()) + len(b) for a, b in want)
