@@ -29,7 +29,11 @@ same spans (the process's for the server, whose mask threads run inside its span
 thread's for a client), which is what to compare on a shared, loaded machine.
 
     python benchmarks/secagg.py [--quick] [--json PATH] [--n 1000 --d 1000000 --dropout 0.1]
-                                [--threads T]
+                                [--threads T] [--repeat R]
+
+``--repeat R`` runs every configuration R times in a row (same vectors, same keys) and
+then prints each one's median server time and bound ratio: on a shared host one run's
+wall time moves by 5-10%.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -209,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dropout", type=float, nargs="*", help="dropout rates (default 0 0.1 0.3)")
     ap.add_argument("--threads", type=int, default=None,
                     help="server mask-expansion threads (default: every core available)")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of every configuration (medians printed)")
     ap.add_argument("--corrupt-fraction", type=float, default=0.05,
                     help="fraction of clients assumed to collude with the server (sets k, t)")
     args = ap.parse_args(argv)
@@ -226,21 +232,29 @@ def main(argv: list[str] | None = None) -> int:
               f"{'bytes x':>8} {'ok':>3}")
     print(header)
     print("-" * len(header))
-    for n in ns:
-        for d in ds:
-            for p in drops:
-                r = run_one(n, d, p, corrupt_fraction=args.corrupt_fraction, gbps=gbps,
-                            threads=args.threads)
-                rows.append(r)
-                print(f"{r.n:>5} {r.d:>9} {r.dropout:>5.2f} {r.neighbours:>4} {r.threshold:>4} "
-                      f"{r.server_seconds:>9.3f} {r.server_cpu_seconds:>8.3f} "
-                      f"{r.unmask_seconds:>8.3f} {r.unmask_cpu_seconds:>6.2f} "
-                      f"{r.keystream_bound_seconds:>8.3f} {r.bound_ratio:>7.2f}x "
-                      f"{r.bound_cpu_ratio:>5.2f}x "
-                      f"{r.client_seconds:>9.4f} {r.client_cpu_seconds:>7.4f} "
-                      f"{r.client_seconds_max:>10.4f} {r.plain_seconds:>8.4f} "
-                      f"{r.overhead_ratio:>8.1f}x {r.bytes_expansion:>8.4f} "
-                      f"{'yes' if r.correct else 'NO':>3}", flush=True)
+    configs = [(n, d, p) for n in ns for d in ds for p in drops]
+    for n, d, p in configs:
+        for _ in range(max(1, args.repeat)):
+            r = run_one(n, d, p, corrupt_fraction=args.corrupt_fraction, gbps=gbps,
+                        threads=args.threads)
+            rows.append(r)
+            print(f"{r.n:>5} {r.d:>9} {r.dropout:>5.2f} {r.neighbours:>4} {r.threshold:>4} "
+                  f"{r.server_seconds:>9.3f} {r.server_cpu_seconds:>8.3f} "
+                  f"{r.unmask_seconds:>8.3f} {r.unmask_cpu_seconds:>6.2f} "
+                  f"{r.keystream_bound_seconds:>8.3f} {r.bound_ratio:>7.2f}x "
+                  f"{r.bound_cpu_ratio:>5.2f}x "
+                  f"{r.client_seconds:>9.4f} {r.client_cpu_seconds:>7.4f} "
+                  f"{r.client_seconds_max:>10.4f} {r.plain_seconds:>8.4f} "
+                  f"{r.overhead_ratio:>8.1f}x {r.bytes_expansion:>8.4f} "
+                  f"{'yes' if r.correct else 'NO':>3}", flush=True)
+    if args.repeat > 1:
+        print(f"medians of {args.repeat} runs:")
+        for n, d, p in configs:
+            mine = [r for r in rows if (r.n, r.d, r.dropout) == (n, d, p)]
+            print(f"  n={n} d={d} dropout={p:g}: server "
+                  f"{statistics.median(r.server_seconds for r in mine):.3f} s, "
+                  f"{statistics.median(r.bound_ratio for r in mine):.2f}x the keystream bound, client "
+                  f"{statistics.median(r.client_seconds for r in mine):.4f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=2)
