@@ -1,0 +1,32 @@
+"""``benchmarks/secagg.py`` at a toy size: every run's sum equals the plain sum, the
+keystream bound counts the masks the server really expanded, and ``--repeat`` runs each
+configuration that many times."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "secagg.py"
+
+
+def test_toy_runs_are_correct_and_repeated(tmp_path: Path) -> None:
+    out = tmp_path / "secagg.json"
+    res = subprocess.run([sys.executable, str(SCRIPT), "--n", "12", "--d", "2000", "--dropout", "0", "0.25",
+                          "--repeat", "2", "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert [(r["n"], r["dropout"]) for r in rows] == [(12, 0.0), (12, 0.0), (12, 0.25), (12, 0.25)]
+    assert all(r["correct"] for r in rows)
+    for r in rows:
+        dropped = 12 - r["contributors"]
+        # One self mask per survivor; each dropped node's pairwise masks with its surviving
+        # neighbours (at most k of them, and at least one when anyone dropped).
+        masks = r["mask_bytes"] / (4 * r["d"])
+        assert r["contributors"] <= masks <= r["contributors"] + dropped * r["neighbours"]
+        assert (masks > r["contributors"]) == (dropped > 0)
+        assert r["bound_ratio"] == r["server_seconds"] / r["keystream_bound_seconds"]
+    assert "medians of 2 runs:" in res.stdout
+    assert res.stdout.count("n=12 d=2000") == 2
