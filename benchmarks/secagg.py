@@ -143,7 +143,7 @@ def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: fl
             if stage is Stage.MASKED_INPUT and node in dropped:
                 continue
             t0, c0 = clock(), pcpu()
-            bcast = server.broadcast_for(node).to_bytes()
+            bcast = server.broadcast_bytes(node)
             t1, c1 = clock(), pcpu()
             vector = None
             if stage is Stage.MASKED_INPUT:

@@ -24,6 +24,7 @@ al., 2020, Alg. 2)::
 from __future__ import annotations
 
 import functools
+import itertools
 import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -175,7 +176,13 @@ class _Reader:
         return out
 
     def pairs(self, n: int) -> list[tuple[str, bytes]]:
-        """``n`` (node id, blob) pairs in a row (hot path, like :meth:`strings`).
+        """``n`` (node id, blob) pairs in a row."""
+        names, blobs = self.pair_columns(n)
+        return list(zip(names, blobs, strict=True))
+
+    def pair_columns(self, n: int) -> tuple[list[str], list[bytes]]:
+        """``n`` (node id, blob) pairs in a row, as a list of ids and a list of blobs (a
+        server takes n k of them per stage: no tuple per pair).
 
         Works on one bytes copy of the message (slicing bytes is cheaper than slicing a
         memoryview and copying each blob out); offsets only grow, so one check that the
@@ -208,8 +215,8 @@ class _Reader:
                     first = blob_len_at + 4
                     blobs = [raw[at:at + blob_len] for at in range(first, first + n * size, size)]
                     self.pos = stop
-                    return list(zip(names, blobs, strict=True))
-        out = []
+                    return names, blobs
+        names, blobs = [], []
         try:
             for _ in range(n):
                 name_at = pos + 2
@@ -218,12 +225,13 @@ class _Reader:
                 blob_end = blob_at + from_bytes(raw[name_end:blob_at], "big")
                 if blob_end > end:
                     raise MalformedMessage(f"message truncated at offset {pos}")
-                out.append((raw[name_at:name_end].decode(), raw[blob_at:blob_end]))
+                names.append(raw[name_at:name_end].decode())
+                blobs.append(raw[blob_at:blob_end])
                 pos = blob_end
         except UnicodeDecodeError:
             raise MalformedMessage("a node id is not valid UTF-8") from None
         self.pos = pos
-        return out
+        return names, blobs
 
     def count(self, min_item_bytes: int) -> int:
         n = self.u32()
@@ -273,16 +281,7 @@ class Message(ABC):
         """Read the body written by :meth:`_write`."""
 
     def to_bytes(self) -> bytes:
-        w = _Writer()
-        w.raw(MAGIC)
-        w.u8(VERSION)
-        w.u8(self.TAG)
-        if len(self.session_id) != SESSION_ID_BYTES:
-            raise MalformedMessage(f"session id is {SESSION_ID_BYTES} bytes, "
-                                   f"got {len(self.session_id)}")
-        w.raw(self.session_id)
-        w.u64(self.round_number)
-        w.string(self.node)
+        w = _header(self.TAG, self.session_id, self.round_number, self.node)
         self._write(w)
         return w.getvalue()
 
@@ -294,24 +293,95 @@ class Message(ABC):
         return msg
 
 
-def decode(data: bytes | bytearray | memoryview) -> Message:
-    """Parse any message (the tag says which)."""
-    r = _Reader(data)
-    if bytes(r.take(3)) != MAGIC:
+def _header(tag: int, session_id: bytes, round_number: int, node: str) -> _Writer:
+    w = _Writer()
+    w.raw(MAGIC)
+    w.u8(VERSION)
+    w.u8(tag)
+    if len(session_id) != SESSION_ID_BYTES:
+        raise MalformedMessage(f"session id is {SESSION_ID_BYTES} bytes, got {len(session_id)}")
+    w.raw(session_id)
+    w.u64(round_number)
+    w.string(node)
+    return w
+
+
+_FIXED_HEADER = struct.Struct(f">3sBB{SESSION_ID_BYTES}sQ")  # magic, version, tag, session, round
+
+
+def _read_header(r: _Reader) -> tuple[type[Message], bytes, int, str]:
+    if len(r.buf) - r.pos < _FIXED_HEADER.size:
+        if len(r.buf) - r.pos >= 3 and bytes(r.buf[r.pos:r.pos + 3]) != MAGIC:
+            raise MalformedMessage("not a secure-aggregation message (bad magic)")
+        r.take(_FIXED_HEADER.size)  # raises: message truncated
+    magic, version, tag, session_id, round_number = _FIXED_HEADER.unpack_from(r.buf, r.pos)
+    if magic != MAGIC:
         raise MalformedMessage("not a secure-aggregation message (bad magic)")
-    version = r.u8()
     if version != VERSION:
         raise MalformedMessage(f"message version {version}, this code speaks {VERSION}")
-    tag = r.u8()
     cls = _REGISTRY.get(tag)
     if cls is None:
         raise MalformedMessage(f"unknown message tag {tag}")
-    session_id = r.fixed(SESSION_ID_BYTES)
-    round_number = r.u64()
-    node = r.string()
+    r.pos += _FIXED_HEADER.size
+    return cls, session_id, round_number, r.string()
+
+
+def decode(data: bytes | bytearray | memoryview) -> Message:
+    """Parse any message (the tag says which)."""
+    r = _Reader(data)
+    cls, session_id, round_number, node = _read_header(r)
     msg = cls._read(r, session_id, round_number, node)
     r.end()
     return msg
+
+
+@dataclass(frozen=True)
+class PairColumns:
+    """A ShareKeys or UnmaskShares message read without a tuple per pair (see
+    :func:`decode_columns`): ``lists`` holds one (ids, blobs) per pair list of the message."""
+
+    cls: type[Message]
+    session_id: bytes
+    round_number: int
+    node: str
+    lists: tuple[tuple[list[str], list[bytes]], ...]
+
+
+def decode_columns(data: bytes | bytearray | memoryview) -> Message | PairColumns:
+    """:func:`decode`, except that a ShareKeys or UnmaskShares message comes back as its
+    pair lists in columns (what a server needs of the n k pairs of a stage). Refuses
+    exactly what :func:`decode` refuses."""
+    r = _Reader(data)
+    cls, session_id, round_number, node = _read_header(r)
+    if cls is ShareKeys or cls is UnmaskShares:
+        lists = tuple(r.pair_columns(r.count(6)) for _ in range(1 if cls is ShareKeys else 2))
+        r.end()
+        return PairColumns(cls, session_id, round_number, node, lists)
+    msg = cls._read(r, session_id, round_number, node)
+    r.end()
+    return msg
+
+
+def shares_broadcast_bytes(session_id: bytes, round_number: int, recipient: str,
+                           sender_ids: list[bytes], ciphertexts: list[bytes]) -> bytes:
+    """``SharesBroadcast(session_id, round_number, recipient, pairs).to_bytes()`` written
+    straight from its columns: ``sender_ids`` are the senders in wire form (:func:`encoded_id`,
+    made once per sender, not once per pair)."""
+    if len(sender_ids) != len(ciphertexts):
+        raise ValueError(f"{len(sender_ids)} senders for {len(ciphertexts)} ciphertexts")
+    w = _header(SharesBroadcast.TAG, session_id, round_number, recipient)
+    w.u32(len(ciphertexts))
+    lengths = set(map(len, ciphertexts))
+    if len(lengths) == 1:  # the usual case: one length field for every pair
+        length = lengths.pop().to_bytes(4, "big")
+        w.raw(b"".join(itertools.chain.from_iterable(
+            zip(sender_ids, itertools.repeat(length), ciphertexts, strict=False))))
+    else:
+        parts: list[bytes] = []
+        for sender, ct in zip(sender_ids, ciphertexts, strict=True):
+            parts += (sender, len(ct).to_bytes(4, "big"), ct)
+        w.raw(b"".join(parts))
+    return w.getvalue()
 
 
 def _key(r: _Reader) -> bytes:
@@ -525,7 +595,7 @@ class KeysBroadcast(Message):
 
 
 @functools.lru_cache(maxsize=1 << 16)
-def _encoded_id(name: str) -> bytes:
+def encoded_id(name: str) -> bytes:
     """A node id in wire form (u16 length + UTF-8). Cached: a session's ids recur in
     every pair list (a server writes n k of them per stage)."""
     enc = name.encode("utf-8")
@@ -537,7 +607,7 @@ def _encoded_id(name: str) -> bytes:
 def _write_pairs(w: _Writer, pairs: tuple[tuple[str, bytes], ...]) -> None:
     parts = [len(pairs).to_bytes(4, "big")]
     for name, blob in pairs:
-        parts += (_encoded_id(name), len(blob).to_bytes(4, "big"), blob)
+        parts += (encoded_id(name), len(blob).to_bytes(4, "big"), blob)
     w.raw(b"".join(parts))
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
@@ -49,6 +50,7 @@ from orchard.secure_agg.messages import (
     KeysBroadcast,
     MaskedInput,
     Message,
+    PairColumns,
     PeerKeys,
     SessionConfig,
     SessionSetup,
@@ -57,7 +59,9 @@ from orchard.secure_agg.messages import (
     Stage,
     UnmaskRequest,
     UnmaskShares,
-    decode,
+    decode_columns,
+    encoded_id,
+    shares_broadcast_bytes,
 )
 from orchard.secure_agg.prg import (
     SEED_BYTES,
@@ -69,6 +73,10 @@ from orchard.secure_agg.prg import (
 from orchard.secure_agg.shamir import reconstruct_many_bytes
 
 __all__ = ["SecAggResult", "SecAggServer", "StageReport"]
+
+
+def _columns(pairs: tuple[tuple[str, bytes], ...]) -> tuple[list[str], list[bytes]]:
+    return [a for a, _ in pairs], [b for _, b in pairs]
 
 _CLIENT_MESSAGE = {
     Stage.ADVERTISE_KEYS: AdvertiseKeys,
@@ -139,9 +147,10 @@ class SecAggServer:
         self._ct_len: int | None = (self._ct_base + 2 * self._id_len[0]
                                     if len(set(self._id_len)) == 1 else None)
         self._seen_keys: set[bytes] = set()
+        self._encoded_ids: list[bytes] | None = None  # ids in wire form, made when first needed
         # Ciphertexts in transit, as parallel lists rather than n k long-lived pairs (fewer
         # objects for the garbage collector to walk while the session runs).
-        self._inbox: dict[int, tuple[list[str], list[bytes]]] = {}  # recipient -> senders, cts
+        self._inbox: dict[int, tuple[list[int], list[bytes]]] = {}  # recipient -> senders, cts
         self._outbox: dict[int, tuple[list[int], list[bytes]]] = {}  # sender -> recipients, cts
         self._u2: frozenset[int] = frozenset()
         self._u3: frozenset[int] = frozenset()
@@ -181,13 +190,8 @@ class SecAggServer:
         Raises :class:`ExcludedNode` for a node that dropped out earlier, :class:`WrongStage`
         once the session is done, :class:`~orchard.errors.SecAggAbort` once it aborted.
         """
-        self._check_open()
-        i = self._node(node)
+        i = self._broadcast_target(node)
         cfg = self.config
-        if self.stage is Stage.DONE:
-            raise WrongStage("the session is done: there is nothing more to broadcast")
-        if i not in self._live:
-            raise ExcludedNode(f"{node!r} dropped out before stage {self.stage.value}")
         if self.stage is Stage.ADVERTISE_KEYS:
             return SessionSetup(node, cfg)
         sid, rnd = cfg.session_id, cfg.round_number
@@ -195,12 +199,37 @@ class SecAggServer:
             pk = self._peer_keys
             return KeysBroadcast(sid, rnd, node, tuple([pk[j] for j in self._nbr_order[i] if j in pk]))
         if self.stage is Stage.MASKED_INPUT:
-            senders, cts = self._inbox.get(i, ((), ()))
-            return SharesBroadcast(sid, rnd, node, tuple(zip(senders, cts, strict=True)))
+            senders, cts = self._inbox.get(i, ([], []))
+            ids = self._ids
+            return SharesBroadcast(sid, rnd, node, tuple(zip([ids[j] for j in senders], cts,
+                                                             strict=True)))
         ids, u2, u3 = self._ids, self._u2, self._u3
         nb = [j for j in self._nbr_order[i] if j in u2]
         return UnmaskRequest(sid, rnd, node, tuple([ids[j] for j in nb if j in u3]),
                              tuple([ids[j] for j in nb if j not in u3]))
+
+    def broadcast_bytes(self, node: str) -> bytes:
+        """``broadcast_for(node).to_bytes()``, byte for byte. The MASKED_INPUT stage's
+        broadcast (k share ciphertexts per node, n k per stage) is written straight from
+        the routed ciphertexts, without a message object and a tuple per pair."""
+        if self.stage is not Stage.MASKED_INPUT:
+            return self.broadcast_for(node).to_bytes()
+        i = self._broadcast_target(node)
+        senders, cts = self._inbox.get(i, ([], []))
+        enc = self._encoded_ids
+        if enc is None:
+            enc = self._encoded_ids = [encoded_id(p) for p in self._ids]
+        return shares_broadcast_bytes(self.config.session_id, self.config.round_number, node,
+                                      [enc[j] for j in senders], cts)
+
+    def _broadcast_target(self, node: str) -> int:
+        self._check_open()
+        i = self._node(node)
+        if self.stage is Stage.DONE:
+            raise WrongStage("the session is done: there is nothing more to broadcast")
+        if i not in self._live:
+            raise ExcludedNode(f"{node!r} dropped out before stage {self.stage.value}")
+        return i
 
     # ------------------------------------------------------------------ receive
 
@@ -212,41 +241,51 @@ class SecAggServer:
         ``from_node``, a replay, unknown peers, or malformed content.
         """
         self._check_open()
+        got: Message | PairColumns
         if isinstance(msg, bytes | bytearray | memoryview):
             nbytes = len(msg)
-            msg = decode(msg)
+            got = decode_columns(msg)  # share lists in columns: no tuple per pair
         else:
             nbytes = 0
+            got = msg
+        kind = got.cls if isinstance(got, PairColumns) else type(got)
         if stage is not self.stage:
             raise WrongStage(f"message for stage {Stage(stage).value}, the session is in "
                              f"{self.stage.value}")
         expected = _CLIENT_MESSAGE.get(stage)
-        if expected is None or not isinstance(msg, expected):
+        if expected is None or not issubclass(kind, expected):
             raise WrongStage(f"stage {stage.value} takes a "
                              f"{expected.__name__ if expected else 'nothing'}, "
-                             f"got a {type(msg).__name__}")
+                             f"got a {kind.__name__}")
         cfg = self.config
-        if msg.session_id != cfg.session_id or msg.round_number != cfg.round_number:
+        if got.session_id != cfg.session_id or got.round_number != cfg.round_number:
             raise WrongSession(
-                f"message for session {msg.session_id.hex()} round {msg.round_number}, this "
+                f"message for session {got.session_id.hex()} round {got.round_number}, this "
                 f"is session {cfg.session_id.hex()} round {cfg.round_number}: replayed or misrouted")
-        if msg.node != from_node:
-            raise UnknownPeer(f"message claims sender {msg.node!r} but came from {from_node!r}")
+        if got.node != from_node:
+            raise UnknownPeer(f"message claims sender {got.node!r} but came from {from_node!r}")
         i = self._node(from_node)
         if i not in self._live:
             raise ExcludedNode(f"{from_node!r} dropped out before stage {stage.value}")
         if i in self._sent:
             raise DuplicateMessage(f"{from_node!r} already sent in stage {stage.value}; "
                                    f"the first message stands")
-        if isinstance(msg, AdvertiseKeys):
-            self._on_keys(i, msg)
-        elif isinstance(msg, ShareKeys):
-            self._on_shares(i, msg)
-        elif isinstance(msg, MaskedInput):
-            self._on_masked(i, msg)
+        if isinstance(got, AdvertiseKeys):
+            self._on_keys(i, got)
+        elif isinstance(got, MaskedInput):
+            self._on_masked(i, got)
         else:
-            assert isinstance(msg, UnmaskShares)
-            self._on_unmask(i, msg)
+            if isinstance(got, PairColumns):
+                lists = got.lists
+            elif isinstance(got, ShareKeys):
+                lists = (_columns(got.ciphertexts),)
+            else:
+                assert isinstance(got, UnmaskShares)
+                lists = (_columns(got.self_mask_shares), _columns(got.mask_key_shares))
+            if kind is ShareKeys:
+                self._on_shares(i, from_node, *lists[0])
+            else:
+                self._on_unmask(i, from_node, lists[0], lists[1])
         self._sent.add(i)
         self._measurements["bytes_received"] += nbytes
 
@@ -260,30 +299,29 @@ class SecAggServer:
         self._keys[i] = (msg.channel_pk, msg.mask_pk)
         self._mask_pk[i] = mask_pk
 
-    def _on_shares(self, i: int, msg: ShareKeys) -> None:
+    def _on_shares(self, i: int, sender: str, names: list[str], cts: list[bytes]) -> None:
         expected = self._nbrs[i] & self._keys.keys()
-        names = [r for r, _ in msg.ciphertexts]
-        cts = [ct for _, ct in msg.ciphertexts]
         js = list(map(self._index.get, names))
         recipients = set(js)
         if not recipients <= expected:
             bad = next(r for r, j in zip(names, js, strict=True) if j not in expected)
-            raise UnknownPeer(f"{msg.sender!r} sends shares to {bad!r}, which is not one of its "
+            raise UnknownPeer(f"{sender!r} sends shares to {bad!r}, which is not one of its "
                               f"neighbours that advertised keys")
+        known = cast(list[int], js)  # no None left: every recipient is expected
         id_len = self._id_len
         if self._ct_len is None or set(map(len, cts)) - {self._ct_len}:
             base = self._ct_base + id_len[i]
-            for recipient, j, ct in zip(names, js, cts, strict=True):
-                if len(ct) != base + id_len[j]:  # type: ignore[index]
-                    raise MalformedMessage(f"ciphertext {msg.sender!r} -> {recipient!r} has "
-                                           f"length {len(ct)}, expected {base + id_len[j]}")  # type: ignore[index]
-        if len(recipients) != len(js):
-            raise DuplicateMessage(f"{msg.sender!r} sends two ciphertexts to the same neighbour")
+            for recipient, j, ct in zip(names, known, cts, strict=True):
+                if len(ct) != base + id_len[j]:
+                    raise MalformedMessage(f"ciphertext {sender!r} -> {recipient!r} has "
+                                           f"length {len(ct)}, expected {base + id_len[j]}")
+        if len(recipients) != len(known):
+            raise DuplicateMessage(f"{sender!r} sends two ciphertexts to the same neighbour")
         if recipients != expected:
             missing = sorted(self._ids[j] for j in expected - recipients)
-            raise MalformedMessage(f"{msg.sender!r} must send shares to every neighbour that "
+            raise MalformedMessage(f"{sender!r} must send shares to every neighbour that "
                                    f"advertised keys; missing {missing}")
-        self._outbox[i] = (js, cts)  # type: ignore[assignment]
+        self._outbox[i] = (known, cts)
 
     def _on_masked(self, i: int, msg: MaskedInput) -> None:
         cfg = self.config
@@ -298,32 +336,32 @@ class SecAggServer:
             self._total = np.zeros(cfg.vector_length, dtype=self._dtype)
         np.add(self._total, v.astype(self._dtype, copy=False), out=self._total)
 
-    def _on_unmask(self, i: int, msg: UnmaskShares) -> None:
+    def _on_unmask(self, i: int, sender: str, seed_shares: tuple[list[str], list[bytes]],
+                   key_shares: tuple[list[str], list[bytes]]) -> None:
         nb = self._nbrs[i] & self._u2
         get = self._index.get
-        staged: list[tuple[dict[int, dict[int, bytes]], list[int | None], list[bytes]]] = []
-        for pairs, want, size, store in (
-            (msg.self_mask_shares, nb & self._u3, SELF_MASK_SHARE_BYTES, self._seed_shares),
-            (msg.mask_key_shares, nb - self._u3, MASK_KEY_SHARE_BYTES, self._key_shares),
+        staged: list[tuple[dict[int, dict[int, bytes]], list[int], list[bytes]]] = []
+        for (names, shares), want, size, store in (
+            (seed_shares, nb & self._u3, SELF_MASK_SHARE_BYTES, self._seed_shares),
+            (key_shares, nb - self._u3, MASK_KEY_SHARE_BYTES, self._key_shares),
         ):
-            names = [o for o, _ in pairs]
-            shares = [sh for _, sh in pairs]
             if len(set(names)) != len(names):
-                raise DuplicateMessage(f"{msg.sender!r} sends two shares for one node")
+                raise DuplicateMessage(f"{sender!r} sends two shares for one node")
             owners = list(map(get, names))
             if set(owners) != want:
                 asked = {self._ids[j] for j in want}
-                raise UnknownPeer(f"{msg.sender!r} sends shares for {sorted(set(names) - asked)} "
+                raise UnknownPeer(f"{sender!r} sends shares for {sorted(set(names) - asked)} "
                                   f"and misses {sorted(asked - set(names))}: not what was asked")
             if set(map(len, shares)) - {size}:
-                owner, share = next((o, sh) for o, sh in pairs if len(sh) != size)
-                raise MalformedMessage(f"share of {owner!r} from {msg.sender!r} is "
+                owner, share = next((o, sh) for o, sh in zip(names, shares, strict=True)
+                                    if len(sh) != size)
+                raise MalformedMessage(f"share of {owner!r} from {sender!r} is "
                                        f"{len(share)} bytes, expected {size}")
-            staged.append((store, owners, shares))
+            staged.append((store, cast(list[int], owners), shares))  # all in want: no None
         x = i + 1  # i's Shamir evaluation point
-        for store, owners, shares in staged:
-            for j, share in zip(owners, shares, strict=True):
-                store[j][x] = share  # type: ignore[index]
+        for store, known, held in staged:
+            for j, share in zip(known, held, strict=True):
+                store[j][x] = share
 
     # ------------------------------------------------------------------ close
 
@@ -352,11 +390,10 @@ class SecAggServer:
                 for s, (recipients, cts) in self._outbox.items():
                     if s not in alive:
                         continue
-                    sender = self._ids[s]
                     for r, ct in zip(recipients, cts, strict=True):
                         if r in alive:
                             senders, held = inbox[r]
-                            senders.append(sender)
+                            senders.append(s)
                             held.append(ct)
                 self._outbox.clear()
             elif stage is Stage.MASKED_INPUT:

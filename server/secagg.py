@@ -103,7 +103,7 @@ class SecureCohort:
         """The current broadcast for ``node`` if it is expected to answer now, else b""."""
         if self.finished or node not in self.server.pending():
             return b""
-        data = self.server.broadcast_for(node).to_bytes()
+        data = self.server.broadcast_bytes(node)
         self.bytes_down += len(data)
         return data
 

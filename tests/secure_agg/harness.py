@@ -18,16 +18,19 @@ def entropy(label: str, seed: int = 0) -> bytes:
 
 
 def make_config(n: int, d: int, k: int, t: int, *, seed: int = 0, round_number: int = 1,
-                modulus_bits: int = 32) -> SessionConfig:
-    ids = [f"c{i:04d}" for i in range(n)]
+                modulus_bits: int = 32, uneven_ids: bool = False) -> SessionConfig:
+    # Ids of one length (the server's fixed-stride paths) or of several (its general ones).
+    ids = [f"c{i}" if uneven_ids else f"c{i:04d}" for i in range(n)]
     return SessionConfig.create(ids, d, neighbours=k, threshold=t, round_number=round_number,
                                 entropy=entropy("session", seed), modulus_bits=modulus_bits)
 
 
 def run_session(config: SessionConfig, inputs: Mapping[str, np.ndarray],
                 drop: Mapping[Stage, Sequence[str]] | None = None, *, seed: int = 0,
-                server_sees: list[np.ndarray] | None = None, threads: int | None = None):
+                server_sees: list[np.ndarray] | None = None, threads: int | None = None,
+                via_objects: bool = False):
     """Run every stage; ``drop[stage]`` lists nodes that go silent from that stage on.
+    ``via_objects`` hands the server decoded message objects instead of their bytes.
 
     Returns (server, clients). Raises whatever the protocol raises (e.g. SecAggAbort).
     """
@@ -40,11 +43,13 @@ def run_session(config: SessionConfig, inputs: Mapping[str, np.ndarray],
         for node in sorted(server.pending()):
             if node in gone:
                 continue
-            bcast = decode(server.broadcast_for(node).to_bytes())
+            raw = server.broadcast_bytes(node)
+            assert raw == server.broadcast_for(node).to_bytes()  # the direct writer is exact
+            bcast = decode(raw)
             vec = inputs[node] if stage is Stage.MASKED_INPUT else None
             reply = clients[node].respond(bcast, vec).to_bytes()
             if server_sees is not None and stage is Stage.MASKED_INPUT:
                 server_sees.append(decode(reply).vector.copy())
-            server.receive(stage, node, reply)
+            server.receive(stage, node, decode(reply) if via_objects else reply)
         server.close_stage()
     return server, clients

@@ -195,3 +195,33 @@ def test_pair_reader_matches_the_record_walk(case: tuple[bytes, int]) -> None:
         return
     assert reader.pairs(n) == want
     assert reader.pos == sum(6 + len(a.encode()) + len(b) for a, b in want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(msg=messages())
+def test_columns_decode_agrees_with_decode(msg) -> None:
+    from orchard.secure_agg.messages import PairColumns, decode_columns
+
+    data = msg.to_bytes()
+    got = decode_columns(data)
+    if not isinstance(got, PairColumns):
+        assert got.to_bytes() == data
+        return
+    assert got.cls is type(msg)
+    assert (got.session_id, got.round_number, got.node) == (msg.session_id, msg.round_number, msg.node)
+    lists = (msg.ciphertexts,) if isinstance(msg, ShareKeys) else (msg.self_mask_shares, msg.mask_key_shares)
+    assert got.lists == tuple(([a for a, _ in p], [b for _, b in p]) for p in lists)
+    for cut in (1, len(data) // 2):  # refuses what decode refuses
+        with pytest.raises(MalformedMessage):
+            decode_columns(data[:-cut])
+    with pytest.raises(MalformedMessage):
+        decode_columns(data + b"\x00")
+
+
+@settings(max_examples=100, deadline=None)
+@given(node=ids, rnd=st.integers(0, 2**63), pairs=pairs)
+def test_shares_broadcast_written_from_columns_is_the_message(node, rnd, pairs) -> None:
+    from orchard.secure_agg.messages import encoded_id, shares_broadcast_bytes
+
+    want = SharesBroadcast(SID, rnd, node, pairs).to_bytes()
+    assert shares_broadcast_bytes(SID, rnd, node, [encoded_id(a) for a, _ in pairs], [b for _, b in pairs]) == want

@@ -87,6 +87,22 @@ def test_any_dropouts_give_the_exact_sum_or_an_abort(spec, data: st.DataObject) 
     assert np.array_equal(result.total, _plain_sum(inputs, result.contributors, bits))
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=sessions(max_n=12), data=st.data())
+def test_uneven_ids_and_message_objects_give_the_same_exact_sum(spec, data: st.DataObject) -> None:
+    """Ids of several lengths take the server's general paths (share lists walked record
+    by record, ciphertext lengths checked one by one); message objects take the path that
+    does not decode. Both must sum exactly as the fixed-stride byte path does."""
+    n, k, t, d, bits, seed = spec
+    uneven, via_objects = data.draw(st.booleans(), label="uneven"), data.draw(st.booleans(), label="objects")
+    cfg = make_config(n, d, k, t, seed=seed, modulus_bits=bits, uneven_ids=uneven)
+    inputs = _inputs(cfg, bits, seed)
+    drops = _tolerable_drops(data.draw, cfg, k, t)
+    server, _ = run_session(cfg, inputs, drops, seed=seed, via_objects=via_objects)
+    result = server.result()
+    assert np.array_equal(result.total, _plain_sum(inputs, result.contributors, bits))
+
+
 def test_complete_graph_is_the_original_protocol() -> None:
     cfg = make_config(8, 100, 7, 5)
     inputs = _inputs(cfg, 32, 1)
