@@ -20,6 +20,7 @@ Server (one per cohort and round; not thread-safe, serialise calls)::
     server = SecAggServer(config)
     server.stage                          # Stage.ADVERTISE_KEYS, ..., DONE or ABORTED
     server.broadcast_for(node) -> Message # what `node` needs to act in the current stage
+    server.broadcast_bytes(node) -> bytes # the same in wire form (what a transport sends)
     server.receive(stage, node, msg_or_bytes)   # one client message; refusals raise
     server.pending() -> frozenset[str]    # who may still send in this stage
     server.close_stage() -> StageReport   # at the deadline: go on with whoever sent

@@ -463,11 +463,16 @@ class SecAggServer:
         # it), instead of this thread running all of them first while the others wait.
         with MaskFolder(total, threads=self.threads) as folder:
             try:
-                seeds = reconstruct_many_bytes(
-                    {self._ids[u]: self._seed_shares.get(u, {}) for u in sorted(self._u3)},
-                    t, SEED_BYTES)
-                for seed in seeds.values():
-                    folder.add(seed, -1)
+                # A batch of seeds at a time: the first mask thread starts after one batch
+                # is reconstructed (a few ms) instead of all of them (~50 ms at n = 1000,
+                # with every core idle).
+                survivors = sorted(self._u3)
+                for lo in range(0, len(survivors), folder.batch):
+                    seeds = reconstruct_many_bytes(
+                        {self._ids[u]: self._seed_shares.get(u, {})
+                         for u in survivors[lo:lo + folder.batch]}, t, SEED_BYTES)
+                    for seed in seeds.values():
+                        folder.add(seed, -1)
                 # Dropped nodes with a surviving neighbour: their pairwise masks are in the sum.
                 dropped = [d for d in sorted(self._u2 - self._u3) if self._nbrs[d] & self._u3]
                 keys = reconstruct_many_bytes({d: self._key_shares.get(d, {}) for d in dropped},
