@@ -362,6 +362,26 @@ def decode_columns(data: bytes | bytearray | memoryview) -> Message | PairColumn
     return msg
 
 
+def keys_broadcast_bytes(session_id: bytes, round_number: int, recipient: str,
+                         keys: list[PeerKeys]) -> bytes:
+    """``KeysBroadcast(session_id, round_number, recipient, tuple(keys)).to_bytes()``,
+    written without the message object (each entry is encoded once per session)."""
+    w = _header(KeysBroadcast.TAG, session_id, round_number, recipient)
+    w.u32(len(keys))
+    w.raw(b"".join([k.encoded for k in keys]))
+    return w.getvalue()
+
+
+def unmask_request_bytes(session_id: bytes, round_number: int, recipient: str,
+                         survivors: list[bytes], dropped: list[bytes]) -> bytes:
+    """``UnmaskRequest(...).to_bytes()`` from ids already in wire form (:func:`encoded_id`)."""
+    w = _header(UnmaskRequest.TAG, session_id, round_number, recipient)
+    for group in (survivors, dropped):
+        w.u32(len(group))
+        w.raw(b"".join(group))
+    return w.getvalue()
+
+
 def shares_broadcast_bytes(session_id: bytes, round_number: int, recipient: str,
                            sender_ids: list[bytes], ciphertexts: list[bytes]) -> bytes:
     """``SharesBroadcast(session_id, round_number, recipient, pairs).to_bytes()`` written
