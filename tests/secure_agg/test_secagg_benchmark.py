@@ -1,6 +1,6 @@
 """``benchmarks/secagg.py`` at a toy size: every run's sum equals the plain sum, the
 keystream bound counts the masks the server really expanded, and ``--repeat`` runs each
-configuration that many times."""
+configuration that many times, with the key and unmasking stages batched or interleaved."""
 
 from __future__ import annotations
 
@@ -9,13 +9,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "secagg.py"
 
 
-def test_toy_runs_are_correct_and_repeated(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", [[], ["--interleave"]])
+def test_toy_runs_are_correct_and_repeated(tmp_path: Path, mode: list[str]) -> None:
     out = tmp_path / "secagg.json"
     res = subprocess.run([sys.executable, str(SCRIPT), "--n", "12", "--d", "2000", "--dropout", "0", "0.25",
-                          "--repeat", "2", "--json", str(out)], capture_output=True, text=True, timeout=300)
+                          "--repeat", "2", *mode, "--json", str(out)], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     rows = json.loads(out.read_text())
     assert [(r["n"], r["dropout"]) for r in rows] == [(12, 0.0), (12, 0.0), (12, 0.25), (12, 0.25)]
