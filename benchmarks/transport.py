@@ -694,12 +694,18 @@ def _fmt(rows: list[Row]) -> str:
     return "\n".join(lines + list(notes))
 
 
+def _ratio(a: float, b: float) -> float:
+    """a / b, or NaN when b is zero: a tiny run (a few clients) can finish inside one tick of
+    the kernel's CPU clock, and a baseline of 0 CPU-seconds has no ratio."""
+    return a / b if b > 0 else float("nan")
+
+
 def targets(small: Row, big: Row, base: Row) -> list[dict[str, Any]]:
     extra = max(big.clients - small.clients, 1)
     agg_growth = (big.aggregator_peak_rss_mib - small.aggregator_peak_rss_mib) * 1024 / extra
     root_growth = (big.root_peak_rss_mib - small.root_peak_rss_mib) * 1024 / extra
     ok = big.correct and big.failed_clients == 0
-    ratio = big.server_cpu_s_per_gb / base.server_cpu_s_per_gb
+    ratio = _ratio(big.server_cpu_s_per_gb, base.server_cpu_s_per_gb)
     return [
         {"target": f"servers' CPU per GB ingested (N={big.clients})", "limit": f"<= {CPU_PER_GB_TARGET:.0f} s/GB",
          "measured": f"{big.server_cpu_s_per_gb:.2f} s/GB ({ratio:.2f}x bare gRPC's {base.server_cpu_s_per_gb:.2f})",
@@ -777,7 +783,7 @@ def main(argv: list[str] | None = None) -> int:
             "server_cpu_s_per_gb": big.server_cpu_s_per_gb, "aggregator_peak_rss_mib": big.aggregator_peak_rss_mib,
             "round_seconds": big.round_seconds, "loadgen_cpu_seconds": big.loadgen_cpu_seconds,
             "baseline_cpu_s_per_gb": base.server_cpu_s_per_gb,
-            "cpu_per_gb_vs_baseline": big.server_cpu_s_per_gb / base.server_cpu_s_per_gb,
+            "cpu_per_gb_vs_baseline": _ratio(big.server_cpu_s_per_gb, base.server_cpu_s_per_gb),
             "wall_seconds": big.wall_seconds, "upload_mb_s": big.upload_mb_s, "download_mb_s": big.download_mb_s,
             "root_peak_rss_mib": big.root_peak_rss_mib, "clients": big.clients,
             "update_bytes": NUMEL * 4, "rows": [asdict(r) for r in rows], "targets": tg,
