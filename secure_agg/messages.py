@@ -92,16 +92,8 @@ class _Writer:
     def u64(self, v: int) -> None:
         self.parts.append(struct.pack(">Q", v))
 
-    def blob(self, b: bytes) -> None:
-        self.parts.append(len(b).to_bytes(4, "big"))
-        self.parts.append(b)
-
     def string(self, s: str) -> None:
-        enc = s.encode("utf-8")
-        if len(enc) > 0xFFFF:
-            raise MalformedMessage(f"node id too long ({len(enc)} bytes)")
-        self.parts.append(len(enc).to_bytes(2, "big"))
-        self.parts.append(enc)
+        self.parts.append(encoded_id(s))
 
     def getvalue(self) -> bytes:
         return b"".join(self.parts)
@@ -142,9 +134,6 @@ class _Reader:
 
     def u64(self) -> int:
         return self._unpack(_U64)
-
-    def blob(self) -> bytes:
-        return bytes(self.take(self.u32()))
 
     def fixed(self, n: int) -> bytes:
         return bytes(self.take(n))
@@ -362,46 +351,31 @@ def decode_columns(data: bytes | bytearray | memoryview) -> Message | PairColumn
     return msg
 
 
-def keys_broadcast_bytes(session_id: bytes, round_number: int, recipient: str,
-                         keys: list[PeerKeys]) -> bytes:
-    """``KeysBroadcast(session_id, round_number, recipient, tuple(keys)).to_bytes()``,
-    written without the message object (each entry is encoded once per session)."""
-    w = _header(KeysBroadcast.TAG, session_id, round_number, recipient)
-    w.u32(len(keys))
-    w.raw(b"".join([k.encoded for k in keys]))
-    return w.getvalue()
-
-
-def unmask_request_bytes(session_id: bytes, round_number: int, recipient: str,
-                         survivors: list[bytes], dropped: list[bytes]) -> bytes:
-    """``UnmaskRequest(...).to_bytes()`` from ids already in wire form (:func:`encoded_id`)."""
-    w = _header(UnmaskRequest.TAG, session_id, round_number, recipient)
-    for group in (survivors, dropped):
-        w.u32(len(group))
-        w.raw(b"".join(group))
-    return w.getvalue()
-
-
 def shares_broadcast_bytes(session_id: bytes, round_number: int, recipient: str,
                            sender_ids: list[bytes], ciphertexts: list[bytes]) -> bytes:
     """``SharesBroadcast(session_id, round_number, recipient, pairs).to_bytes()`` written
     straight from its columns: ``sender_ids`` are the senders in wire form (:func:`encoded_id`,
     made once per sender, not once per pair)."""
-    if len(sender_ids) != len(ciphertexts):
-        raise ValueError(f"{len(sender_ids)} senders for {len(ciphertexts)} ciphertexts")
     w = _header(SharesBroadcast.TAG, session_id, round_number, recipient)
-    w.u32(len(ciphertexts))
-    lengths = set(map(len, ciphertexts))
-    if len(lengths) == 1:  # the usual case: one length field for every pair
-        length = lengths.pop().to_bytes(4, "big")
-        w.raw(b"".join(itertools.chain.from_iterable(
-            zip(sender_ids, itertools.repeat(length), ciphertexts, strict=False))))
-    else:
-        parts: list[bytes] = []
-        for sender, ct in zip(sender_ids, ciphertexts, strict=True):
-            parts += (sender, len(ct).to_bytes(4, "big"), ct)
-        w.raw(b"".join(parts))
+    w.raw(_pair_list(sender_ids, ciphertexts))
     return w.getvalue()
+
+
+def _pair_list(ids: list[bytes], blobs: list[bytes]) -> bytes:
+    """A pair list in wire form (u32 count, then id, u32 length, blob per pair) from ids
+    already in wire form; one length field serves every pair when the blobs share a length."""
+    if len(ids) != len(blobs):
+        raise ValueError(f"{len(ids)} ids for {len(blobs)} blobs")
+    count = len(blobs).to_bytes(4, "big")
+    lengths = set(map(len, blobs))
+    if len(lengths) == 1:  # the usual case
+        length = lengths.pop().to_bytes(4, "big")
+        return count + b"".join(itertools.chain.from_iterable(
+            zip(ids, itertools.repeat(length), blobs, strict=False)))
+    parts = [count]
+    for name, blob in zip(ids, blobs, strict=True):
+        parts += (name, len(blob).to_bytes(4, "big"), blob)
+    return b"".join(parts)
 
 
 def _key(r: _Reader) -> bytes:
@@ -625,10 +599,7 @@ def encoded_id(name: str) -> bytes:
 
 
 def _write_pairs(w: _Writer, pairs: tuple[tuple[str, bytes], ...]) -> None:
-    parts = [len(pairs).to_bytes(4, "big")]
-    for name, blob in pairs:
-        parts += (encoded_id(name), len(blob).to_bytes(4, "big"), blob)
-    w.raw(b"".join(parts))
+    w.raw(_pair_list([encoded_id(name) for name, _ in pairs], [blob for _, blob in pairs]))
 
 
 def _read_pairs(r: _Reader) -> tuple[tuple[str, bytes], ...]:
@@ -744,8 +715,7 @@ class UnmaskRequest(Message):
     def _write(self, w: _Writer) -> None:
         for group in (self.survivors, self.dropped):
             w.u32(len(group))
-            for s in group:
-                w.string(s)
+            w.raw(b"".join([encoded_id(s) for s in group]))
 
     @classmethod
     def _read(cls, r: _Reader, session_id: bytes, round_number: int, node: str) -> UnmaskRequest:

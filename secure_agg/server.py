@@ -61,9 +61,7 @@ from orchard.secure_agg.messages import (
     UnmaskShares,
     decode_columns,
     encoded_id,
-    keys_broadcast_bytes,
     shares_broadcast_bytes,
-    unmask_request_bytes,
 )
 from orchard.secure_agg.prg import (
     SEED_BYTES,
@@ -211,27 +209,18 @@ class SecAggServer:
                              tuple([ids[j] for j in nb if j not in u3]))
 
     def broadcast_bytes(self, node: str) -> bytes:
-        """``broadcast_for(node).to_bytes()``, byte for byte, written without the message
-        object: the key, share and unmasking broadcasts (k entries per node, n k per stage)
-        come straight from entries encoded once per session and the routed ciphertexts."""
-        stage = self.stage
-        if stage not in (Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING):
+        """``broadcast_for(node).to_bytes()``, byte for byte. The MASKED_INPUT stage's
+        broadcast (k share ciphertexts per node, n k per stage) is written straight from
+        the routed ciphertexts, without a message object and a tuple per pair."""
+        if self.stage is not Stage.MASKED_INPUT:
             return self.broadcast_for(node).to_bytes()
         i = self._broadcast_target(node)
-        sid, rnd = self.config.session_id, self.config.round_number
-        if stage is Stage.SHARE_KEYS:
-            pk = self._peer_keys
-            return keys_broadcast_bytes(sid, rnd, node, [pk[j] for j in self._nbr_order[i] if j in pk])
+        senders, cts = self._inbox.get(i, ([], []))
         enc = self._encoded_ids
         if enc is None:
             enc = self._encoded_ids = [encoded_id(p) for p in self._ids]
-        if stage is Stage.MASKED_INPUT:
-            senders, cts = self._inbox.get(i, ([], []))
-            return shares_broadcast_bytes(sid, rnd, node, [enc[j] for j in senders], cts)
-        u2, u3 = self._u2, self._u3
-        nb = [j for j in self._nbr_order[i] if j in u2]
-        return unmask_request_bytes(sid, rnd, node, [enc[j] for j in nb if j in u3],
-                                    [enc[j] for j in nb if j not in u3])
+        return shares_broadcast_bytes(self.config.session_id, self.config.round_number, node,
+                                      [enc[j] for j in senders], cts)
 
     def _broadcast_target(self, node: str) -> int:
         self._check_open()

@@ -225,15 +225,3 @@ def test_shares_broadcast_written_from_columns_is_the_message(node, rnd, pairs) 
 
     want = SharesBroadcast(SID, rnd, node, pairs).to_bytes()
     assert shares_broadcast_bytes(SID, rnd, node, [encoded_id(a) for a, _ in pairs], [b for _, b in pairs]) == want
-
-
-@settings(max_examples=100, deadline=None)
-@given(node=ids, rnd=st.integers(0, 2**63), peers=st.lists(st.builds(PeerKeys, ids, keys, keys), max_size=4),
-       survivors=st.lists(ids, max_size=4), dropped=st.lists(ids, max_size=4))
-def test_key_and_unmask_broadcasts_written_directly_are_the_messages(node, rnd, peers, survivors, dropped) -> None:
-    from orchard.secure_agg.messages import encoded_id, keys_broadcast_bytes, unmask_request_bytes
-
-    assert keys_broadcast_bytes(SID, rnd, node, peers) == KeysBroadcast(SID, rnd, node, tuple(peers)).to_bytes()
-    want = UnmaskRequest(SID, rnd, node, tuple(survivors), tuple(dropped)).to_bytes()
-    assert unmask_request_bytes(SID, rnd, node, [encoded_id(s) for s in survivors],
-                                [encoded_id(d) for d in dropped]) == want
