@@ -351,6 +351,19 @@ def decode_columns(data: bytes | bytearray | memoryview) -> Message | PairColumn
     return msg
 
 
+def as_columns(msg: Message) -> Message | PairColumns:
+    """A message object in the form :func:`decode_columns` gives its bytes: ShareKeys and
+    UnmaskShares as :class:`PairColumns`, any other message as it is."""
+    if isinstance(msg, ShareKeys):
+        lists: tuple[tuple[tuple[str, bytes], ...], ...] = (msg.ciphertexts,)
+    elif isinstance(msg, UnmaskShares):
+        lists = (msg.self_mask_shares, msg.mask_key_shares)
+    else:
+        return msg
+    return PairColumns(type(msg), msg.session_id, msg.round_number, msg.node,
+                       tuple(([a for a, _ in p], [b for _, b in p]) for p in lists))
+
+
 def shares_broadcast_bytes(session_id: bytes, round_number: int, recipient: str,
                            sender_ids: list[bytes], ciphertexts: list[bytes]) -> bytes:
     """``SharesBroadcast(session_id, round_number, recipient, pairs).to_bytes()`` written

@@ -59,6 +59,7 @@ from orchard.secure_agg.messages import (
     Stage,
     UnmaskRequest,
     UnmaskShares,
+    as_columns,
     decode_columns,
     encoded_id,
     shares_broadcast_bytes,
@@ -73,10 +74,6 @@ from orchard.secure_agg.prg import (
 from orchard.secure_agg.shamir import reconstruct_many_bytes
 
 __all__ = ["SecAggResult", "SecAggServer", "StageReport"]
-
-
-def _columns(pairs: tuple[tuple[str, bytes], ...]) -> tuple[list[str], list[bytes]]:
-    return [a for a, _ in pairs], [b for _, b in pairs]
 
 _CLIENT_MESSAGE = {
     Stage.ADVERTISE_KEYS: AdvertiseKeys,
@@ -241,13 +238,11 @@ class SecAggServer:
         ``from_node``, a replay, unknown peers, or malformed content.
         """
         self._check_open()
-        got: Message | PairColumns
+        # Share lists in columns (no tuple per pair), whether bytes or a message came.
         if isinstance(msg, bytes | bytearray | memoryview):
-            nbytes = len(msg)
-            got = decode_columns(msg)  # share lists in columns: no tuple per pair
+            nbytes, got = len(msg), decode_columns(msg)
         else:
-            nbytes = 0
-            got = msg
+            nbytes, got = 0, as_columns(msg)
         kind = got.cls if isinstance(got, PairColumns) else type(got)
         if stage is not self.stage:
             raise WrongStage(f"message for stage {Stage(stage).value}, the session is in "
@@ -275,17 +270,11 @@ class SecAggServer:
         elif isinstance(got, MaskedInput):
             self._on_masked(i, got)
         else:
-            if isinstance(got, PairColumns):
-                lists = got.lists
-            elif isinstance(got, ShareKeys):
-                lists = (_columns(got.ciphertexts),)
-            else:
-                assert isinstance(got, UnmaskShares)
-                lists = (_columns(got.self_mask_shares), _columns(got.mask_key_shares))
+            assert isinstance(got, PairColumns)
             if kind is ShareKeys:
-                self._on_shares(i, from_node, *lists[0])
+                self._on_shares(i, from_node, *got.lists[0])
             else:
-                self._on_unmask(i, from_node, lists[0], lists[1])
+                self._on_unmask(i, from_node, *got.lists)
         self._sent.add(i)
         self._measurements["bytes_received"] += nbytes
 

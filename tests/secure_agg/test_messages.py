@@ -200,13 +200,15 @@ def test_pair_reader_matches_the_record_walk(case: tuple[bytes, int]) -> None:
 @settings(max_examples=200, deadline=None)
 @given(msg=messages())
 def test_columns_decode_agrees_with_decode(msg) -> None:
-    from orchard.secure_agg.messages import PairColumns, decode_columns
+    from orchard.secure_agg.messages import PairColumns, as_columns, decode_columns
 
     data = msg.to_bytes()
     got = decode_columns(data)
     if not isinstance(got, PairColumns):
         assert got.to_bytes() == data
+        assert as_columns(msg) is msg
         return
+    assert as_columns(msg) == got  # a message object takes the same form as its bytes
     assert got.cls is type(msg)
     assert (got.session_id, got.round_number, got.node) == (msg.session_id, msg.round_number, msg.node)
     lists = (msg.ciphertexts,) if isinstance(msg, ShareKeys) else (msg.self_mask_shares, msg.mask_key_shares)
