@@ -2,10 +2,10 @@
 
 For each (n, d, dropout) every client runs the real protocol, stage by stage. The server
 writes each stage's broadcasts one after another; in the key and unmasking stages (small
-messages) the clients answer and the server then takes the answers one after another, as
-it does when its clients answer from their own machines; ``--interleave`` runs each server call right after its
-client's work instead, where the simulated client's work on the same core clears the
-server's caches (about 0.25 s more server CPU at n = 1,000). Each masked input goes
+messages) the clients answer and the server then takes the answers one after another,
+as it does when its clients answer from their own machines. ``--interleave`` runs each
+server call right after its client's work instead, where the simulated client's work on
+the same core clears the server's caches (about 0.3 s more server time at n = 1,000). Each masked input goes
 straight into the server as its client makes it, so memory stays O(d). Dropouts
 happen after the key-sharing stage (the costliest point for the server: it must remove
 the dropped clients' pairwise masks). Reported per configuration:
@@ -146,15 +146,15 @@ def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: fl
     for stage in STAGES:
         nodes = [p for p in sorted(server.pending())
                  if not (stage is Stage.MASKED_INPUT and p in dropped)]
-        if stage is not Stage.MASKED_INPUT and not interleave:
-            # Small messages: the server writes every broadcast, the clients answer, then
-            # the server takes the answers one after another, as it does when its clients
-            # answer from their own machines. (Interleaved, each server call follows a
-            # simulated client's work on the same core and finds its caches cleared.)
+        bcasts: dict[str, bytes] = {}
+        if not interleave:  # the stage's broadcasts, one after another
             t0, c0 = clock(), pcpu()
             bcasts = {p: server.broadcast_bytes(p) for p in nodes}
             server_time += clock() - t0
             server_cpu += pcpu() - c0
+        if stage is not Stage.MASKED_INPUT and not interleave:
+            # Small messages: the clients answer, then the server takes the answers one
+            # after another, as it does when its clients answer from their own machines.
             replies = {}
             for p in nodes:
                 t2, c2 = clock(), cpu()
@@ -168,35 +168,29 @@ def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: fl
                 server.receive(stage, p, replies[p])
             server_time += clock() - t0
             server_cpu += pcpu() - c0
-            nodes = []
-        early: dict[str, bytes] = {}
-        if not interleave:  # the share broadcasts too are written in a batch
-            t0, c0 = clock(), pcpu()
-            early = {p: server.broadcast_bytes(p) for p in nodes}
-            server_time += clock() - t0
-            server_cpu += pcpu() - c0
-        for node in nodes:  # masked inputs (always) and, with interleave, every stage
-            t0, c0 = clock(), pcpu()
-            bcast = server.broadcast_bytes(node) if interleave else early.pop(node)
-            t1, c1 = clock(), pcpu()
-            vector = None
-            if stage is Stage.MASKED_INPUT:
-                vector = rng.integers(0, 1 << BITS, size=d, dtype=np.uint32)
-            t2, c2 = clock(), cpu()
-            reply = clients[node].respond(decode(bcast), vector).to_bytes()
-            t3, c3, p3 = clock(), cpu(), pcpu()
-            server.receive(stage, node, reply)
-            t4, p4 = clock(), pcpu()
-            if vector is not None:
-                np.add(plain, vector, out=plain)  # the baseline: plain aggregation
-                plain_time += clock() - t4
-                plain_cpu += pcpu() - p4
-            server_time += (t1 - t0) + (t4 - t3)
-            server_cpu += (c1 - c0) + (p4 - p3)
-            client_time[node] += t3 - t2
-            client_cpu[node] += c3 - c2
-            upload[node] += len(reply)
-            download[node] += len(bcast)
+        else:  # client by client: masked inputs always, every stage with interleave
+            for node in nodes:
+                t0, c0 = clock(), pcpu()
+                bcast = server.broadcast_bytes(node) if interleave else bcasts[node]
+                t1, c1 = clock(), pcpu()
+                vector = None
+                if stage is Stage.MASKED_INPUT:
+                    vector = rng.integers(0, 1 << BITS, size=d, dtype=np.uint32)
+                t2, c2 = clock(), cpu()
+                reply = clients[node].respond(decode(bcast), vector).to_bytes()
+                t3, c3, p3 = clock(), cpu(), pcpu()
+                server.receive(stage, node, reply)
+                t4, p4 = clock(), pcpu()
+                if vector is not None:
+                    np.add(plain, vector, out=plain)  # the baseline: plain aggregation
+                    plain_time += clock() - t4
+                    plain_cpu += pcpu() - p4
+                server_time += (t1 - t0) + (t4 - t3)
+                server_cpu += (c1 - c0) + (p4 - p3)
+                client_time[node] += t3 - t2
+                client_cpu[node] += c3 - c2
+                upload[node] += len(reply)
+                download[node] += len(bcast)
         t0, c0 = clock(), pcpu()
         server.close_stage()
         t1, c1 = clock(), pcpu()
