@@ -36,9 +36,18 @@ class SecureAggregationConfig(_Strict):
     ``threshold`` is Shamir's t as a fraction of the neighbourhood (0 < t <= 1) or None
     to derive it from ``dropout_rate``; ``neighbours`` is k, or None to derive it from
     the cohort size as the paper does (k of order log n).
+
+    ``scope``: where the session runs. "cohort" (the default): one session per lowest
+    tier over the clients it selected; the tier unmasks its cohort's sum and pushes it up.
+    "tree": one session per round over every client selected anywhere in the tree, owned
+    by the root; the tiers below relay the clients' messages and never unmask anything
+    (``orchard.server.coordinator``, "secure aggregation over the whole tree"). With
+    distributed DP this is what lets one noise, sized for the whole round, serve the
+    round, as central DP's does: with "cohort", every cohort sum carries the full noise.
     """
 
     enabled: bool = False
+    scope: Literal["cohort", "tree"] = "cohort"
     threshold: float | None = None
     neighbours: int | None = None
     dropout_rate: float = Field(0.1, ge=0.0, lt=0.5)
@@ -292,6 +301,9 @@ class RunConfig(_Strict):
                        "the clear: use a fixed privacy.clip_norm under secure aggregation")
         if p.enabled and p.noise_multiplier is None and p.target_epsilon is None:
             out.append("privacy: set target_epsilon (the noise follows from it) or noise_multiplier")
+        if self.secure_aggregation.enabled and self.secure_aggregation.scope == "tree" and self.mode.is_async:
+            out.append("secure_aggregation.scope 'tree' runs one session per round; asynchronous buffers keep their "
+                       "sessions at the lowest tier: use scope 'cohort' in asynchronous mode")
         if (p.enabled or r.statistic != "mean" or r.norm_bound is not None) and self.mode.is_async:
             out.append("privacy and robust stages are not supported in asynchronous mode yet (its staleness-"
                        "weighted folds bypass them): use run.mode.kind = \"sync\" with them, or turn them off")

@@ -38,7 +38,7 @@ from orchard.compression import CheckedPayload, NonFiniteError, UpdateSum, build
 from orchard.errors import CodecError, ConfigError, RoundClosedError, UpdateSchemaError
 from orchard.messages import UploadHeader
 from orchard.server.round import RoundTask
-from orchard.server.secagg import SecureCohort
+from orchard.server.secagg import SecureCohort, SecureUpstream, TreeRoster
 from orchard.typing import NDArrays
 from orchard.updates import split
 
@@ -187,6 +187,10 @@ class CohortRound:
         self.open = 0  # assignments neither delivered nor dropped
         self.clients_selected = 0
         self.secure: SecureCohort | None = None  # SecAgg+ session over the direct clients, if on
+        # Secure aggregation over the whole tree (scope "tree"): who is in the round's
+        # session through this tier, and, below the root, the way to the session.
+        self.tree: TreeRoster | None = None
+        self.upstream: SecureUpstream | None = None
         # Asynchronous mode: updates folded, by staleness; and whether this buffer is the
         # continuation a full buffer left behind (it takes uploads until the next version
         # opens and moves its sums into it; it never closes or emits by itself).

@@ -68,7 +68,7 @@ from orchard.server.buffer import BufferState, Held
 from orchard.server.cohort import Assignment, CheckedUpload, CohortRound, CompressedCohort
 from orchard.server.downlink import DownlinkCache, ModelReply, full_reply
 from orchard.server.round import RoundOutcome, RoundTask, round_seed
-from orchard.server.secagg import new_cohort
+from orchard.server.secagg import ROSTER_END, SecAggReply, SecureUpstream, TreeRoster, new_cohort
 from orchard.server.selection import allocate, device_eligible, over_select, pick
 from orchard.typing import DeviceState, NDArrays, Role
 from orchard.updates import decode_partial
@@ -98,16 +98,6 @@ class UploadSlot:
     assignment: Assignment
 
 
-@dataclass(frozen=True)
-class SecAggReply:
-    """What a node learns from one secure-aggregation exchange."""
-
-    stage: int  # the session's current stage index
-    broadcast: bytes  # the broadcast this node must answer, or b""
-    done: bool
-    aborted: str  # why the session aborted, or ""
-
-
 class _Ready:
     """An awaitable that is already done: an inline coordinator's offloaded work."""
 
@@ -121,6 +111,11 @@ class _Ready:
         yield  # a generator that returns at once: awaiting it never suspends
 
 
+def _tree_scope(cr: CohortRound) -> bool:
+    sa = cr.task.config.secure_aggregation
+    return sa.enabled and sa.scope == "tree"
+
+
 def run_inline(coro: Coroutine[Any, Any, T]) -> T:
     """Drive a coroutine of an inline coordinator to its end on this thread. It must not
     suspend (an inline coordinator's offloaded work is already done when awaited)."""
@@ -130,6 +125,25 @@ def run_inline(coro: Coroutine[Any, Any, T]) -> T:
         return stop.value  # type: ignore[no-any-return]
     coro.close()
     raise RuntimeError("an in-process coordinator call had to wait; only inline coordinators run in-process")
+
+
+class ParentUpstream:
+    """A tier's way to its parent's tree-scope session in the same process (the simulator,
+    tests): the parent coordinator's ``secagg_roster`` and ``secagg_relayed``, called as
+    ``Fleet.SecAgg`` would call them, without the wait. Bound to the tier's task ``t``."""
+
+    def __init__(self, parent: Coordinator, name: str, t: TaskAssignment) -> None:
+        self.parent, self.name, self.t = parent, name, t
+
+    async def roster(self, nodes: list[str], tiers: list[str]) -> None:
+        t = self.t
+        await self.parent.secagg_roster(self.name, t.run_id, t.round, t.attempt, t.task_id, nodes, tiers)
+
+    async def exchange(self, node: str, stage_index: int, message: bytes, header: UploadHeader | None,
+                       wait_s: float, bytes_down: int = 0) -> SecAggReply:
+        t = self.t
+        return await self.parent.secagg_relayed(self.name, t.run_id, t.round, t.attempt, t.task_id, node,
+                                                stage_index, message, header, 0.0, bytes_down)
 
 
 class Coordinator:
@@ -245,9 +259,13 @@ class Coordinator:
 
     # ------------------------------------------------------------------ rounds
 
-    def open_round(self, task: RoundTask, restore: BufferState | None = None) -> CohortRound:
+    def open_round(self, task: RoundTask, restore: BufferState | None = None,
+                   upstream: SecureUpstream | None = None) -> CohortRound:
         """Open ``task``'s round (asynchronous mode: its buffer). ``restore``: a journaled
-        buffer of this round to take back first (a restarted root, see :meth:`_restore`)."""
+        buffer of this round to take back first (a restarted root, see :meth:`_restore`).
+        ``upstream``: a tier below the root, its way to the round's secure session when
+        that spans the whole tree (``secure_aggregation.scope = "tree"``); the tier then
+        reports its roster with :meth:`send_roster`."""
         prev = self.current
         carry = (prev is not None and task.config.mode.is_async and prev.task.config.mode.is_async
                  and prev.task.run_id == task.run_id)
@@ -260,6 +278,7 @@ class Coordinator:
         if carry and prev is not None and prev.task.model_hash != task.model_hash:
             self._prev_model = (prev.task.model_hash, prev.task.model_blob)
         cr = CohortRound(task, self._mono(), self.noise_rng)
+        cr.upstream = upstream
         if sums_compressed(task.config) and self._sums_compressed_async(task):
             cr.compressed = CompressedCohort(task)
         self.current = cr
@@ -269,7 +288,10 @@ class Coordinator:
             self._restore(cr, restore)
         self._select(cr)
         if task.config.secure_aggregation.enabled:
-            self._start_secure(cr)
+            if _tree_scope(cr):
+                self._start_tree(cr)
+            else:
+                self._start_secure(cr)
         self._notify()
         return cr
 
@@ -394,6 +416,74 @@ class Coordinator:
             for n in clients:
                 cr.settle(cr.assignments[n], delivered=False)
             cr.rejected[f"secure aggregation could not start: {err}"] = len(clients)
+
+    def _start_tree(self, cr: CohortRound) -> None:
+        """Scope "tree": the round's session is the root's. This tier's direct clients are
+        its roster; the aggregators it selected add theirs (``secagg_roster``). The root
+        opens the session once every roster is in (``_open_tree``); a tier below reports
+        its roster upward as soon as it is complete (``send_roster``)."""
+        cr.tree = TreeRoster()
+        for a in cr.assignments.values():
+            if self.children[a.node_id].role is Role.CLIENT:
+                cr.tree.route[a.node_id] = a.node_id
+                cr.tree.tiers[a.node_id] = self.name
+            else:
+                cr.tree.waiting.add(a.node_id)
+        cr.client_quota = sum(1 for n, via in cr.tree.route.items() if n == via)
+        now = self._wall()
+        cr.tree.roster_deadline = now + ROSTER_END * max(0.0, cr.task.deadline_unix - now)
+        if cr.upstream is None and not cr.tree.waiting:
+            self._open_tree(cr)
+
+    def _open_tree(self, cr: CohortRound) -> None:
+        """The root opens the round's one session over every client in the rosters."""
+        tree = cr.tree
+        assert tree is not None and cr.upstream is None
+        tree.waiting.clear()
+        if not tree.route:
+            return
+        try:
+            cr.secure = new_cohort(cr.task.config, cr.task.schema, sorted(tree.route), cr.task.round,
+                                   cr.task.deadline_unix, self._wall)
+        except OrchardError as err:
+            # Too few clients for the protocol's threshold: the round gets nothing.
+            for a in list(cr.assignments.values()):
+                cr.settle(a, delivered=False)
+            cr.rejected[f"secure aggregation could not start: {err}"] = len(tree.route)
+            self._check_close(cr)
+        self._notify()
+
+    async def secagg_roster(self, via: str, run_id: str, rnd: int, attempt: int, task_id: str,
+                            nodes: list[str], tiers: list[str]) -> None:
+        """An aggregator child reports the clients selected below it for the round's
+        tree-scope session (``tiers``: the lowest tier of each). Once every selected
+        aggregator has, the root opens the session and a tier below reports upward."""
+        self.touch(via)
+        cr, _ = self._assignment(via, run_id, rnd, attempt, task_id)
+        tree = cr.tree
+        if tree is None:
+            raise SecAggError(f"round {rnd} runs no secure aggregation over the whole tree")
+        if via not in tree.waiting:
+            raise SecAggError(f"{via!r} already reported its roster for round {rnd}, or the session opened "
+                              "without it (its roster came after the roster deadline)")
+        tree.add(via, nodes, tiers)
+        tree.waiting.discard(via)
+        if tree.waiting:
+            return
+        if cr.upstream is None:
+            self._open_tree(cr)
+        else:
+            await self.send_roster(cr)
+
+    async def send_roster(self, cr: CohortRound) -> None:
+        """A tier below the root: report this round's roster upward, once it is complete
+        (every aggregator child selected has reported). Does nothing otherwise."""
+        tree = cr.tree
+        if tree is None or cr.upstream is None or tree.waiting or tree.sent or cr.closed:
+            return
+        tree.sent = True
+        nodes = list(tree.route)
+        await cr.upstream.roster(nodes, [tree.tiers[n] for n in nodes])
 
     def _select(self, cr: CohortRound) -> None:
         cfg = cr.task.config
@@ -785,7 +875,42 @@ class Coordinator:
                               wait_s: float) -> SecAggReply:
         """Take one stage message (if any), then long-poll up to ``wait_s`` for this node's
         next broadcast."""
-        cr = self._secagg_post(node_id, run_id, rnd, attempt, task_id, stage_index, message, header)
+        self.touch(node_id)
+        cr, _ = self._assignment(node_id, run_id, rnd, attempt, task_id)
+        return await self._secagg(cr, node_id, stage_index, message, header, wait_s)
+
+    async def secagg_relayed(self, via: str, run_id: str, rnd: int, attempt: int, task_id: str, node_id: str,
+                             stage_index: int, message: bytes, header: UploadHeader | None,
+                             wait_s: float, bytes_down: int = 0) -> SecAggReply:
+        """``secagg_exchange`` for a client below the aggregator child ``via``, which relays
+        it (scope "tree"): ``via``'s own task identifies the round, its roster the client.
+        ``bytes_down``: what ``via``'s tier sent its nodes since its last report (model
+        downloads), for the round's record (a relay pushes no partial that would carry it)."""
+        self.touch(via)
+        cr, _ = self._assignment(via, run_id, rnd, attempt, task_id)
+        if cr.tree is None or cr.tree.route.get(node_id) != via:
+            raise SecAggError(f"client {node_id!r} is not in {via!r}'s roster for round {rnd}")
+        if not 0 <= bytes_down <= 1 << 50:
+            raise UpdateSchemaError(f"a relay's byte count must be in [0, 2^50], got {bytes_down}")
+        cr.bytes_down += bytes_down
+        return await self._secagg(cr, node_id, stage_index, message, header, wait_s)
+
+    def secagg_now(self, node_id: str, run_id: str, rnd: int, attempt: int, task_id: str, stage_index: int,
+                   message: bytes, header: UploadHeader | None) -> SecAggReply:
+        """``secagg_exchange`` without the wait, for in-process callers: post the message
+        (if any) and return what this node must answer now."""
+        return run_inline(self.secagg_exchange(node_id, run_id, rnd, attempt, task_id, stage_index, message,
+                                               header, 0.0))
+
+    async def _secagg(self, cr: CohortRound, node_id: str, stage_index: int, message: bytes,
+                      header: UploadHeader | None, wait_s: float) -> SecAggReply:
+        if message and header is not None:
+            names = [s.name for s in cr.task.schema]
+            if header.node_id != node_id or [s.name for s in header.schema] != names:
+                raise UpdateSchemaError("masked-input header does not match the caller or the round's schema")
+        if cr.upstream is not None and cr.tree is not None:
+            return await self._relay(cr, node_id, stage_index, message, header, wait_s)
+        self._secagg_post(cr, node_id, stage_index, message, header)
         end = self._mono() + max(0.0, min(wait_s, self.cfg.long_poll_s))
         while True:
             reply = self._secagg_reply(cr, node_id)
@@ -799,37 +924,70 @@ class Coordinator:
                 await asyncio.wait_for(ev.wait(), timeout=remaining)
             self.touch(node_id)
 
-    def secagg_now(self, node_id: str, run_id: str, rnd: int, attempt: int, task_id: str, stage_index: int,
-                   message: bytes, header: UploadHeader | None) -> SecAggReply:
-        """``secagg_exchange`` without the wait, for in-process callers: post the message
-        (if any) and return what this node must answer now."""
-        cr = self._secagg_post(node_id, run_id, rnd, attempt, task_id, stage_index, message, header)
-        return self._secagg_reply(cr, node_id)
-
-    def _secagg_post(self, node_id: str, run_id: str, rnd: int, attempt: int, task_id: str, stage_index: int,
-                     message: bytes, header: UploadHeader | None) -> CohortRound:
-        self.touch(node_id)
-        cr, _ = self._assignment(node_id, run_id, rnd, attempt, task_id)
+    def _secagg_post(self, cr: CohortRound, node_id: str, stage_index: int, message: bytes,
+                     header: UploadHeader | None) -> None:
         sc = cr.secure
         if sc is None:
-            raise SecAggError(f"round {rnd} runs no secure aggregation for {node_id!r}")
+            if cr.tree is not None and cr.tree.route and not cr.closed:
+                if message:
+                    raise SecAggError(f"round {cr.task.round}: the secure session has not opened yet "
+                                      "(rosters still coming); poll without a message")
+                return  # the session opens once the rosters are in: the client polls again
+            raise SecAggError(f"round {cr.task.round} runs no secure aggregation for {node_id!r}")
         if message:
-            if header is not None:
-                names = [s.name for s in cr.task.schema]
-                if header.node_id != node_id or [s.name for s in header.schema] != names:
-                    raise UpdateSchemaError("masked-input header does not match the caller or the round's schema")
             sc.receive(node_id, stage_of(stage_index), message, header)
             self._secure_progress(cr)
             self._notify()
-        return cr
 
     @staticmethod
     def _secagg_reply(cr: CohortRound, node_id: str) -> SecAggReply:
         sc = cr.secure
-        assert sc is not None  # _secagg_post refuses a round without a session
+        if sc is None:  # tree scope, before the rosters are in
+            return SecAggReply(stage_index_of(Stage.ADVERTISE_KEYS), b"", False, "")
         if sc.finished:
             return SecAggReply(stage_index_of(sc.stage), b"", sc.stage is Stage.DONE, sc.abort_reason)
         return SecAggReply(stage_index_of(sc.stage), sc.broadcast(node_id), False, "")
+
+    async def _relay(self, cr: CohortRound, node_id: str, stage_index: int, message: bytes,
+                     header: UploadHeader | None, wait_s: float) -> SecAggReply:
+        """A tier below the root passes a client's exchange on to the round's session. It
+        keeps nothing of the messages, only which clients sent a masked input (the root's
+        session counts the messages' bytes; this tier reports its own downloads with the
+        exchange); when the session's end comes back, it settles its assignments and closes."""
+        tree, up = cr.tree, cr.upstream
+        assert tree is not None and up is not None
+        if tree.final is not None:
+            return tree.final
+        if (message and stage_of(stage_index) is Stage.MASKED_INPUT and header is not None
+                and not (np.isfinite(header.weight) and header.weight > 0)):
+            raise UpdateSchemaError(f"update weight must be positive and finite, got {header.weight}")
+        sent = cr.bytes_down - tree.reported_down
+        tree.reported_down = cr.bytes_down
+        try:
+            reply = await up.exchange(node_id, stage_index, message, header, wait_s, sent)
+        except BaseException:
+            tree.reported_down -= sent  # not reported: the next exchange carries it
+            raise
+        if message and stage_of(stage_index) is Stage.MASKED_INPUT:
+            tree.inputs.add(node_id)
+        if (reply.done or reply.aborted) and tree.final is None:
+            self._tree_final(cr, reply)
+        return reply
+
+    def _tree_final(self, cr: CohortRound, reply: SecAggReply) -> None:
+        """A tier below the root hears that the round's session ended: its clients (and
+        aggregator children) count as delivered if a masked input went up through them."""
+        tree = cr.tree
+        assert tree is not None
+        tree.final = reply
+        through = {tree.route[n] for n in tree.inputs} if reply.done else set()
+        for a in list(cr.assignments.values()):
+            cr.settle(a, a.node_id in through)
+        if reply.done:
+            cr.tier_participants[self.name] = sum(1 for n in tree.inputs if tree.tiers.get(n) == self.name)
+        why = "the round's secure session finished at the root" if reply.done else \
+            f"the round's secure session aborted at the root: {reply.aborted}"
+        self.close_round(cr, why)
 
     def _secure_progress(self, cr: CohortRound) -> None:
         """Move the session's stages on; fold the cohort's sum once it is unmasked."""
@@ -852,20 +1010,30 @@ class Coordinator:
             except SecAggAbort as err:
                 for a in clients:
                     cr.settle(a, delivered=False)
-                cr.rejected[f"secure aggregation: {err}"] = len(clients)
+                cr.rejected[f"secure aggregation: {err}"] = len(sc.participants)
+        tree = cr.tree
+        if tree is not None:  # the tree's session: the aggregators below relayed for their clients
+            clients = list(cr.assignments.values())
         if p is not None:
             contributed = set(sc.contributors())
             if p.count > 0:
                 cr.secure_sum = p  # folded with the outcome (fold_aside), after the fold pool drained
                 cr.reserved += p.count
-            for a in clients:
-                cr.settle(a, a.node_id in contributed)
-            cr.tier_participants[self.name] = cr.tier_participants.get(self.name, 0) + p.count
+            if tree is None:
+                for a in clients:
+                    cr.settle(a, a.node_id in contributed)
+                cr.tier_participants[self.name] = cr.tier_participants.get(self.name, 0) + p.count
+            else:
+                through = {tree.route[n] for n in contributed}
+                for a in clients:
+                    cr.settle(a, a.node_id in through)
+                for n in contributed:
+                    cr.tier_participants[tree.tiers[n]] = cr.tier_participants.get(tree.tiers[n], 0) + 1
             self.counters["uploads_accepted"] += p.count
         elif sc.stage is not Stage.DONE:
             for a in clients:
                 cr.settle(a, delivered=False)
-            cr.rejected[f"secure aggregation aborted: {sc.abort_reason}"] = len(clients)
+            cr.rejected[f"secure aggregation aborted: {sc.abort_reason}"] = len(sc.participants)
         cr.bytes_up += sc.bytes_up
         cr.bytes_down += sc.bytes_down
         self.counters["bytes_up"] += sc.bytes_up
@@ -885,6 +1053,21 @@ class Coordinator:
             if c is None or (now - c.last_seen > self.cfg.node_timeout_s and not a.in_flight):
                 cr.settle(a, delivered=False)
         if cr.continuation:  # waits for the next version, whatever the time
+            return
+        tree = cr.tree
+        if tree is not None and cr.upstream is None and cr.secure is None and tree.waiting:
+            # The root opens the session without the rosters of aggregators that fell
+            # silent, and at the roster deadline without those still to come.
+            tree.waiting = {n for n in tree.waiting if not cr.assignments[n].dropped}
+            if not tree.waiting or self._wall() >= tree.roster_deadline:
+                self._open_tree(cr)
+                if cr.closed:
+                    return
+        if (tree is not None and cr.upstream is not None and tree.final is None and tree.inputs
+                and self._wall() < cr.task.deadline_unix + max(5.0, 0.1 * cr.task.config.cohort.deadline_s)):
+            # A relay whose clients' masked inputs went up stays open past its own
+            # deadline while the root's session unmasks (the root's deadline is later).
+            self._check_close(cr)
             return
         if cr.secure is not None:
             self._secure_progress(cr)

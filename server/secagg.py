@@ -14,22 +14,32 @@ other and pushed up the tree as a PARTIAL_SUM.
 
 Stage deadlines, as fractions of the round's time: keys 15% each, masked input until
 85%, unmasking until the deadline.
+
+With ``secure_aggregation.scope = "tree"`` the session is the root's, over every client
+selected anywhere below it, and the tiers between relay (``TreeRoster``,
+``SecureUpstream``; the coordinator's "secure aggregation over the whole tree"). A relay
+sees a subset of what the root's session sees (its own clients' messages: keys, shares
+encrypted to their neighbours, masked inputs, unmasking shares), and the root's view
+reveals only the sum over the whole round (SecAgg+'s guarantee, see
+``orchard.secure_agg``); no tier ever learns a partial sum.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from orchard.aggregation import MetricSums, Partial
 from orchard.aggregation.privacy import ddg_decode, session_params
 from orchard.config import RunConfig, SecureAggregationConfig
-from orchard.errors import SecAggAbort, UpdateSchemaError
+from orchard.errors import SecAggAbort, SecAggError, UpdateSchemaError
 from orchard.messages import UploadHeader
 from orchard.secure_agg import (
     SecAggServer,
@@ -43,6 +53,61 @@ from orchard.typing import TensorSpec
 
 # Fraction of the round's time by which each stage must be over.
 STAGE_END = {Stage.ADVERTISE_KEYS: 0.15, Stage.SHARE_KEYS: 0.30, Stage.MASKED_INPUT: 0.85, Stage.UNMASKING: 1.0}
+
+
+# A tree-scope session opens once every selected aggregator reported its roster, or at
+# this fraction of the round's time with the rosters that are in.
+ROSTER_END = 0.05
+
+
+@dataclass(frozen=True)
+class SecAggReply:
+    """What a node learns from one secure-aggregation exchange."""
+
+    stage: int  # the session's current stage index
+    broadcast: bytes  # the broadcast this node must answer, or b""
+    done: bool
+    aborted: str  # why the session aborted, or ""
+
+
+class SecureUpstream(Protocol):
+    """How a tier below the root reaches the round's session (scope "tree"), bound to the
+    tier's own task in the round: gRPC sends ``Fleet.SecAgg`` on the tier's upstream link
+    (``orchard.server.aggregator``), the simulator calls the parent coordinator."""
+
+    async def roster(self, nodes: list[str], tiers: list[str]) -> None:
+        """Report the clients selected below this tier (and the lowest tier of each)."""
+
+    async def exchange(self, node: str, stage_index: int, message: bytes, header: UploadHeader | None,
+                       wait_s: float, bytes_down: int = 0) -> SecAggReply:
+        """Relay one client's exchange (as ``Coordinator.secagg_exchange``) to the session,
+        with the bytes this tier sent down since its last report (for the round's record)."""
+
+
+@dataclass
+class TreeRoster:
+    """A tier's part of a tree-scope session in one round: which child each client below
+    it comes through (a direct client: itself), the lowest tier of each, and the
+    aggregator children whose rosters are still to come."""
+
+    route: dict[str, str] = field(default_factory=dict)
+    tiers: dict[str, str] = field(default_factory=dict)
+    waiting: set[str] = field(default_factory=set)
+    sent: bool = False  # reported upstream (a tier below the root)
+    inputs: set[str] = field(default_factory=set)  # clients whose masked input went up through here
+    final: SecAggReply | None = None  # the session's end, as relayed (a tier below the root)
+    reported_down: int = 0  # of this tier's bytes_down, how much went up with exchanges
+    roster_deadline: float = math.inf  # wall time: the root opens the session then, rosters or not
+
+    def add(self, via: str, nodes: list[str], tiers: list[str]) -> None:
+        if len(nodes) != len(tiers):
+            raise SecAggError(f"a roster names {len(nodes)} clients and {len(tiers)} tiers; one tier per client")
+        for n in nodes:
+            if not n or n in self.route:
+                raise SecAggError(f"client {n!r} is named twice in this round's rosters (or is empty)")
+        for n, t in zip(nodes, tiers, strict=True):
+            self.route[n] = via
+            self.tiers[n] = t
 
 
 def flat_to_sums(flat: np.ndarray, schema: tuple[TensorSpec, ...]) -> dict[str, np.ndarray]:

@@ -79,7 +79,7 @@ from orchard.messages import TaskAssignment, UploadHeader
 from orchard.secure_agg import Stage
 from orchard.server.admission import check_version
 from orchard.server.cohort import CohortRound
-from orchard.server.coordinator import Coordinator
+from orchard.server.coordinator import Coordinator, ParentUpstream, run_inline
 from orchard.server.decoding import ClientUpdateDecoder
 from orchard.server.round import (
     RoundRecord,
@@ -89,7 +89,7 @@ from orchard.server.round import (
     root_task,
     task_from_assignment,
 )
-from orchard.server.secagg import STAGE_END
+from orchard.server.secagg import STAGE_END, SecureCohort
 from orchard.simulation.backends import Backend
 from orchard.simulation.clients import ClientJob, ClientOutput
 from orchard.simulation.config import AttackConfig
@@ -258,9 +258,7 @@ class Engine:
         self._open_below(self.root, blob)
         starts: dict[str, tuple[bytes, NDArrays]] = {}  # downlink reconstructions, by sha256
         arrivals = self._dispatch(live, blob, schema, shared_seed, stats, starts, ahead_of=arrays)
-        for leaf in self.leaves:
-            if leaf.secure:
-                self._secure_answer(leaf)  # the key stages, while the clients train
+        self._secure_answer_all()  # the key stages, while the clients train
         self._process(arrivals, arrays, stats, {k: v[1] for k, v in starts.items()})
         for t in self.tiers():
             if t.cr is not None and not t.cr.closed:
@@ -480,8 +478,12 @@ class Engine:
             # As server.aggregator's UpstreamLink._serve: the parent's task, this tier's cohort.
             task = task_from_assignment(a, blob, self.round_cfg)
             t.assignment = a
-            t.cr = t.coord.open_round(task)
+            # Secure aggregation over the whole tree: the tier relays to its parent's session
+            # and reports its roster once its own children have (server.coordinator).
+            tree = task.config.secure_aggregation.enabled and task.config.secure_aggregation.scope == "tree"
+            t.cr = t.coord.open_round(task, upstream=ParentUpstream(parent.coord, t.name, a) if tree else None)
             self._open_below(t, blob)
+            run_inline(t.coord.send_roster(t.cr))
 
     # ------------------------------------------------------------------ devices
 
@@ -530,8 +532,8 @@ class Engine:
                 part = dev.index
                 down_bytes, start = self._pull(leaf, part, blob, starts)
                 leaf.coord.count_bytes_down(down_bytes)
-                if leaf.cr.secure is not None:
-                    # Its side of the tier's session: the key stages run while it trains.
+                if leaf.cr.secure is not None or leaf.cr.tree is not None:
+                    # Its side of the tier's (or the tree's) session: the key stages run while it trains.
                     entropy = hashlib.sha256(f"{self.seed}/{a.task_id}".encode()).digest()
                     leaf.secure[node] = (SecureParticipant(node, entropy), a)
                 stats.selected += 1
@@ -674,7 +676,7 @@ class Engine:
         for t in self.tiers():
             if t.cr is not None:
                 heapq.heappush(events, (t.cr.task.deadline_unix - self.time.origin, next(seq), "deadline", t))
-                if t.cr.secure is not None:  # the masked-input stage ends for whoever is missing
+                if t.cr.secure is not None and t.cr.upstream is None:  # the masked-input stage ends for whoever is missing
                     heapq.heappush(events, (self._input_deadline(t) - self.time.origin, next(seq), "inputs", t))
         for leaf in self.leaves:
             if leaf.cr is not None and leaf.waiting == 0:
@@ -814,7 +816,7 @@ class Engine:
         for a in arrivals:  # in finish-time order
             cr = a.leaf.cr
             assert cr is not None  # a client arrives only at a tier that opened
-            if cr.secure is not None:  # a secure cohort takes every masked input until its stage ends
+            if self._session(a.leaf) is not None:  # a secure session takes every masked input until its stage ends
                 a.deferred = a.finish >= self._input_deadline(a.leaf) - self.time.origin
                 continue
             k = seen.get(id(a.leaf), 0)
@@ -872,7 +874,7 @@ class Engine:
         if kind == "deadline":
             self._heartbeats(tier)
             tier.coord.sweep()
-            if not tier.cr.closed:  # the virtual wall sits exactly on the deadline
+            if not tier.cr.closed and not self._relays(tier):  # the virtual wall sits exactly on the deadline
                 tier.coord.close_round(tier.cr, "deadline")
         elif kind == "quiet":
             self._heartbeats(tier)
@@ -882,8 +884,8 @@ class Engine:
             # whose masked inputs are in answer the unmasking stage.
             self._heartbeats(tier)
             tier.coord.sweep()
-            if tier.secure and not tier.cr.closed:
-                self._secure_answer(tier)
+            if not tier.cr.closed:
+                self._answer(tier)
         self._after(tier, events, seq)
 
     @staticmethod
@@ -899,11 +901,23 @@ class Engine:
 
     # ------------------------------------------------------------------ secure aggregation
 
+    def _session(self, tier: Tier) -> SecureCohort | None:
+        """The secure session a tier's clients answer: the tier's own, or with scope "tree"
+        the root's (None before it opens, or without secure aggregation)."""
+        assert tier.cr is not None
+        if tier.cr.tree is not None and self.root.cr is not None:
+            return self.root.cr.secure
+        return tier.cr.secure
+
     @staticmethod
-    def _input_deadline(tier: Tier) -> float:
-        """The virtual wall time at which the tier's masked-input stage ends (server.secagg)."""
-        assert tier.cr is not None and tier.cr.secure is not None
-        sc = tier.cr.secure
+    def _relays(tier: Tier) -> bool:
+        """A tier below the root that relays to the tree's session (no sum of its own)."""
+        return tier.cr is not None and tier.cr.tree is not None and tier.parent is not None
+
+    def _input_deadline(self, tier: Tier) -> float:
+        """The virtual wall time at which the session's masked-input stage ends (server.secagg)."""
+        sc = self._session(tier)
+        assert sc is not None
         return sc.started_wall + STAGE_END[Stage.MASKED_INPUT] * (sc.deadline_wall - sc.started_wall)
 
     def _secure_turn(self, tier: Tier, node: str, masked: tuple[UploadHeader, np.ndarray] | None = None) -> bool:
@@ -920,16 +934,37 @@ class Engine:
                 return answered
             (message, header), stage, answered = got, r.stage, True
 
-    def _secure_answer(self, tier: Tier) -> None:
+    def _answer(self, tier: Tier) -> None:
+        """The clients that answer a session which moved on: the tier's own, or with scope
+        "tree" every tier's."""
+        assert tier.cr is not None
+        if tier.cr.tree is not None:
+            self._secure_answer_all()
+        elif tier.secure:
+            self._secure_answer(tier)
+
+    def _secure_answer_all(self) -> None:
+        """Every secure client answers what it can; with scope "tree" the stages of the one
+        session move on with the answers of every tier's clients, so go round until none can."""
+        tiers = [t for t in self.tiers() if t.secure and t.cr is not None]
+        progress = True
+        while progress:
+            progress = False
+            for t in tiers:
+                progress |= self._secure_answer(t)
+
+    def _secure_answer(self, tier: Tier) -> bool:
         """Every client of the tier that can answer the session's current stage does, until
         none can (a stage moves on when its last expected answer is in)."""
         assert tier.cr is not None
-        progress = True
+        progress, any_answer = True, False
         while progress and not tier.cr.closed:
             progress = False
             for node in tier.secure:
                 with contextlib.suppress(OrchardError):  # dropped from the session: silent from here on
                     progress |= self._secure_turn(tier, node)
+            any_answer |= progress
+        return any_answer
 
     def _secure_input(self, tier: Tier, a: Arrival, o: ClientOutput) -> None:
         """An arriving client posts its masked input (refused once the stage is over)."""
@@ -940,15 +975,16 @@ class Engine:
         masked = masked_input(self.round_cfg, self.codec, t, o.header, o.payload, seed, me.participants, noise_rng)
         if not self._secure_turn(tier, a.node_id, masked):
             raise SecAggError(f"round {t.round}: the secure cohort no longer takes masked inputs")
-        if tier.cr.secure is not None and tier.cr.secure.stage is Stage.UNMASKING:
-            self._secure_answer(tier)
+        sc = self._session(tier)
+        if sc is not None and sc.stage is Stage.UNMASKING:
+            self._answer(tier)
 
     def _after(self, tier: Tier, events: list, seq: Any) -> None:
         """If ``tier`` just closed, push its partial up (after the transfer time)."""
         if tier.cr is None or not tier.cr.closed or tier.pushed:
             return
         tier.pushed = True
-        if tier.parent is None:
+        if tier.parent is None or self._relays(tier):  # a relay's clients are in the root's sum
             return
         assert tier.assignment is not None  # every tier below the root got one before it opened
         header, payload = partial_upload(tier.assignment, tier.name, tier.coord.outcome(tier.cr))
