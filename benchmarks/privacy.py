@@ -15,7 +15,13 @@ in one invocation:
   accountant at sampling rate 100 / 10,000;
 - **secure aggregation, no DP**, and **distributed DP** at each target epsilon: SecAgg+
   with each client's share of discrete Gaussian noise (the cost of DP is read against
-  the secure run: same transport);
+  the secure run: same transport). ``--scope tree`` (the default) runs one session per
+  round over every selected client, owned by the root, with the aggregators relaying:
+  one noise serves the round, as central DP's does. One more case at the smallest
+  epsilon runs the other scope (``cohort``: a session per aggregator, each cohort sum
+  carrying the whole noise, so k cohorts put k noises into the root's sum). Each noise
+  share is sized for ``(1 - --dropout-rate)`` of the session's clients (default 0.1,
+  Orchard's default tolerance; the population's real dropout is a few percent a round);
 - **robustness**: 10% of devices send their update scaled by 100, or sign-flipped, each
   with no defence, with norm bounding (robust.norm_bound, which also works under secure
   aggregation), and with the coordinate-wise trimmed mean and median of each lowest
@@ -52,8 +58,8 @@ BASE_TRAIN = {"epochs": 1, "batch_size": 10, "learning_rate": 0.05}
 
 def _case(task: str, rounds: int, population: int, per_round: int, aggregators: int, *, privacy: dict | None = None,
           secure: bool = False, robust: dict | None = None, attack: dict | None = None,
-          clip: float = 0.1, seed: int = 0, dropout_rate: float = 0.3, eval_every: int = 0,
-          over_selection: float = 1.0) -> dict[str, Any]:
+          clip: float = 0.1, seed: int = 0, dropout_rate: float = 0.1, eval_every: int = 0,
+          over_selection: float = 1.0, scope: str = "tree") -> dict[str, Any]:
     from orchard.simulation import SimulationConfig, run_simulation
 
     run: dict[str, Any] = {"task": task, "task_params": {"with_replacement": True, "samples_per_client": 20},
@@ -62,9 +68,10 @@ def _case(task: str, rounds: int, population: int, per_round: int, aggregators: 
     if privacy is not None:
         run["privacy"] = {"clip_norm": clip, "delta": 1e-5, **privacy}
     if secure:
-        # Phones drop out: the session tolerates 30% of its clients going silent, and
-        # distributed DP sizes every noise share for the 70% that remain.
-        run["secure_aggregation"] = {"enabled": True, "dropout_rate": dropout_rate, "modulus_bits": 32}
+        # Phones drop out: the session tolerates dropout_rate of its clients going silent,
+        # and distributed DP sizes every noise share for the rest.
+        run["secure_aggregation"] = {"enabled": True, "dropout_rate": dropout_rate, "modulus_bits": 32,
+                                     "scope": scope}
     if robust is not None:
         run["robust"] = robust
     cfg = SimulationConfig.model_validate(dict(
@@ -141,9 +148,12 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run of every case per seed")
     ap.add_argument("--epsilons", type=float, nargs="*", default=[1.0, 4.0, 8.0])
     ap.add_argument("--clip", type=float, default=0.1, help="L2 clip norm (DP) and norm bound (robustness)")
-    ap.add_argument("--dropout-rate", type=float, default=0.3,
+    ap.add_argument("--dropout-rate", type=float, default=0.1,
                     help="secure aggregation's dropout tolerance: distributed DP sizes each noise share for "
                          "(1 - rate) of the session")
+    ap.add_argument("--scope", choices=("tree", "cohort"), default="tree",
+                    help="secure aggregation's scope for the secure and distributed cases: one session per round "
+                         "at the root (tree), or one per aggregator's cohort; one case runs the other")
     ap.add_argument("--over-selection", type=float, default=1.0,
                     help="devices selected per round over the target (default 1.0: every case sums the same "
                          "clients). A plain round folds its first target arrivals and a secure cohort every "
@@ -166,7 +176,7 @@ def main() -> None:
     load_before = os.getloadavg()
     common = dict(task=a.task, rounds=a.rounds, population=a.population, per_round=a.per_round,
                   aggregators=a.aggregators, clip=a.clip, dropout_rate=a.dropout_rate, eval_every=a.eval_every,
-                  over_selection=a.over_selection)
+                  over_selection=a.over_selection, scope=a.scope)
     # (name, kind, target epsilon, the case's arguments, the case its accuracy is read against)
     plan: list[tuple[str, str, float | None, dict[str, Any], str]] = [("non-private", "baseline", None, {}, "")]
     plan += [(f"central DP eps={eps:g}", "central", eps, {"privacy": {"mode": "central", "target_epsilon": eps}},
@@ -176,12 +186,13 @@ def main() -> None:
               {"secure": True, "privacy": {"mode": "distributed", "target_epsilon": eps}}, "non-private")
              for eps in a.epsilons]
     if a.epsilons and a.aggregators:
-        # Every secure cohort's sum must carry the whole noise (no tier is trusted), so a
-        # tree of k cohorts releases k times the noise central DP adds once. One cohort
-        # under the root shows what distributed DP costs without that.
+        # The other scope at the smallest epsilon. With a session per cohort, every cohort
+        # sum must carry the whole noise (no tier is trusted), so a tree of k cohorts
+        # releases k times the noise central DP adds once; one session over the tree does not.
         eps = min(a.epsilons)
-        plan.append((f"distributed DP eps={eps:g}, 1 cohort", "distributed", eps,
-                     {"secure": True, "aggregators": 0, "privacy": {"mode": "distributed", "target_epsilon": eps}},
+        other = "cohort" if a.scope == "tree" else "tree"
+        plan.append((f"distributed DP eps={eps:g}, scope {other}", "distributed", eps,
+                     {"secure": True, "scope": other, "privacy": {"mode": "distributed", "target_epsilon": eps}},
                      "non-private"))
     if not a.no_robustness:
         defences: list[tuple[str, dict[str, Any] | None]] = [
@@ -212,7 +223,7 @@ def main() -> None:
             json.dump({"task": a.task, "population": a.population, "per_round": a.per_round, "rounds": a.rounds,
                        "robust_rounds": a.robust_rounds, "eval_every": a.eval_every,
                        "aggregators": a.aggregators, "clip": a.clip, "delta": 1e-5, "seeds": a.seeds,
-                       "dropout_rate": a.dropout_rate, "over_selection": a.over_selection, "trim_fraction": a.trim_fraction, "complete": complete,
+                       "dropout_rate": a.dropout_rate, "scope": a.scope, "over_selection": a.over_selection, "trim_fraction": a.trim_fraction, "complete": complete,
                        "cases": rows, "load_average": {"before": list(load_before), "now": list(os.getloadavg())}},
                       fh, indent=2)
 
@@ -233,8 +244,8 @@ def main() -> None:
         base = by_name.get(r["reference"]) if r["reference"] else None
         r["accuracy_minus_reference"] = (None if r["accuracy"] is None or base is None or base["accuracy"] is None
                                          else round(r["accuracy"] - base["accuracy"], 4))
-        # A one-cohort run's costs are not comparable with the tree's secure run: no ratios.
-        ref = None if "1 cohort" in r["case"] else secure if r["kind"] == "distributed" else base
+        # The other scope's costs are not comparable with this scope's secure run: no ratios.
+        ref = None if ", scope " in r["case"] else secure if r["kind"] == "distributed" else base
         for k, out in (("seconds_per_round", "time_vs_off"), ("bytes_up_per_round", "bytes_vs_off"),
                        ("total_cpu_seconds", "cpu_vs_off")):
             r[out] = round(r[k] / ref[k], 3) if ref is not None and ref[k] else None
@@ -252,7 +263,7 @@ def main() -> None:
           f"({a.robust_rounds} for the attacks), clip {a.clip}, delta 1e-5, seeds {a.seeds} (accuracy: mean ± "
           f"sample stddev over seeds); accuracy is read against the non-private run of the same length (the "
           f"attacks: against their clean run), DP cost against the run without DP on the same transport")
-    print(f"{'case':<32} {'rounds':>6} {'target eps':>10} {'eps spent':>9} {'z':>6} {'accuracy':>16} {'vs ref':>8} "
+    print(f"{'case':<36} {'rounds':>6} {'target eps':>10} {'eps spent':>9} {'z':>6} {'accuracy':>16} {'vs ref':>8} "
           f"{'paired':>14} {'s/round':>8} {'x time':>7} {'CPU s':>7} {'x CPU':>6} {'bytes up/rd':>12} {'x bytes':>7}")
 
     def f(v: Any, fmt: str) -> str:
@@ -262,7 +273,7 @@ def main() -> None:
     for r in rows:
         acc = "-" if r["accuracy"] is None else f"{100 * r['accuracy']:.2f} ± {100 * r['accuracy_spread']:.2f}"
         diff = r["accuracy_minus_reference"]
-        print(f"{r['case']:<32} {r['rounds']:>6} {f(r['target_epsilon'], '10g')} {f(r['epsilon'], '9.3f')} "
+        print(f"{r['case']:<36} {r['rounds']:>6} {f(r['target_epsilon'], '10g')} {f(r['epsilon'], '9.3f')} "
               f"{f(r['noise_multiplier'], '6.3f')} {acc:>16} {f(None if diff is None else 100 * diff, '+8.2f')} "
               f"{_pm(r['paired_minus_reference']):>14} "
               f"{f(r['seconds_per_round'], '8.2f')} {f(r['time_vs_off'], '7.2f')} {f(r['total_cpu_seconds'], '7.1f')} "
@@ -283,7 +294,7 @@ def main() -> None:
             base = by_name.get(r["reference"]) if r["reference"] else None
             if r["kind"] != "attack" or base is None:
                 continue
-            print(f"{r['case']:<32} " + " ".join(f"{_pm(_paired(r, base, c)):>14}" for c in checkpoints))
+            print(f"{r['case']:<36} " + " ".join(f"{_pm(_paired(r, base, c)):>14}" for c in checkpoints))
     print(f"load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")
     write(rows, complete=True)
 

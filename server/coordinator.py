@@ -189,6 +189,7 @@ class Coordinator:
         # accepted fold in asynchronous mode, before the upload is acknowledged.
         self.journal: Callable[[BufferState], None] | None = None
         self._folds = 0  # folds made: orders journal states
+        self._tasks: set[asyncio.Task[None]] = set()  # sends upstream started from sweep (held until done)
 
     # ------------------------------------------------------------------ registry
 
@@ -431,7 +432,10 @@ class Coordinator:
                 cr.tree.waiting.add(a.node_id)
         cr.client_quota = sum(1 for n, via in cr.tree.route.items() if n == via)
         now = self._wall()
-        cr.tree.roster_deadline = now + ROSTER_END * max(0.0, cr.task.deadline_unix - now)
+        # A tier below the root reports by half the root's roster deadline, so that its
+        # roster (with or without a silent child's) is in when the root opens the session.
+        frac = ROSTER_END if cr.upstream is None else ROSTER_END / 2
+        cr.tree.roster_deadline = now + frac * max(0.0, cr.task.deadline_unix - now)
         if cr.upstream is None and not cr.tree.waiting:
             self._open_tree(cr)
 
@@ -459,13 +463,21 @@ class Coordinator:
         tree-scope session (``tiers``: the lowest tier of each). Once every selected
         aggregator has, the root opens the session and a tier below reports upward."""
         self.touch(via)
-        cr, _ = self._assignment(via, run_id, rnd, attempt, task_id)
+        cr, a = self._assignment(via, run_id, rnd, attempt, task_id)
         tree = cr.tree
         if tree is None:
             raise SecAggError(f"round {rnd} runs no secure aggregation over the whole tree")
         if via not in tree.waiting:
             raise SecAggError(f"{via!r} already reported its roster for round {rnd}, or the session opened "
                               "without it (its roster came after the roster deadline)")
+        # Lowest tiers select ceil(share x over_selection) clients each, their shares summing
+        # to the target: a roster holds at most target x (over_selection + 1) of them.
+        cap = math.ceil(a.target * (cr.task.config.cohort.over_selection + 1))
+        if len(nodes) > cap:
+            raise SecAggError(f"{via!r} reported {len(nodes)} clients for a share of {a.target} updates; at most "
+                              f"{cap} can have been selected below it")
+        if any(len(x) > 256 for x in (*nodes, *tiers)):
+            raise SecAggError("a roster's client and tier names are at most 256 characters")
         tree.add(via, nodes, tiers)
         tree.waiting.discard(via)
         if tree.waiting:
@@ -484,6 +496,25 @@ class Coordinator:
         tree.sent = True
         nodes = list(tree.route)
         await cr.upstream.roster(nodes, [tree.tiers[n] for n in nodes])
+
+    def _spawn(self, cr: CohortRound, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` (a send upstream) from a synchronous step: to its end when inline,
+        else as a task of the loop; a failure is recorded with the round's refusals."""
+        if self.inline:
+            try:
+                run_inline(coro)
+            except OrchardError as err:
+                cr.rejected[f"could not report upstream: {err}"] = 1
+            return
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._tasks.discard(t)
+            if not t.cancelled() and t.exception() is not None:
+                cr.rejected[f"could not report upstream: {t.exception()}"] = 1
+
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(done)
 
     def _select(self, cr: CohortRound) -> None:
         cfg = cr.task.config
@@ -529,8 +560,10 @@ class Coordinator:
     def _task_for(self, cr: CohortRound, a: Assignment) -> TaskAssignment:
         c = self.children[a.node_id]
         deadline = cr.task.deadline_unix
-        if c.role is Role.AGGREGATOR:
-            # Leave the aggregator time to push its partial before our own deadline.
+        if c.role is Role.AGGREGATOR and cr.tree is None:
+            # Leave the aggregator time to push its partial before our own deadline. (A
+            # relay of the tree's session pushes none: it keeps the round's deadline, so
+            # that it relays until the session's last stage ends.)
             deadline -= min(5.0, 0.1 * max(0.0, deadline - self._wall()))
         return TaskAssignment(
             run_id=cr.task.run_id, round=cr.task.round, attempt=cr.task.attempt, task_id=a.task_id,
@@ -876,6 +909,9 @@ class Coordinator:
         """Take one stage message (if any), then long-poll up to ``wait_s`` for this node's
         next broadcast."""
         self.touch(node_id)
+        ended = self._session_ended(node_id, run_id, rnd, attempt, task_id)
+        if ended is not None:
+            return ended
         cr, _ = self._assignment(node_id, run_id, rnd, attempt, task_id)
         return await self._secagg(cr, node_id, stage_index, message, header, wait_s)
 
@@ -887,13 +923,18 @@ class Coordinator:
         ``bytes_down``: what ``via``'s tier sent its nodes since its last report (model
         downloads), for the round's record (a relay pushes no partial that would carry it)."""
         self.touch(via)
+        ended = self._session_ended(via, run_id, rnd, attempt, task_id)
+        if ended is not None and self.current is not None and self.current.tree is not None \
+                and self.current.tree.route.get(node_id) == via:
+            return ended
         cr, _ = self._assignment(via, run_id, rnd, attempt, task_id)
         if cr.tree is None or cr.tree.route.get(node_id) != via:
             raise SecAggError(f"client {node_id!r} is not in {via!r}'s roster for round {rnd}")
         if not 0 <= bytes_down <= 1 << 50:
             raise UpdateSchemaError(f"a relay's byte count must be in [0, 2^50], got {bytes_down}")
-        cr.bytes_down += bytes_down
-        return await self._secagg(cr, node_id, stage_index, message, header, wait_s)
+        reply = await self._secagg(cr, node_id, stage_index, message, header, wait_s)
+        cr.bytes_down += bytes_down  # once taken: a refused exchange's count comes again with the next
+        return reply
 
     def secagg_now(self, node_id: str, run_id: str, rnd: int, attempt: int, task_id: str, stage_index: int,
                    message: bytes, header: UploadHeader | None) -> SecAggReply:
@@ -901,6 +942,24 @@ class Coordinator:
         (if any) and return what this node must answer now."""
         return run_inline(self.secagg_exchange(node_id, run_id, rnd, attempt, task_id, stage_index, message,
                                                header, 0.0))
+
+    def _session_ended(self, node_id: str, run_id: str, rnd: int, attempt: int,
+                       task_id: str) -> SecAggReply | None:
+        """How the round's session ended, for a node of the round that asks after the
+        round closed (a client polling once more; a relay's, after the root closed on the
+        session's end): None while the round is open, or when it is not this node's."""
+        cr = self.current
+        if cr is None or not cr.closed or (cr.task.run_id, cr.task.round, cr.task.attempt) != (run_id, rnd, attempt):
+            return None
+        a = cr.assignments.get(node_id)
+        if a is None or a.task_id != task_id:
+            return None
+        if cr.tree is not None and cr.tree.final is not None:
+            return cr.tree.final
+        sc = cr.secure
+        if sc is None or not sc.finished:
+            return None
+        return SecAggReply(stage_index_of(sc.stage), b"", sc.stage is Stage.DONE, sc.abort_reason)
 
     async def _secagg(self, cr: CohortRound, node_id: str, stage_index: int, message: bytes,
                       header: UploadHeader | None, wait_s: float) -> SecAggReply:
@@ -1055,14 +1114,19 @@ class Coordinator:
         if cr.continuation:  # waits for the next version, whatever the time
             return
         tree = cr.tree
-        if tree is not None and cr.upstream is None and cr.secure is None and tree.waiting:
+        if tree is not None and cr.secure is None and tree.waiting and not tree.sent:
             # The root opens the session without the rosters of aggregators that fell
-            # silent, and at the roster deadline without those still to come.
+            # silent, and at the roster deadline without those still to come; a tier below
+            # reports its roster upward the same way.
             tree.waiting = {n for n in tree.waiting if not cr.assignments[n].dropped}
             if not tree.waiting or self._wall() >= tree.roster_deadline:
-                self._open_tree(cr)
-                if cr.closed:
-                    return
+                if cr.upstream is None:
+                    self._open_tree(cr)
+                    if cr.closed:
+                        return
+                else:
+                    tree.waiting.clear()
+                    self._spawn(cr, self.send_roster(cr))
         if (tree is not None and cr.upstream is not None and tree.final is None and tree.inputs
                 and self._wall() < cr.task.deadline_unix + max(5.0, 0.1 * cr.task.config.cohort.deadline_s)):
             # A relay whose clients' masked inputs went up stays open past its own

@@ -102,6 +102,8 @@ class TreeRoster:
     def add(self, via: str, nodes: list[str], tiers: list[str]) -> None:
         if len(nodes) != len(tiers):
             raise SecAggError(f"a roster names {len(nodes)} clients and {len(tiers)} tiers; one tier per client")
+        if len(set(nodes)) != len(nodes):
+            raise SecAggError("a roster names a client twice")
         for n in nodes:
             if not n or n in self.route:
                 raise SecAggError(f"client {n!r} is named twice in this round's rosters (or is empty)")

@@ -310,6 +310,47 @@ def test_secure_aggregation_gives_the_plain_result_to_quantisation() -> None:
         np.testing.assert_allclose(secure.final_arrays[k], v, rtol=0, atol=2e-4)
 
 
+@pytest.mark.parametrize("aggregators", [0, [2], [2, 2]])
+def test_one_session_over_the_tree_sums_what_cohort_sessions_sum(aggregators: object) -> None:
+    """Scope "tree": the root's one session over every client, the aggregators relaying,
+    gives bit for bit the model of a session per cohort (each client's quantised vector is
+    the same; only where the masks cancel differs), and the record names each lowest tier."""
+    def sim(scope: str) -> object:
+        run = _run(cohort=CohortConfig(target=12, over_selection=1.0, min_fraction=1.0, deadline_s=600.0),
+                   secure_aggregation={"enabled": True, "bits": 20, "clip": 1.0, "scope": scope})
+        kw = {"aggregators": aggregators} if aggregators else {}
+        return run_simulation(_deterministic(12, rounds=2, vectorize=False, run=run, **kw))
+
+    cohort, tree = sim("cohort"), sim("tree")
+    for k, v in cohort.final_arrays.items():
+        np.testing.assert_array_equal(tree.final_arrays[k], v)
+    for row_c, row_t in zip(cohort.rounds, tree.rounds, strict=True):
+        assert row_t["participants"] == row_c["participants"] == 12
+        assert row_t["tier_participants"] == row_c["tier_participants"]
+        assert row_t["bytes_down"] > 0 and row_t["bytes_up"] > 0
+
+
+def test_tree_scope_distributed_dp_runs_one_noise_for_the_round() -> None:
+    """Distributed DP over the tree: one session of 12 sizes every noise share for 12
+    clients, and the run spends the epsilon the accountant says (the same as per cohort)."""
+    def sim(scope: str) -> object:
+        run = _run(cohort=CohortConfig(target=12, over_selection=1.0, min_fraction=1.0, deadline_s=600.0,
+                                       weighting="uniform"),
+                   secure_aggregation={"enabled": True, "scope": scope},
+                   privacy={"mode": "distributed", "target_epsilon": 8.0, "clip_norm": 1.0})
+        return run_simulation(_deterministic(12, aggregators=[2], rounds=2, vectorize=False, run=run))
+
+    tree, cohort = sim("tree"), sim("cohort")
+    assert [r["participants"] for r in tree.rounds] == [12, 12]
+    assert tree.privacy["epsilon"] == pytest.approx(cohort.privacy["epsilon"])
+    assert tree.privacy["epsilon"] <= 8.0
+
+
+def test_tree_scope_is_refused_in_asynchronous_mode() -> None:
+    with pytest.raises(ValueError, match="scope 'tree'"):
+        _run(mode={"kind": "async"}, secure_aggregation={"enabled": True, "scope": "tree"})
+
+
 # ---------------------------------------------------------------------- outputs and CLI
 
 
