@@ -269,11 +269,17 @@ class FleetLink:
         self.bytes_up += len(payload)
 
     async def secagg(self, t: TaskAssignment, stage: int = 0, message: bytes = b"",
-                     header: UploadHeader | None = None, wait_s: float | None = None) -> pb.SecAggReply:
-        """Post one secure-aggregation stage message (or none) and long-poll for the next broadcast."""
+                     header: UploadHeader | None = None, wait_s: float | None = None,
+                     client_id: str = "", bytes_down: int = 0) -> pb.SecAggReply:
+        """Post one secure-aggregation stage message (or none) and long-poll for the next broadcast.
+
+        An aggregator relaying for a client below it (``secure_aggregation.scope = "tree"``)
+        names the client in ``client_id``, ``t`` being its own task, and reports the model
+        bytes its tier sent down since its last report in ``bytes_down``."""
         wait = self.long_poll_s if wait_s is None else wait_s
         req = pb.SecAggRequest(node_id=self.node_id, run_id=t.run_id, round=t.round, attempt=t.attempt,
-                               task_id=t.task_id, stage=stage, message=message, wait_s=wait)
+                               task_id=t.task_id, stage=stage, message=message, wait_s=wait,
+                               client_id=client_id, bytes_down=bytes_down)
         if header is not None:
             req.header.CopyFrom(wire.header_to_proto(header))
 
@@ -285,6 +291,18 @@ class FleetLink:
         self.bytes_up += len(message)
         self.bytes_down += len(reply.broadcast)
         return reply
+
+    async def secagg_roster(self, t: TaskAssignment, nodes: list[str], tiers: list[str]) -> None:
+        """An aggregator reports the clients selected below it for task ``t``'s secure
+        session over the whole tree (``tiers``: the lowest tier of each, in order)."""
+        req = pb.SecAggRequest(node_id=self.node_id, run_id=t.run_id, round=t.round, attempt=t.attempt,
+                               task_id=t.task_id, roster=pb.SecAggRoster(nodes=nodes, tiers=tiers))
+
+        async def call() -> pb.SecAggReply:
+            return await self._stub.SecAgg(req, metadata=self._meta, timeout=15)
+
+        # Sent once: the server refuses a second roster for the same task, as a repeated message.
+        await self._retry("secure aggregation roster", call, attempts=3)
 
     async def verify_token(self, token: str, role: Role) -> bool:
         async def call() -> pb.VerifyTokenReply:

@@ -4,20 +4,101 @@ It dials its upstream like a client (join, long-poll with its pool size, pull th
 push), runs each round for its own cohort with the same :class:`Coordinator` as the
 root, and pushes the cohort's partial sum (float64, lossless) upstream. Tiers above see
 one upload per aggregator, whatever the size of its cohort.
+
+With ``secure_aggregation.scope = "tree"`` the round's secure session is the root's: the
+aggregator reports its roster and relays its clients' exchanges upstream
+(:class:`LinkUpstream`, ``Fleet.SecAgg``), and pushes no partial (its clients' inputs
+are in the root's sum).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
+from collections.abc import Awaitable
+from typing import TypeVar
 
-from orchard.errors import AuthError, OrchardError
+import grpc
+
+from orchard.errors import (
+    AuthError,
+    DuplicateUploadError,
+    NotSelectedError,
+    OrchardError,
+    RoundClosedError,
+    SecAggError,
+)
 from orchard.link import FleetLink, UploadRefused
-from orchard.messages import Idle, TaskAssignment
+from orchard.messages import Idle, TaskAssignment, UploadHeader
+from orchard.secure_agg import Stage
+from orchard.secure_agg.stages import stage_index as stage_index_of
 from orchard.server.coordinator import Coordinator
 from orchard.server.round import RoundOutcome, partial_upload, task_from_assignment
+from orchard.server.secagg import SecAggReply
 
 log = logging.getLogger("orchard.server.aggregator")
+T = TypeVar("T")
+
+# An upstream refusal of a relayed call, as the error this tier raises to the client below
+# (the servicer maps it back to the same status code); any other: SecAggError. Never one
+# the client's link would act on as its own (UNAUTHENTICATED, NOT_FOUND: rejoin): those
+# are about this aggregator (the link rejoins by itself), not about the client.
+REFUSED: dict[grpc.StatusCode, type[OrchardError]] = {
+    grpc.StatusCode.ALREADY_EXISTS: DuplicateUploadError,
+    grpc.StatusCode.PERMISSION_DENIED: NotSelectedError,
+    grpc.StatusCode.FAILED_PRECONDITION: RoundClosedError,
+}
+
+
+async def _upstream(call: Awaitable[T]) -> T:
+    """``call`` on the upstream link, its refusal named as an OrchardError."""
+    try:
+        return await call
+    except AuthError as err:  # the link's: the upstream refused this aggregator's token
+        raise SecAggError(f"upstream refused this aggregator: {err}") from None
+    except grpc.aio.AioRpcError as err:
+        cls = REFUSED.get(err.code(), SecAggError)
+        raise cls(f"upstream refused ({err.code().name}): {err.details()}") from None
+
+
+class LinkUpstream:
+    """``SecureUpstream`` over ``Fleet.SecAgg`` on the aggregator's upstream link, bound to
+    its task ``t`` (scope "tree"): the roster report, then each exchange relayed for a
+    client below. An exchange waits for the roster to be in upstream (the parent knows this
+    tier's clients only from it); a poll that finds it still missing answers "nothing yet"."""
+
+    def __init__(self, link: FleetLink, t: TaskAssignment) -> None:
+        self.link, self.t = link, t
+        self._reported = asyncio.Event()
+        self._unsent_down = 0  # bytes_down of polls answered here, for the next exchange sent
+
+    async def roster(self, nodes: list[str], tiers: list[str]) -> None:
+        await _upstream(self.link.secagg_roster(self.t, nodes, tiers))
+        self._reported.set()
+
+    async def exchange(self, node: str, stage_index: int, message: bytes, header: UploadHeader | None,
+                       wait_s: float, bytes_down: int = 0) -> SecAggReply:
+        start = time.monotonic()
+        if not self._reported.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._reported.wait(), timeout=max(0.0, wait_s))
+            if not self._reported.is_set():
+                if message:
+                    raise SecAggError(f"round {self.t.round}: this tier's roster is not in upstream yet, so the "
+                                      "secure session cannot have asked for a message; poll without one")
+                self._unsent_down += bytes_down
+                return SecAggReply(stage_index_of(Stage.ADVERTISE_KEYS), b"", False, "")
+        down, self._unsent_down = self._unsent_down + bytes_down, 0
+        wait = max(0.0, wait_s - (time.monotonic() - start))
+        try:
+            r = await _upstream(self.link.secagg(self.t, stage_index, message, header, wait, client_id=node,
+                                                 bytes_down=down))
+        except BaseException:
+            self._unsent_down += down - bytes_down  # the coordinator takes back its own part
+            raise
+        return SecAggReply(r.stage, r.broadcast, r.done, r.aborted)
 
 
 class UpstreamLink:
@@ -53,14 +134,23 @@ class UpstreamLink:
     async def _serve(self, t: TaskAssignment) -> None:
         blob = await self.link.pull_model(t.model_hash)
         task = task_from_assignment(t, blob)
-        cr = self.coord.open_round(task)
+        sa = task.config.secure_aggregation
+        tree = sa.enabled and sa.scope == "tree"  # the root's session: this tier relays
+        cr = self.coord.open_round(task, upstream=LinkUpstream(self.link, t) if tree else None)
         log.info("round %d: target %d, selected %d", t.round, task.target, len(cr.assignments))
         beat = asyncio.create_task(self._heartbeats(t, cr))
         try:
+            try:
+                await self.coord.send_roster(cr)
+            except OrchardError as err:
+                self.coord.close_round(cr, f"the roster could not be reported upstream: {err}")
             out = await self.coord.wait_round(cr)
         finally:
             beat.cancel()
-        await self._push(t, out)
+        if tree:  # the clients' masked inputs went to the root's session: nothing to push
+            log.info("round %d: relayed to the root's secure session (%s)", t.round, out.reason)
+        else:
+            await self._push(t, out)
         self.rounds_done += 1
 
     async def _heartbeats(self, t: TaskAssignment, cr) -> None:

@@ -913,7 +913,7 @@ class Coordinator:
         if ended is not None:
             return ended
         cr, _ = self._assignment(node_id, run_id, rnd, attempt, task_id)
-        return await self._secagg(cr, node_id, stage_index, message, header, wait_s)
+        return await self._secagg(cr, node_id, stage_index, message, header, wait_s, caller=node_id)
 
     async def secagg_relayed(self, via: str, run_id: str, rnd: int, attempt: int, task_id: str, node_id: str,
                              stage_index: int, message: bytes, header: UploadHeader | None,
@@ -932,7 +932,7 @@ class Coordinator:
             raise SecAggError(f"client {node_id!r} is not in {via!r}'s roster for round {rnd}")
         if not 0 <= bytes_down <= 1 << 50:
             raise UpdateSchemaError(f"a relay's byte count must be in [0, 2^50], got {bytes_down}")
-        reply = await self._secagg(cr, node_id, stage_index, message, header, wait_s)
+        reply = await self._secagg(cr, node_id, stage_index, message, header, wait_s, caller=via)
         cr.bytes_down += bytes_down  # once taken: a refused exchange's count comes again with the next
         return reply
 
@@ -962,7 +962,9 @@ class Coordinator:
         return SecAggReply(stage_index_of(sc.stage), b"", sc.stage is Stage.DONE, sc.abort_reason)
 
     async def _secagg(self, cr: CohortRound, node_id: str, stage_index: int, message: bytes,
-                      header: UploadHeader | None, wait_s: float) -> SecAggReply:
+                      header: UploadHeader | None, wait_s: float, caller: str) -> SecAggReply:
+        """``node_id``: the client whose exchange this is; ``caller``: the child that sent it
+        (the client itself, or the aggregator relaying for it), the one a long poll keeps alive."""
         if message and header is not None:
             names = [s.name for s in cr.task.schema]
             if header.node_id != node_id or [s.name for s in header.schema] != names:
@@ -981,7 +983,7 @@ class Coordinator:
             ev = self._watch()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ev.wait(), timeout=remaining)
-            self.touch(node_id)
+            self.touch(caller)  # never a relayed client: it is no child of this tier
 
     def _secagg_post(self, cr: CohortRound, node_id: str, stage_index: int, message: bytes,
                      header: UploadHeader | None) -> None:

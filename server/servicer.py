@@ -224,11 +224,27 @@ class FleetServicer(pbg.FleetServicer):
 
     @mapped
     async def SecAgg(self, request: pb.SecAggRequest, context: grpc.aio.ServicerContext) -> pb.SecAggReply:
+        """A client's exchange; or, from an aggregator below (scope "tree"), a roster report
+        or an exchange it relays for one of its clients."""
         await self._caller(context, request.node_id)
+        via = request.node_id
+        roster = request.roster if request.HasField("roster") else None
+        if (roster is not None or request.client_id) and self.coord.child(via).role is not Role.AGGREGATOR:
+            raise NotSelectedError(f"{via!r} is not an aggregator: only an aggregator reports a roster or relays "
+                                   "secure-aggregation messages for its clients")
+        if roster is not None:
+            await self.coord.secagg_roster(via, request.run_id, request.round, request.attempt, request.task_id,
+                                           list(roster.nodes), list(roster.tiers))
+            return pb.SecAggReply()
         header = wire.header_from_proto(request.header) if request.HasField("header") else None
-        r = await self.coord.secagg_exchange(
-            request.node_id, request.run_id, request.round, request.attempt, request.task_id, request.stage,
-            request.message, header, request.wait_s)
+        if request.client_id:
+            r = await self.coord.secagg_relayed(
+                via, request.run_id, request.round, request.attempt, request.task_id, request.client_id,
+                request.stage, request.message, header, request.wait_s, request.bytes_down)
+        else:
+            r = await self.coord.secagg_exchange(
+                request.node_id, request.run_id, request.round, request.attempt, request.task_id, request.stage,
+                request.message, header, request.wait_s)
         return pb.SecAggReply(stage=r.stage, broadcast=r.broadcast, done=r.done, aborted=r.aborted)
 
     @mapped

@@ -274,7 +274,7 @@ class UploadReply(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SecAggRequest(_message.Message):
-    __slots__ = ("node_id", "run_id", "round", "attempt", "task_id", "stage", "message", "wait_s", "header")
+    __slots__ = ("node_id", "run_id", "round", "attempt", "task_id", "stage", "message", "wait_s", "header", "client_id", "roster", "bytes_down")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ROUND_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +284,9 @@ class SecAggRequest(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
     HEADER_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ROSTER_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DOWN_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     run_id: str
     round: int
@@ -293,7 +296,18 @@ class SecAggRequest(_message.Message):
     message: bytes
     wait_s: float
     header: UploadHeader
-    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., task_id: _Optional[str] = ..., stage: _Optional[int] = ..., message: _Optional[bytes] = ..., wait_s: _Optional[float] = ..., header: _Optional[_Union[UploadHeader, _Mapping]] = ...) -> None: ...
+    client_id: str
+    roster: SecAggRoster
+    bytes_down: int
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., task_id: _Optional[str] = ..., stage: _Optional[int] = ..., message: _Optional[bytes] = ..., wait_s: _Optional[float] = ..., header: _Optional[_Union[UploadHeader, _Mapping]] = ..., client_id: _Optional[str] = ..., roster: _Optional[_Union[SecAggRoster, _Mapping]] = ..., bytes_down: _Optional[int] = ...) -> None: ...
+
+class SecAggRoster(_message.Message):
+    __slots__ = ("nodes", "tiers")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    tiers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, nodes: _Optional[_Iterable[str]] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SecAggReply(_message.Message):
     __slots__ = ("stage", "broadcast", "done", "aborted")

@@ -1,5 +1,7 @@
 """Distributed DP over a real gRPC tree: root, 2 aggregators, 6 clients, SecAgg+ with each
-client adding its share of discrete Gaussian noise; epsilon in `run status --json`."""
+client adding its share of discrete Gaussian noise; epsilon in `run status --json`. With
+scope "cohort" each aggregator runs its cohort's session; with scope "tree" the root runs
+one session over all 6 clients and the aggregators relay (``Fleet.SecAgg``)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from fed_harness import FAST, Federation, add_clients, start_run, wait_joined, wait_status
 from typer.testing import CliRunner
 
@@ -29,7 +32,7 @@ RUN = RunConfig.model_validate({
 })
 
 
-async def _run(tmp: Path) -> tuple[dict, str, dict[str, np.ndarray]]:
+async def _run(tmp: Path, run: RunConfig) -> tuple[dict, str, dict[str, np.ndarray]]:
     root = await start_root(tmp / "root", insecure=True, server_cfg=FAST, start_grace_s=0.2, seed=3)
     fed = Federation(root)
     try:
@@ -39,7 +42,7 @@ async def _run(tmp: Path) -> tuple[dict, str, dict[str, np.ndarray]]:
             await add_clients(fed, agg.address, [j, j + 2, j + 4], 6, task_params=DIGITS)
         for agg in fed.aggregators:
             await wait_joined(agg, 3)
-        await start_run(root, RUN)
+        await start_run(root, run)
         st = await wait_status(root, lambda s: s.get("status") in ("completed", "failed", "stopped"), 240)
         res = await asyncio.to_thread(CliRunner().invoke, app, ["run", "status", "--server", root.address,
                                                                 "--insecure", "--json"])
@@ -54,11 +57,15 @@ async def _run(tmp: Path) -> tuple[dict, str, dict[str, np.ndarray]]:
         await fed.stop()
 
 
-def test_distributed_dp_over_grpc_reports_epsilon(tmp_path: Path) -> None:
-    st, cli_json, model = asyncio.run(_run(tmp_path))
+@pytest.mark.parametrize("scope", ["cohort", "tree"])
+def test_distributed_dp_over_grpc_reports_epsilon(tmp_path: Path, scope: str) -> None:
+    run = RunConfig.model_validate({**RUN.model_dump(), "secure_aggregation": {"enabled": True, "scope": scope}})
+    st, cli_json, model = asyncio.run(_run(tmp_path, run))
     assert st["status"] == "completed" and st["completed_rounds"] == 3, st
     for r in st["rounds"]:
         assert r["participants"] == 6 and r["tier_participants"] and "root" not in r["tier_participants"]
+        if scope == "tree":  # one session at the root; each client counted for the aggregator it came through
+            assert sum(r["tier_participants"].values()) == 6 and len(r["tier_participants"]) == 2, r
     shown = json.loads(cli_json)["privacy"]
     z = shown["noise_multiplier"]
     # The epsilon the run reports is the accountant's for the three rounds it charged.

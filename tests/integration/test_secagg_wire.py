@@ -1,6 +1,7 @@
 """Secure aggregation over real gRPC: the tier learns only the cohort's sum, which equals
-the plain weighted sum up to quantisation, through a tree, and with a client lost
-between stages."""
+the plain weighted sum up to quantisation, through a tree, over the whole tree (scope
+"tree": the root's one session, aggregators relaying), and with a client lost between
+stages."""
 
 from __future__ import annotations
 
@@ -46,26 +47,29 @@ def expected(ks: list[int], ws: list[float]) -> np.ndarray:
     return sum(w * o for w, o in zip(ws, offs, strict=True)) / sum(ws)
 
 
-async def _run(tmp: Path, n: int, via_aggregator: bool, dead: set[int], deadline: float = 20.0):
+async def _run(tmp: Path, n: int, aggregators: int, dead: set[int], deadline: float = 20.0,
+               scope: str = "cohort"):
+    """``n`` clients under the root, or spread over ``aggregators`` aggregators below it."""
     root = await start_root(tmp / "root", insecure=True, server_cfg=FAST, start_grace_s=0.2)
     fed = Federation(root)
-    target = root
-    if via_aggregator:
-        target = await start_aggregator(root.address, insecure=True, server_cfg=FAST)
-        fed.aggregators.append(target)
+    for _ in range(aggregators):
+        fed.aggregators.append(await start_aggregator(root.address, insecure=True, server_cfg=FAST))
+    tiers = fed.aggregators or [root]
     weights = [10.0 * (k + 1) for k in range(n)]
     for k in range(n):
+        target = tiers[k % len(tiers)]
         link = FleetLink(LinkConfig(target=target.address, role=Role.CLIENT, insecure=True, node_id=f"c{k}"))
         trainer = Shift(k, weights[k], k in dead)
         rt = ClientRuntime(link, lambda cfg, t=trainer: t, partition_id=k)
         fed.clients.append(rt)
         fed.client_tasks.append(asyncio.create_task(rt.run()))
-    await wait_joined(target, n)
-    if via_aggregator:
-        await wait_joined(root, n)
+    for i, tier in enumerate(tiers):
+        await wait_joined(tier, len(range(i, n, len(tiers))))
+    await wait_joined(root, n)
     cfg = RunConfig(task="digits", rounds=1,
                     cohort=CohortConfig(target=n, over_selection=1.0, min_fraction=0.5, deadline_s=deadline),
-                    secure_aggregation=SecureAggregationConfig(enabled=True, clip=0.5, bits=16, dropout_rate=0.3))
+                    secure_aggregation=SecureAggregationConfig(enabled=True, scope=scope, clip=0.5, bits=16,
+                                                               dropout_rate=0.3))
     with ControlClient(root.address, insecure=True) as ctl:
         await asyncio.to_thread(ctl.start_run, cfg, wire.arrays_to_blob({"w": np.zeros(D, np.float32)}))
         st = await wait_status(root, lambda s: s.get("status") in ("completed", "failed"), 60)
@@ -75,7 +79,7 @@ async def _run(tmp: Path, n: int, via_aggregator: bool, dead: set[int], deadline
 
 
 def test_secure_round_equals_plain_weighted_mean(tmp_path: Path) -> None:
-    st, out, w = asyncio.run(_run(tmp_path, 4, via_aggregator=False, dead=set()))
+    st, out, w = asyncio.run(_run(tmp_path, 4, aggregators=0, dead=set()))
     assert st["status"] == "completed", st
     r = st["rounds"][0]
     assert r["participants"] == 4
@@ -85,16 +89,39 @@ def test_secure_round_equals_plain_weighted_mean(tmp_path: Path) -> None:
 
 
 def test_secure_cohort_under_an_aggregator(tmp_path: Path) -> None:
-    st, out, w = asyncio.run(_run(tmp_path, 4, via_aggregator=True, dead=set()))
+    st, out, w = asyncio.run(_run(tmp_path, 4, aggregators=1, dead=set()))
     assert st["status"] == "completed", st
     assert sum(st["rounds"][0]["tier_participants"].values()) == 4
     np.testing.assert_allclose(out, expected([0, 1, 2, 3], w), atol=2e-3)
 
 
+def test_secure_session_over_the_whole_tree(tmp_path: Path) -> None:
+    """Scope "tree": one session at the root over the 6 clients of 2 aggregators, which
+    relay their clients' messages and push no partial; the sum is the plain weighted mean."""
+    st, out, w = asyncio.run(_run(tmp_path, 6, aggregators=2, dead=set(), scope="tree"))
+    assert st["status"] == "completed", st
+    r = st["rounds"][0]
+    assert r["participants"] == 6 and r["selected"] == 2 and r["dropped"] == 0, r
+    per_tier = r["tier_participants"]
+    assert sorted(per_tier.values()) == [3, 3] and "root" not in per_tier, per_tier
+    np.testing.assert_allclose(out, expected(list(range(6)), w), atol=2e-3)
+    assert abs(r["metrics"]["train_loss"] - sum(k * wk for k, wk in enumerate(w)) / sum(w)) < 1e-9
+
+
 def test_client_lost_between_stages_is_recovered(tmp_path: Path) -> None:
     """Client 2 shares its keys, then dies before its masked input: the sum is of the other four."""
-    st, out, w = asyncio.run(_run(tmp_path, 5, via_aggregator=False, dead={2}, deadline=8.0))
+    st, out, w = asyncio.run(_run(tmp_path, 5, aggregators=0, dead={2}, deadline=8.0))
     assert st["status"] == "completed", st
     r = st["rounds"][0]
     assert r["participants"] == 4 and r["dropped"] == 1, r
     np.testing.assert_allclose(out, expected([0, 1, 3, 4], [w[k] for k in (0, 1, 3, 4)]), atol=2e-3)
+
+
+def test_client_lost_below_a_relay_is_recovered(tmp_path: Path) -> None:
+    """Scope "tree": client 2 (under the first aggregator) dies before its masked input; the
+    root's session recovers and sums the other five, and its relay closes with the session."""
+    st, out, w = asyncio.run(_run(tmp_path, 6, aggregators=2, dead={2}, deadline=8.0, scope="tree"))
+    assert st["status"] == "completed", st
+    r = st["rounds"][0]
+    assert r["participants"] == 5 and sorted(r["tier_participants"].values()) == [2, 3], r
+    np.testing.assert_allclose(out, expected([0, 1, 3, 4, 5], [w[k] for k in (0, 1, 3, 4, 5)]), atol=2e-3)

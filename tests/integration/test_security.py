@@ -105,6 +105,29 @@ def test_token_role_is_enforced(tls_root) -> None:
     ch2.close()
 
 
+def test_only_an_aggregator_relays_secure_aggregation(tls_root) -> None:
+    """Scope "tree": a roster report or a relayed exchange must come from an aggregator; a
+    client that tries either is refused before the round is looked at."""
+    root, data = tls_root
+    client_tok, agg_tok = _issue(data, "client")[0], _issue(data, "aggregator")[0]
+    ch, stub, meta = _fleet(root, client_tok)
+    assert stub.Join(pb.JoinRequest(node_id="c", role="client"), metadata=meta).node_id == "c"
+    task = {"node_id": "c", "run_id": "r", "round": 1, "attempt": 0, "task_id": "t"}
+    for req in (pb.SecAggRequest(**task, client_id="someone-else", wait_s=0),
+                pb.SecAggRequest(**task, roster=pb.SecAggRoster(nodes=["c"], tiers=["c"]))):
+        with pytest.raises(grpc.RpcError) as ei:
+            stub.SecAgg(req, metadata=meta)
+        assert ei.value.code() == grpc.StatusCode.PERMISSION_DENIED and "not an aggregator" in ei.value.details()
+    # An aggregator gets as far as the round: none is open.
+    ch2, stub2, meta2 = _fleet(root, agg_tok)
+    assert stub2.Join(pb.JoinRequest(node_id="a", role="aggregator"), metadata=meta2).node_id == "a"
+    with pytest.raises(grpc.RpcError) as ei:
+        stub2.SecAgg(pb.SecAggRequest(**{**task, "node_id": "a"}, client_id="c", wait_s=0), metadata=meta2)
+    assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "no round is open" in ei.value.details()
+    ch.close()
+    ch2.close()
+
+
 def test_revoked_token_is_refused(tls_root) -> None:
     root, data = tls_root
     tok = _issue(data, "client")[0]

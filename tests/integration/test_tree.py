@@ -1,4 +1,5 @@
-"""Real gRPC federations on loopback: depth-3 trees, tree == flat, failed rounds, retries."""
+"""Real gRPC federations on loopback: depth-3 trees, tree == flat (also with one secure
+session over the whole tree), failed rounds, retries."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from fed_harness import FAST, Federation, add_clients, start_run, tree, wait_joi
 
 from orchard import wire
 from orchard.client.runtime import ClientRuntime
-from orchard.config import CohortConfig, RunConfig
+from orchard.config import CohortConfig, RunConfig, SecureAggregationConfig
 from orchard.link import FleetLink, LinkConfig
 from orchard.ops import ControlClient
 from orchard.server.app import start_root
@@ -30,10 +31,12 @@ def _global(fed: Federation) -> dict[str, np.ndarray]:
         ctl.close()
 
 
-async def _run_tree(tmp: Path, depth: int, rounds: int = 2) -> tuple[dict, dict]:
+async def _run_tree(tmp: Path, depth: int, rounds: int = 2,
+                    secure: SecureAggregationConfig | None = None) -> tuple[dict, dict]:
     fed = await tree(tmp, depth=depth, clients_per_leaf=4)
     try:
-        await start_run(fed.root, RunConfig(task="digits", rounds=rounds, cohort=ALL_IN, seed=7))
+        await start_run(fed.root, RunConfig(task="digits", rounds=rounds, cohort=ALL_IN, seed=7,
+                                            secure_aggregation=secure or SecureAggregationConfig()))
         st = await wait_status(fed.root, lambda s: s.get("status") in ("completed", "failed"), 90)
         arrays = await asyncio.to_thread(_global, fed)
         return st, arrays
@@ -58,6 +61,26 @@ def test_depth3_tree_equals_flat(tmp_path: Path) -> None:
     # And training did something.
     init = get_task("digits").initial_arrays(7)
     assert any(not np.allclose(flat_model[k], init[k]) for k in init)
+
+
+def test_depth3_secure_session_over_the_whole_tree(tmp_path: Path) -> None:
+    """Scope "tree" through root -> aggregator -> aggregator -> clients: the leaf reports
+    its roster to the middle tier, which reports it on to the root, and both relay every
+    exchange; the root's one session gives the flat FedAvg model up to quantisation."""
+    secure = SecureAggregationConfig(enabled=True, scope="tree")
+    st, model = asyncio.run(_run_tree(tmp_path / "tree", depth=3, rounds=1, secure=secure))
+    assert st["status"] == "completed" and st["completed_rounds"] == 1, st
+    r = st["rounds"][0]
+    assert r["participants"] == 4 and r["selected"] == 1, r
+    # Counted for the lowest tier, the one the clients came through.
+    (leaf, n), = r["tier_participants"].items()
+    assert n == 4 and leaf != "root", r
+    _, flat = asyncio.run(_run_tree(tmp_path / "flat", depth=1, rounds=1))
+    init = get_task("digits").initial_arrays(7)
+    # 16-bit quantisation of each client's scaled update: errors near 5e-5 on steps of 1e-2.
+    for k in flat:
+        assert np.abs(model[k] - flat[k]).max() <= 3e-4, k
+    assert max(np.abs(flat[k] - init[k]).max() for k in init) > 3e-3
 
 
 class FlakyTrainer:
