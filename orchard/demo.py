@@ -126,7 +126,11 @@ def run_demo(spec: DemoSpec, console: Console | None = None) -> dict[str, Any]:
         cfg = RunConfig.model_validate({
             **cfg.model_dump(), "cohort": {**cfg.cohort.model_dump(), "weighting": "uniform"},
             "privacy": {"mode": "distributed" if spec.secure_aggregation else "central",
-                        "target_epsilon": spec.dp_epsilon, "sampling_rate": 1.0}})
+                        "target_epsilon": spec.dp_epsilon, "sampling_rate": 1.0},
+            # Distributed DP: one secure session over the whole tree, so one noise (sized
+            # for every client of the round) serves the round instead of one per aggregator.
+            "secure_aggregation": {**cfg.secure_aggregation.model_dump(),
+                                   "scope": "tree" if spec.secure_aggregation else "cohort"}})
     tls: list[str] = []
     ca: Path | None = None
     if not spec.insecure:
@@ -187,6 +191,7 @@ def run_demo(spec: DemoSpec, console: Console | None = None) -> dict[str, Any]:
         procs.stop()
     report = {"run_id": run_id, "task": spec.task, "clients": spec.clients, "aggregators": spec.aggregators,
               "codec": cfg.codec.name, "secure_aggregation": spec.secure_aggregation,
+              "secure_scope": cfg.secure_aggregation.scope if spec.secure_aggregation else None,
               "tls": not spec.insecure, "status": status["status"], "rounds": rows,
               "total_seconds": round(time.monotonic() - t_start, 2)}
     if status.get("privacy"):
