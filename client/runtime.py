@@ -70,6 +70,13 @@ class TaskReport:
     governor: GovernorReport | None = None  # None when no governor ran (not an edge client)
 
 
+def _secure(t: TaskAssignment) -> bool:
+    try:
+        return RunConfig.model_validate_json(t.config_json).secure_aggregation.enabled
+    except ValueError:
+        return False
+
+
 class ClientRuntime:
     def __init__(self, link: FleetLink, trainer_factory: TrainerFactory, *, partition_id: int = 0,
                  device: DeviceProvider | None = None, state_dir: str | Path | None = None, seed: int = 0,
@@ -86,6 +93,9 @@ class ClientRuntime:
         self.seed = seed
         self.reports: list[TaskReport] = []
         self._codec_state: dict[str, dict[str, Any]] = {}
+        # Tasks whose secure session failed here: the server still hands them out until it
+        # drops this client, but a SecAgg+ session cannot be joined again once left.
+        self._lost_secure: set[str] = set()
 
     def trainer_for(self, cfg: RunConfig) -> Trainer:
         key = f"{cfg.task}:{sorted(cfg.task_params.items())}"
@@ -105,6 +115,9 @@ class ClientRuntime:
             if isinstance(got, Idle):
                 if got.retry_after_s > 0:
                     await asyncio.sleep(got.retry_after_s)
+                continue
+            if got.task_id in self._lost_secure:
+                await asyncio.sleep(min(1.0, self.link.long_poll_s))  # until the round moves on
                 continue
             self.reports.append(await self.do_task(got))
             done += 1
@@ -131,6 +144,8 @@ class ClientRuntime:
             return TaskReport(t.round, False, str(err))
         except Exception as err:  # the trainer or the data failed: this task fails, the client lives on
             log.error("round %d: task failed: %s: %s", t.round, type(err).__name__, err)
+            if _secure(t):
+                self._lost_secure.add(t.task_id)
             return TaskReport(t.round, False, f"{type(err).__name__}: {err}")
 
     async def _do_task(self, t: TaskAssignment) -> TaskReport:

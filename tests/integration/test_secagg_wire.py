@@ -48,8 +48,9 @@ def expected(ks: list[int], ws: list[float]) -> np.ndarray:
 
 
 async def _run(tmp: Path, n: int, aggregators: int, dead: set[int], deadline: float = 20.0,
-               scope: str = "cohort"):
-    """``n`` clients under the root, or spread over ``aggregators`` aggregators below it."""
+               scope: str = "cohort", reports: dict | None = None):
+    """``n`` clients under the root, or spread over ``aggregators`` aggregators below it;
+    ``reports``, if given, receives each dead client's task reports."""
     root = await start_root(tmp / "root", insecure=True, server_cfg=FAST, start_grace_s=0.2)
     fed = Federation(root)
     for _ in range(aggregators):
@@ -75,6 +76,8 @@ async def _run(tmp: Path, n: int, aggregators: int, dead: set[int], deadline: fl
         st = await wait_status(root, lambda s: s.get("status") in ("completed", "failed"), 60)
         out = wire.blob_to_arrays(await asyncio.to_thread(ctl.pull_global))["w"]
     await fed.stop()
+    if reports is not None:
+        reports.update({k: list(fed.clients[k].reports) for k in dead})
     return st, out, weights
 
 
@@ -120,8 +123,13 @@ def test_client_lost_between_stages_is_recovered(tmp_path: Path) -> None:
 def test_client_lost_below_a_relay_is_recovered(tmp_path: Path) -> None:
     """Scope "tree": client 2 (under the first aggregator) dies before its masked input; the
     root's session recovers and sums the other five, and its relay closes with the session."""
-    st, out, w = asyncio.run(_run(tmp_path, 6, aggregators=2, dead={2}, deadline=8.0, scope="tree"))
+    reports: dict = {}
+    st, out, w = asyncio.run(_run(tmp_path, 6, aggregators=2, dead={2}, deadline=8.0, scope="tree",
+                                  reports=reports))
     assert st["status"] == "completed", st
+    # Its task failed once: a secure session cannot be joined again, so it does not take the
+    # same task up again while the server still hands it out.
+    assert [r.accepted for r in reports[2]] == [False], reports
     r = st["rounds"][0]
     assert r["participants"] == 5 and sorted(r["tier_participants"].values()) == [2, 3], r
     np.testing.assert_allclose(out, expected([0, 1, 3, 4, 5], [w[k] for k in (0, 1, 3, 4, 5)]), atol=2e-3)
