@@ -158,6 +158,7 @@ def main() -> None:
                     help="devices selected per round over the target (default 1.0: every case sums the same "
                          "clients). A plain round folds its first target arrivals and a secure cohort every "
                          "masked input, so above 1 the secure cases sum more clients than the plain ones")
+    ap.add_argument("--no-scope-case", action="store_true", help="skip the case that runs the other scope")
     ap.add_argument("--trim-fraction", type=float, default=0.2, help="trimmed mean: the share cut at each end")
     ap.add_argument("--no-robustness", action="store_true")
     ap.add_argument("--only", nargs="*", default=None, help="run only the cases whose name contains one of these")
@@ -185,7 +186,7 @@ def main() -> None:
     plan += [(f"distributed DP eps={eps:g}", "distributed", eps,
               {"secure": True, "privacy": {"mode": "distributed", "target_epsilon": eps}}, "non-private")
              for eps in a.epsilons]
-    if a.epsilons and a.aggregators:
+    if a.epsilons and a.aggregators and not a.no_scope_case:
         # The other scope at the smallest epsilon. With a session per cohort, every cohort
         # sum must carry the whole noise (no tier is trusted), so a tree of k cohorts
         # releases k times the noise central DP adds once; one session over the tree does not.

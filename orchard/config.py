@@ -326,7 +326,7 @@ class ServerConfig(_Strict):
     port: int = Field(0, ge=0, le=65535)
     max_inflight_uploads: int = Field(16, ge=1)  # staged uploads held at once: bounds memory
     max_upload_bytes: int = Field(2 << 30, ge=1)
-    chunk_bytes: int = Field(1 << 20, ge=1024, le=4 << 20)
+    chunk_bytes: int = Field(4 << 20, ge=1024, le=4 << 20)  # model chunks sent down (orchard.wire)
     heartbeat_s: float = Field(10.0, gt=0.0)
     node_timeout_s: float = Field(60.0, gt=0.0)
     long_poll_s: float = Field(20.0, gt=0.0)

@@ -22,7 +22,10 @@ from orchard.typing import DeviceState, NDArrays, TensorSpec
 from orchard.v1 import orchard_pb2 as pb
 
 MAX_CHUNK_BYTES = 4 << 20  # 4 MiB: a chunk plus its envelope fits gRPC's default 4 MiB limit + margin
-DEFAULT_CHUNK_BYTES = 1 << 20
+# The largest chunk, by default: an update or model of up to 4 MiB travels as one message,
+# which a tier takes as it came (no join of its chunks: a copy of the payload) and gRPC
+# handles once (its cost per message dominates at 1 MiB chunks).
+DEFAULT_CHUNK_BYTES = MAX_CHUNK_BYTES
 # The server accepts messages a little over 4 MiB so that a full 4 MiB chunk and its
 # protobuf envelope always fit; nothing larger is ever needed.
 GRPC_MAX_MESSAGE_BYTES = MAX_CHUNK_BYTES + (64 << 10)
