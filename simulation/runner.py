@@ -152,6 +152,12 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
     report.clients_per_second = round(trained_total / busy_total, 1) if busy_total > 0 else 0.0
     report.total_seconds = round(busy_total, 3)
     report.simulated_seconds = round(sum(r.get("simulated_seconds", 0.0) for r in report.rounds), 3)
+    last = report.rounds[-1] if report.rounds else None
+    if last is not None and last.get("accuracy") is None and report.status.startswith("stopped"):
+        # The privacy budget ended the run before its last planned round: the model it
+        # ends with is the last completed round's, tested here as a last round would be.
+        ev = task.evaluate(arrays)
+        last["accuracy"], last["loss"] = float(ev["accuracy"]), float(ev["loss"])
     done = [r for r in report.rounds if r.get("accuracy") is not None]
     if done:
         report.final_accuracy, report.final_loss = done[-1]["accuracy"], done[-1]["loss"]

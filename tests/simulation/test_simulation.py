@@ -346,6 +346,23 @@ def test_tree_scope_distributed_dp_runs_one_noise_for_the_round() -> None:
     assert tree.privacy["epsilon"] <= 8.0
 
 
+def test_a_run_the_privacy_budget_stops_is_tested_on_the_model_it_ends_with() -> None:
+    """Failed attempts are charged too: with a quarter of the devices vanishing, retries
+    spend the budget before round 4, and the run stops. Its report still tests the model
+    it ends with (the last completed round's)."""
+    flaky = ALWAYS_ON.model_copy(update={"dropout": 0.25})
+    run = _run(rounds=4, cohort=CohortConfig(target=10, over_selection=1.0, min_fraction=0.9, deadline_s=600.0,
+                                             weighting="uniform"),
+               privacy={"mode": "central", "target_epsilon": 8.0, "clip_norm": 1.0})
+    rep = run_simulation(SimulationConfig.model_validate(dict(
+        clients=40, clients_per_round=10, rounds=4, progress=False, seed=3, evaluate_every=0, profiles={"box": flaky},
+        devices={"box": 1.0}, run=run)))
+    assert rep.status.startswith("stopped: round") and 0 < len(rep.rounds) < 4, rep.status
+    assert rep.final_accuracy is not None and rep.rounds[-1]["accuracy"] == rep.final_accuracy
+    ev = get_task("digits", **DIGITS).evaluate(rep.final_arrays)
+    assert rep.final_accuracy == pytest.approx(float(ev["accuracy"]))
+
+
 def test_tree_scope_is_refused_in_asynchronous_mode() -> None:
     with pytest.raises(ValueError, match="scope 'tree'"):
         _run(mode={"kind": "async"}, secure_aggregation={"enabled": True, "scope": "tree"})
