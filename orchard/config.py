@@ -48,6 +48,11 @@ class SecureAggregationConfig(_Strict):
 
     enabled: bool = False
     scope: Literal["cohort", "tree"] = "cohort"
+
+    @property
+    def over_tree(self) -> bool:
+        """On, and one session per round at the root (scope "tree")."""
+        return self.enabled and self.scope == "tree"
     threshold: float | None = None
     neighbours: int | None = None
     dropout_rate: float = Field(0.1, ge=0.0, lt=0.5)
@@ -301,7 +306,7 @@ class RunConfig(_Strict):
                        "the clear: use a fixed privacy.clip_norm under secure aggregation")
         if p.enabled and p.noise_multiplier is None and p.target_epsilon is None:
             out.append("privacy: set target_epsilon (the noise follows from it) or noise_multiplier")
-        if self.secure_aggregation.enabled and self.secure_aggregation.scope == "tree" and self.mode.is_async:
+        if self.secure_aggregation.over_tree and self.mode.is_async:
             out.append("secure_aggregation.scope 'tree' runs one session per round; asynchronous buffers keep their "
                        "sessions at the lowest tier: use scope 'cohort' in asynchronous mode")
         if (p.enabled or r.statistic != "mean" or r.norm_bound is not None) and self.mode.is_async:

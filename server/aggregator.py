@@ -134,8 +134,7 @@ class UpstreamLink:
     async def _serve(self, t: TaskAssignment) -> None:
         blob = await self.link.pull_model(t.model_hash)
         task = task_from_assignment(t, blob)
-        sa = task.config.secure_aggregation
-        tree = sa.enabled and sa.scope == "tree"  # the root's session: this tier relays
+        tree = task.config.secure_aggregation.over_tree  # the root's session: this tier relays
         cr = self.coord.open_round(task, upstream=LinkUpstream(self.link, t) if tree else None)
         log.info("round %d: target %d, selected %d", t.round, task.target, len(cr.assignments))
         beat = asyncio.create_task(self._heartbeats(t, cr))

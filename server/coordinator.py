@@ -111,11 +111,6 @@ class _Ready:
         yield  # a generator that returns at once: awaiting it never suspends
 
 
-def _tree_scope(cr: CohortRound) -> bool:
-    sa = cr.task.config.secure_aggregation
-    return sa.enabled and sa.scope == "tree"
-
-
 def run_inline(coro: Coroutine[Any, Any, T]) -> T:
     """Drive a coroutine of an inline coordinator to its end on this thread. It must not
     suspend (an inline coordinator's offloaded work is already done when awaited)."""
@@ -289,7 +284,7 @@ class Coordinator:
             self._restore(cr, restore)
         self._select(cr)
         if task.config.secure_aggregation.enabled:
-            if _tree_scope(cr):
+            if task.config.secure_aggregation.over_tree:
                 self._start_tree(cr)
             else:
                 self._start_secure(cr)

@@ -480,7 +480,7 @@ class Engine:
             t.assignment = a
             # Secure aggregation over the whole tree: the tier relays to its parent's session
             # and reports its roster once its own children have (server.coordinator).
-            tree = task.config.secure_aggregation.enabled and task.config.secure_aggregation.scope == "tree"
+            tree = task.config.secure_aggregation.over_tree
             t.cr = t.coord.open_round(task, upstream=ParentUpstream(parent.coord, t.name, a) if tree else None)
             self._open_below(t, blob)
             run_inline(t.coord.send_roster(t.cr))
