@@ -68,7 +68,14 @@ from orchard.server.buffer import BufferState, Held
 from orchard.server.cohort import Assignment, CheckedUpload, CohortRound, CompressedCohort
 from orchard.server.downlink import DownlinkCache, ModelReply, full_reply
 from orchard.server.round import RoundOutcome, RoundTask, round_seed
-from orchard.server.secagg import ROSTER_END, SecAggReply, SecureUpstream, TreeRoster, new_cohort
+from orchard.server.secagg import (
+    ROSTER_END,
+    SecAggReply,
+    SecureUpstream,
+    TreeRoster,
+    check_masked_header,
+    new_cohort,
+)
 from orchard.server.selection import allocate, device_eligible, over_select, pick
 from orchard.typing import DeviceState, NDArrays, Role
 from orchard.updates import decode_partial
@@ -1014,9 +1021,8 @@ class Coordinator:
         assert tree is not None and up is not None
         if tree.final is not None:
             return tree.final
-        if (message and stage_of(stage_index) is Stage.MASKED_INPUT and header is not None
-                and not (np.isfinite(header.weight) and header.weight > 0)):
-            raise UpdateSchemaError(f"update weight must be positive and finite, got {header.weight}")
+        if message and stage_of(stage_index) is Stage.MASKED_INPUT:
+            check_masked_header(header)
         sent = cr.bytes_down - tree.reported_down
         tree.reported_down = cr.bytes_down
         try:

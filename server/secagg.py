@@ -112,6 +112,15 @@ class TreeRoster:
             self.tiers[n] = t
 
 
+def check_masked_header(header: UploadHeader | None) -> None:
+    """What a tier checks of the header that comes with a masked input (its session's
+    tier, or a relay before it passes the input on)."""
+    if header is None:
+        raise UpdateSchemaError("a masked input must come with its header (weight, counts, metrics)")
+    if not (np.isfinite(header.weight) and header.weight > 0):
+        raise UpdateSchemaError(f"update weight must be positive and finite, got {header.weight}")
+
+
 def flat_to_sums(flat: np.ndarray, schema: tuple[TensorSpec, ...]) -> dict[str, np.ndarray]:
     out, off = {}, 0
     for s in schema:
@@ -176,10 +185,7 @@ class SecureCohort:
 
     def receive(self, node: str, stage: Stage, message: bytes, header: UploadHeader | None) -> None:
         if stage is Stage.MASKED_INPUT:
-            if header is None:
-                raise UpdateSchemaError("a masked input must come with its header (weight, counts, metrics)")
-            if not (np.isfinite(header.weight) and header.weight > 0):
-                raise UpdateSchemaError(f"update weight must be positive and finite, got {header.weight}")
+            check_masked_header(header)
         self.server.receive(stage, node, message)  # refuses with a SecAggError and changes nothing
         self.bytes_up += len(message)
         if stage is Stage.MASKED_INPUT and header is not None:
