@@ -126,57 +126,74 @@ def discrete_gaussian(sigma: float, size: int, rng: np.random.Generator) -> np.n
     a uniform and an exponential function at a 76% acceptance rate. For large sigma,
     where the coin almost never rejects, only the candidates a thinning step picks toss
     it (same law, see the code)."""
-    if not (math.isfinite(sigma) and sigma > 0):
-        raise ConfigError(f"discrete Gaussian sigma must be > 0 and finite, got {sigma}")
     if size < 0:
         raise ConfigError(f"discrete Gaussian size must be >= 0, got {size}")
-    d = (1.0 + math.sqrt(1.0 + 16.0 * sigma * sigma)) / 8.0
-    s2 = sigma * sigma + d
-    s = math.sqrt(s2)
-    a = d / (2.0 * sigma * sigma * s2)  # 1/(2 sigma^2) - 1/(2 s^2)
-    bound = 1.0 / (8.0 * d)
-    rate = (sigma / s) * math.exp(-bound)  # the acceptance rate, a hair low for sigma < 1
     out = np.empty(size, np.int64)
-    # A block at a time, in three scratch arrays: a temporary the size of a model costs
-    # page faults, not only flops (and more than the flops on a busy host).
-    x, k, gap = np.empty(_BLOCK), np.empty(_BLOCK), np.empty(_BLOCK)
-    filled = 0
-    while filled < size:
-        need = size - filled
-        m = min(_BLOCK, int(need / rate * 1.02) + 32)
-        xs, ks, gs = x[:m], k[:m], gap[:m]
-        rng.standard_normal(out=xs)
-        xs *= s
-        np.rint(xs, out=ks)
-        xs -= ks  # u, exactly (x and k are within 1/2 of each other)
-        np.multiply(ks, 2.0, out=gs)  # B - L = B + a k^2 - (2 k u + u^2) / (2 s^2) >= 0
-        gs += xs
-        gs *= xs
-        gs *= -0.5 / s2
-        np.multiply(ks, ks, out=xs)
-        xs *= a
-        gs += xs
-        gs += bound
-        top = float(gs.max())
-        if top * m <= _THIN_BELOW:
-            # Large sigma: rejections are rare (gap ~ 1 / sigma). Each candidate is still
-            # rejected independently with probability r_i = 1 - exp(-gap_i) <= r = 1 -
-            # exp(-top): a Binomial(m, r) count of candidates, uniformly chosen, are
-            # tested, and each is rejected with probability r_i / r (thinning).
-            r = -math.expm1(-top)
-            tested = int(rng.binomial(m, r))
-            keep = ks
-            if tested:
-                idx = rng.choice(m, tested, replace=False)
-                rejected = idx[rng.random(tested) * r < -np.expm1(-gs[idx])]
-                if rejected.size:
-                    keep = np.delete(ks, rejected)
-        else:
-            keep = ks[rng.standard_exponential(m) >= gs]
-        got = min(need, keep.size)
-        out[filled:filled + got] = keep[:got]
-        filled += got
+    _DiscreteGaussian(sigma).fill(out, rng)
     return out
+
+
+class _DiscreteGaussian:
+    """:func:`discrete_gaussian`'s constants for one sigma and its scratch blocks: fills
+    an array of any numeric dtype with draws, a block at a time (a temporary the size of a
+    model costs page faults and cache misses, not only flops)."""
+
+    def __init__(self, sigma: float) -> None:
+        if not (math.isfinite(sigma) and sigma > 0):
+            raise ConfigError(f"discrete Gaussian sigma must be > 0 and finite, got {sigma}")
+        d = (1.0 + math.sqrt(1.0 + 16.0 * sigma * sigma)) / 8.0
+        self.s2 = sigma * sigma + d
+        self.s = math.sqrt(self.s2)
+        self.a = d / (2.0 * sigma * sigma * self.s2)  # 1/(2 sigma^2) - 1/(2 s^2)
+        self.bound = 1.0 / (8.0 * d)
+        self.rate = (sigma / self.s) * math.exp(-self.bound)  # the acceptance rate, a hair low for sigma < 1
+        self._x, self._k, self._gap = np.empty(_BLOCK), np.empty(_BLOCK), np.empty(_BLOCK)
+
+    def fill(self, out: np.ndarray, rng: np.random.Generator) -> None:
+        s, s2, a, bound = self.s, self.s2, self.a, self.bound
+        size, filled = out.size, 0
+        while filled < size:
+            need = size - filled
+            m = min(_BLOCK, int(need / self.rate * 1.02) + 32)
+            xs, ks, gs = self._x[:m], self._k[:m], self._gap[:m]
+            rng.standard_normal(out=xs)
+            xs *= s
+            np.rint(xs, out=ks)
+            # B - L = B + a k^2 - (2 k u + u^2) / (2 s^2) <= B + a K^2 + K / (2 s^2) with
+            # K = max |k| (|u| <= 1/2): a bound on every candidate's gap from two reductions.
+            kmax = max(float(ks.max()), -float(ks.min()))
+            top = bound + a * kmax * kmax + kmax / (2.0 * s2)
+            if top * m <= _THIN_BELOW:
+                # Large sigma: rejections are rare (gap ~ 1 / sigma). Each candidate is
+                # still rejected independently with probability r_i = 1 - exp(-gap_i) <=
+                # r = 1 - exp(-top): a Binomial(m, r) count of candidates, uniformly
+                # chosen, are tested, and each is rejected with probability r_i / r
+                # (thinning). Only the tested candidates' gaps are computed.
+                r = -math.expm1(-top)
+                tested = int(rng.binomial(m, r))
+                keep = ks
+                if tested:
+                    idx = rng.choice(m, tested, replace=False)
+                    kt = ks[idx]
+                    ut = xs[idx] - kt
+                    gt = bound + a * kt * kt - (2.0 * kt + ut) * ut / (2.0 * s2)
+                    rejected = idx[rng.random(tested) * r < -np.expm1(-gt)]
+                    if rejected.size:
+                        keep = np.delete(ks, rejected)
+            else:
+                xs -= ks  # u, exactly (x and k are within 1/2 of each other)
+                np.multiply(ks, 2.0, out=gs)  # B - L, as above
+                gs += xs
+                gs *= xs
+                gs *= -0.5 / s2
+                np.multiply(ks, ks, out=xs)
+                xs *= a
+                gs += xs
+                gs += bound
+                keep = ks[rng.standard_exponential(m) >= gs]
+            got = min(need, keep.size)
+            out[filled:filled + got] = keep[:got]
+            filled += got
 
 
 @dataclass(frozen=True)
@@ -257,32 +274,43 @@ def ddg_encode(x: np.ndarray, p: DDGParams, rng: np.random.Generator, max_tries:
     NOISE_SHARE_BOUND sigmas), reduce modulo 2^modulus_bits. Unsigned words."""
     x = np.asarray(x).reshape(-1)
     n = math.sqrt(squared_norm(x))
-    y = np.multiply(x, (min(1.0, p.clip / n) if n > 0 else 1.0) / p.gamma, dtype=np.float64)
-    floor = np.floor(y)
-    frac = np.subtract(y, floor, out=y)
-    z = np.empty(y.size, np.int64)  # the rounded vector, then the word
-    u, r = np.empty(min(_BLOCK, y.size)), np.empty(min(_BLOCK, y.size))
+    factor = (min(1.0, p.clip / n) if n > 0 else 1.0) / p.gamma
+    size = x.size
+    out = np.empty(size, np.uint32 if p.modulus_bits <= 32 else np.uint64)
+    mask = (1 << p.modulus_bits) - 1
+    limit = float(int(NOISE_SHARE_BOUND * p.share_sigma))
+    noise = _DiscreteGaussian(p.share_sigma)
+    b = min(_BLOCK, size)
+    y, r, e, w = np.empty(b), np.empty(b), np.empty(b), np.empty(b, np.int64)
     bound2 = p.delta2 ** 2
+    # One pass, a block at a time, with every intermediate in cache: scale, round, add
+    # the noise share, reduce. The rounding is conditioned on the whole vector's norm, so
+    # a pass whose rounded norm exceeds delta2 starts over (noise and all: the noise is
+    # independent of the rounding, so drawing it afresh leaves the law unchanged).
     for _ in range(max_tries):
         total = 0.0
-        for i in range(0, y.size, _BLOCK):  # a block at a time: no model-sized temporaries
-            j = min(i + _BLOCK, y.size)
-            us, rs = u[: j - i], r[: j - i]
-            rng.random(out=us)
-            np.less(us, frac[i:j], out=us, casting="unsafe")  # 1.0 where rounded up
-            np.add(floor[i:j], us, out=rs)
+        for i in range(0, size, _BLOCK):
+            j = min(i + _BLOCK, size)
+            ys, rs, es, ws = y[: j - i], r[: j - i], e[: j - i], w[: j - i]
+            np.multiply(x[i:j], factor, out=ys, dtype=np.float64)
+            np.floor(ys, out=rs)
+            ys -= rs  # the fractional part
+            rng.random(out=es)
+            np.less(es, ys, out=es, casting="unsafe")  # 1.0 where rounded up
+            rs += es
             total += squared_norm(rs)
-            z[i:j] = rs
-        if total <= bound2:
-            break
-    else:  # P(failure) <= beta^max_tries: never in practice
-        raise ConfigError("conditional rounding failed to meet its norm bound; this is a bug in the parameters")
-    limit = int(NOISE_SHARE_BOUND * p.share_sigma)
-    noise = discrete_gaussian(p.share_sigma, z.size, rng)
-    np.clip(noise, -limit, limit, out=noise)
-    z += noise
-    np.bitwise_and(z, (1 << p.modulus_bits) - 1, out=z)
-    return z.astype(np.uint32 if p.modulus_bits <= 32 else np.uint64)
+            if total > bound2:
+                break
+            noise.fill(es, rng)
+            np.clip(es, -limit, limit, out=es)
+            rs += es  # integers below 2^53: exact in float64
+            np.copyto(ws, rs, casting="unsafe")
+            np.bitwise_and(ws, mask, out=ws)
+            out[i:j] = ws
+        else:
+            return out
+    # P(failure) <= beta^max_tries: never in practice
+    raise ConfigError("conditional rounding failed to meet its norm bound; this is a bug in the parameters")
 
 
 def ddg_decode(total: np.ndarray, p: DDGParams) -> np.ndarray:

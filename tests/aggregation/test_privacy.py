@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 
 from orchard.aggregation import Accumulator, MetricSums, Partial
 from orchard.aggregation.layer import STATISTICS, Clip, WeightedSum, clip, noise, robust
+from orchard.aggregation.privacy import _BLOCK as privacy_block
 from orchard.aggregation.privacy import (
     NOISE_SHARE_BOUND,
+    DDGParams,
     PrivacyLedger,
     clip_l2,
     ddg_decode,
@@ -261,6 +263,30 @@ def test_the_sum_never_wraps_and_decodes_exactly(seed: int, n: int, dim: int, bi
     np.testing.assert_array_equal(ddg_decode(field, p), exact.astype(np.float64) * p.gamma)
     # Each client's share is bounded, so the bound the parameters were chosen by holds.
     assert (np.abs(np.array(signed)[:, 1:]) <= p.delta2 + NOISE_SHARE_BOUND * p.share_sigma + 1).all()
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), blocks=st.floats(0.3, 3.5), slack=st.floats(0.0, 2.0))
+def test_conditional_rounding_holds_across_blocks(seed: int, blocks: float, slack: float) -> None:
+    """With no noise, an encoding is x clipped and scaled, each coordinate rounded down or
+    up, and its norm within delta2: also when the vector spans several of the encoder's
+    blocks and delta2 is so tight that most passes are thrown away and retried."""
+    dim = max(1, int(blocks * privacy_block))
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal(dim)
+    scale = 64.0
+    y = x * (1.0 / np.linalg.norm(x)) * scale  # clipped to norm 1, then 1 / gamma = 64
+    # E|rounded|^2 = |y|^2 + sum frac (1 - frac); delta2 a few stddevs of it either side.
+    frac = y - np.floor(y)
+    mean2 = float(y @ y + (frac * (1 - frac)).sum())
+    sd2 = float(2 * np.sqrt((y * y * frac * (1 - frac)).sum()))
+    delta2 = math.sqrt(mean2 + (slack - 0.5) * sd2)
+    p = DDGParams(clip=1.0, gamma=1.0 / scale, delta2=delta2, sigma=1e-9, share_sigma=1e-9, participants=1,
+                  min_contributors=1, modulus_bits=32, beta=0.5, tau=0.0)
+    w = ddg_encode(x * 3.0, p, rng)  # clipped back to norm 1
+    got = ddg_decode(w, p) * scale
+    assert np.all((got == np.floor(y)) | (got == np.ceil(y)))
+    assert float(got @ got) <= delta2 ** 2
 
 
 def test_the_decoded_cohort_sum_is_the_clipped_sum_plus_the_target_noise() -> None:
