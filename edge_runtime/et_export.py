@@ -36,8 +36,12 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.metadata
+import inspect
+import json
 import math
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -55,6 +59,8 @@ from .et_program import (
     PROGRAM_FILE,
     TensorDecl,
     TrainingManifest,
+    TrainingProgramError,
+    read_manifest,
 )
 
 LOSS_DESCRIPTION = (
@@ -62,6 +68,10 @@ LOSS_DESCRIPTION = (
     "correct = argmax hits over rows with row_weight > 0"
 )
 _PREFIX = "model."  # the wrapped model's attribute in _LossProgram
+# A directory of exported programs, by everything an export depends on (opt-in: an export
+# takes tens of seconds whatever the model's size, and a simulator or bundler run twice
+# on one task exports the same program twice).
+PROGRAM_CACHE_ENV = "ORCHARD_PROGRAM_CACHE"
 
 
 class ProgramExportError(OrchardError):
@@ -162,7 +172,7 @@ def frozen_digest(model: nn.Module, trainable: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-def export_training_program(
+def _export(
     model: nn.Module,
     trainable: Sequence[str],
     out_dir: str | os.PathLike[str],
@@ -174,9 +184,6 @@ def export_training_program(
     vocab_size: int,
     micro_batch: int = 8,
 ) -> TrainingManifest:
-    """Write ``train.pte`` and ``train_program.json`` for ``model`` (a peft LoRA model
-    whose parameters require grad exactly when named in ``trainable``) into ``out_dir``
-    and return the manifest. Files are written atomically, the manifest last."""
     try:
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
         from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
@@ -186,15 +193,8 @@ def export_training_program(
         raise ProgramExportError(
             f"exporting a training program needs executorch ({err}): pip install 'orchard-fl[executorch]'"
         ) from None
-    if micro_batch < 1:
-        raise ProgramExportError(f"micro_batch must be >= 1, got {micro_batch}")
+    _check_inputs(model, trainable, micro_batch)
     wanted = set(trainable)
-    grads = {n for n, p in model.named_parameters() if p.requires_grad}
-    if grads != wanted:
-        raise ProgramExportError(
-            f"the model's parameters that require grad ({sorted(grads)[:3]}...) are not the trained "
-            f"tensors ({sorted(wanted)[:3]}...): build it with orchard.edge_runtime.lora.apply_lora"
-        )
     was_training = model.training
     model.eval()  # no dropout in the traced graph; LoRA dropout is refused by the spec anyway
     wrapped = _LossProgram(model)
@@ -260,3 +260,109 @@ def export_training_program(
     _write_atomic(root / MANIFEST_FILE, (manifest.model_dump_json(indent=2) + "\n").encode())
     return manifest
 
+
+
+def export_training_program(
+    model: nn.Module,
+    trainable: Sequence[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    task: str,
+    lora_variant: str,
+    lora_rank: int,
+    seq_len: int,
+    vocab_size: int,
+    micro_batch: int = 8,
+) -> TrainingManifest:
+    """Write ``train.pte`` and ``train_program.json`` for ``model`` (a peft LoRA model
+    whose parameters require grad exactly when named in ``trainable``) into ``out_dir``
+    and return the manifest. Files are written atomically, the manifest last.
+
+    With ``$ORCHARD_PROGRAM_CACHE`` set to a directory, a program exported before from
+    the same inputs is copied from there instead (and a new one is kept there). The key
+    covers every tensor of the model (names, shapes, bytes), its modules' classes and
+    their source files, the arguments, this exporter's source and the torch and
+    executorch versions; an entry whose program does not match its manifest's digest is
+    exported afresh."""
+    _check_inputs(model, trainable, micro_batch)
+    args = dict(task=task, lora_variant=lora_variant, lora_rank=lora_rank, seq_len=seq_len,
+                vocab_size=vocab_size, micro_batch=micro_batch)
+    cache = os.environ.get(PROGRAM_CACHE_ENV, "").strip()
+    if not cache:
+        return _export(model, trainable, out_dir, **args)  # type: ignore[arg-type]
+    entry = Path(cache) / _cache_key(model, trainable, args)
+    root = Path(out_dir)
+    hit = _from_cache(entry, root)
+    if hit is not None:
+        return hit
+    manifest = _export(model, trainable, root, **args)  # type: ignore[arg-type]
+    _to_cache(entry, root)
+    return manifest
+
+
+def _check_inputs(model: nn.Module, trainable: Sequence[str], micro_batch: int) -> None:
+    if micro_batch < 1:
+        raise ProgramExportError(f"micro_batch must be >= 1, got {micro_batch}")
+    wanted = set(trainable)
+    grads = {n for n, p in model.named_parameters() if p.requires_grad}
+    if grads != wanted:
+        raise ProgramExportError(
+            f"the model's parameters that require grad ({sorted(grads)[:3]}...) are not the trained "
+            f"tensors ({sorted(wanted)[:3]}...): build it with orchard.edge_runtime.lora.apply_lora"
+        )
+
+
+def _cache_key(model: nn.Module, trainable: Sequence[str], args: dict[str, object]) -> str:
+    h = hashlib.sha256()
+    h.update(Path(__file__).read_bytes())
+    for dist in ("torch", "executorch"):
+        try:
+            h.update(f"{dist}={importlib.metadata.version(dist)};".encode())
+        except importlib.metadata.PackageNotFoundError:
+            h.update(f"{dist}=none;".encode())
+    h.update(json.dumps({"args": args, "trainable": sorted(trainable)}, sort_keys=True).encode())
+    h.update(repr(model).encode())
+    sources = set()
+    for m in model.modules():
+        with contextlib.suppress(TypeError, OSError):
+            sources.add(inspect.getsourcefile(type(m)) or "")
+    for src in sorted(sources):
+        if src and os.path.isfile(src):
+            h.update(src.encode())
+            h.update(Path(src).read_bytes())
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().contiguous().cpu()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:32]
+
+
+def _from_cache(entry: Path, root: Path) -> TrainingManifest | None:
+    program, manifest = entry / PROGRAM_FILE, entry / MANIFEST_FILE
+    if not (program.is_file() and manifest.is_file()):
+        return None
+    try:
+        m = read_manifest(entry)
+    except TrainingProgramError:
+        return None
+    if file_sha256(program) != m.program.sha256:
+        return None  # a damaged entry: export afresh (and replace it)
+    root.mkdir(parents=True, exist_ok=True)
+    _write_atomic(root / PROGRAM_FILE, program.read_bytes())
+    _write_atomic(root / MANIFEST_FILE, manifest.read_bytes())
+    return m
+
+
+def _to_cache(entry: Path, root: Path) -> None:
+    """Keep the export under ``entry``; a cache that cannot be written is no error."""
+    with contextlib.suppress(OSError):
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=".export-"))
+        try:
+            for f in (PROGRAM_FILE, MANIFEST_FILE):
+                shutil.copyfile(root / f, tmp / f)
+            if entry.exists():
+                shutil.rmtree(entry, ignore_errors=True)
+            os.replace(tmp, entry)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -199,6 +199,52 @@ def test_bundle_holds_program_and_manifest(ffa: Bundled) -> None:
     assert prog.planned_bytes > 0 and prog.micro_batch == 4
 
 
+def test_the_program_cache_serves_the_same_inputs_only(ffa: Bundled, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """An export is copied from $ORCHARD_PROGRAM_CACHE only for the same model, tensors and
+    arguments; anything else, or a damaged entry, is exported (here: the ffa bundle's real
+    program stands in for ExecuTorch, counted)."""
+    from orchard.edge_runtime import et_export
+
+    calls: list[Path] = []
+
+    def fake_export(model, trainable, out_dir, **args):  # type: ignore[no-untyped-def]
+        calls.append(Path(out_dir))
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        for f in (PROGRAM_FILE, MANIFEST_FILE):
+            shutil.copyfile(ffa.path / f, Path(out_dir) / f)
+        return et_export.read_manifest(out_dir)
+
+    monkeypatch.setattr(et_export, "_export", fake_export)
+    monkeypatch.setenv(et_export.PROGRAM_CACHE_ENV, str(tmp_path / "cache"))
+    model = ffa.task.build_model()
+    args = dict(task="shakespeare", lora_variant="ffa", lora_rank=4, seq_len=16, vocab_size=65, micro_batch=4)
+
+    def export(out: str, m: torch.nn.Module = model, **kw: object) -> bytes:
+        et_export.export_training_program(m, ffa.task.trainable, tmp_path / out, **{**args, **kw})  # type: ignore[arg-type]
+        return (tmp_path / out / PROGRAM_FILE).read_bytes()
+
+    first = export("a")
+    assert len(calls) == 1
+    assert export("b") == first and len(calls) == 1  # served from the cache
+    assert json.loads((tmp_path / "b" / MANIFEST_FILE).read_text()) == json.loads((ffa.path / MANIFEST_FILE).read_text())
+    export("c", micro_batch=8)  # another argument
+    assert len(calls) == 2
+    other = ffa.task.build_model()
+    with torch.no_grad():
+        next(p for n, p in other.named_parameters() if n not in ffa.task.trainable).add_(1e-3)  # another base
+    export("d", other)
+    assert len(calls) == 3
+    entry = tmp_path / "cache" / et_export._cache_key(model, ffa.task.trainable, args)
+    assert (entry / PROGRAM_FILE).read_bytes() == first
+    (entry / PROGRAM_FILE).write_bytes(b"damaged")
+    assert export("e") == first and len(calls) == 4  # a damaged entry is exported afresh
+    assert export("f") == first and len(calls) == 4
+    monkeypatch.delenv(et_export.PROGRAM_CACHE_ENV)
+    export("g")
+    assert len(calls) == 5  # no cache: always exported
+
+
 # ------------------------------------------------------------------ bad bundles
 
 
