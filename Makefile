@@ -9,6 +9,9 @@ DEMO_AGGREGATORS ?= 2
 DEMO_CLIENTS ?= 6
 DEMO_TASK ?= digits
 DEMO_OUT ?= demo-out
+# The suite runs in this many pytest-xdist workers, a test file to a worker (2: the CI
+# machine's cores; torch takes one thread in each).
+TEST_WORKERS ?= 2
 
 .PHONY: install test test-all demo lint typecheck proto clean
 
@@ -23,10 +26,10 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 test-all: $(STAMP)
-	$(BIN)/python -m pytest -q -m ''
+	$(BIN)/python -m pytest -q -m '' -n $(TEST_WORKERS) --dist loadfile
 
 demo: $(STAMP)
 	$(BIN)/orchard demo --rounds $(DEMO_ROUNDS) --aggregators $(DEMO_AGGREGATORS) \

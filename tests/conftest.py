@@ -18,7 +18,13 @@ def _program_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     from orchard.edge_runtime.et_export import PROGRAM_CACHE_ENV
 
     before = os.environ.get(PROGRAM_CACHE_ENV)
-    os.environ[PROGRAM_CACHE_ENV] = str(tmp_path_factory.mktemp("programs"))
+    base = tmp_path_factory.getbasetemp()
+    # Under pytest-xdist (`make test` runs two workers) each worker has its own base
+    # directory inside the run's: the workers share the run's cache (entries are
+    # written to a temporary name and renamed into place).
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    (shared / "programs").mkdir(parents=True, exist_ok=True)
+    os.environ[PROGRAM_CACHE_ENV] = str(shared / "programs")
     yield
     if before is None:
         os.environ.pop(PROGRAM_CACHE_ENV, None)
