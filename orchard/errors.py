@@ -65,6 +65,11 @@ class UnknownNodeError(OrchardError):
     """A request names a node that never joined (or whose registration expired)."""
 
 
+# The words that end an UnknownNodeError's message when the node should rejoin (it never
+# joined, or its registration expired): a client's link rejoins on exactly these.
+JOIN_FIRST = "call Join first"
+
+
 class AuthError(OrchardError):
     """Missing or invalid enrollment/admin token."""
 

@@ -22,7 +22,7 @@ from typing import TypeVar
 import grpc
 
 from orchard import wire
-from orchard.errors import AuthError, IntegrityError, OrchardError
+from orchard.errors import JOIN_FIRST, AuthError, IntegrityError, OrchardError, UnknownNodeError
 from orchard.messages import Idle, TaskAssignment, UploadHeader
 from orchard.typing import DeviceState, Role
 from orchard.v1 import orchard_pb2 as pb
@@ -35,6 +35,9 @@ DeltaApplier = Callable[[bytes, bytes, str, str], bytes]
 
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.RESOURCE_EXHAUSTED,
              grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+# Rejoins in a row within one call before the link gives up: a server that forgets a node
+# right after each join would otherwise be asked to Join in a tight loop.
+MAX_REJOINS = 3
 
 
 class UploadRefused(OrchardError):
@@ -100,7 +103,7 @@ class FleetLink:
                      attempts: int | None = None) -> T:
         """Call ``fn`` until it succeeds; rejoin when the server forgot us; back off otherwise."""
         delay = 0.2
-        n = 0
+        n = rejoins = 0
         while True:
             n += 1
             try:
@@ -109,7 +112,14 @@ class FleetLink:
                 code = err.code()
                 if code == grpc.StatusCode.UNAUTHENTICATED:
                     raise AuthError(f"{what}: {err.details()}") from None
-                if code == grpc.StatusCode.NOT_FOUND and "Join" in (err.details() or ""):
+                if code == grpc.StatusCode.NOT_FOUND and (err.details() or "").endswith(JOIN_FIRST):
+                    rejoins += 1
+                    if rejoins > MAX_REJOINS:
+                        raise UnknownNodeError(
+                            f"{what}: the server forgot node {self.node_id!r} again right after each of "
+                            f"{MAX_REJOINS} rejoins ({err.details()}); its registrations expire at once "
+                            "(check the server's node_timeout_s) or another node shares this id"
+                        ) from None
                     self.joined = False
                     await self.join(device)
                     continue

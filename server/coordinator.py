@@ -52,6 +52,7 @@ from orchard.aggregation.staleness import staleness_weight
 from orchard.compression import sums_compressed
 from orchard.config import RunConfig, ServerConfig
 from orchard.errors import (
+    JOIN_FIRST,
     OrchardError,
     RoundClosedError,
     SecAggAbort,
@@ -212,7 +213,7 @@ class Coordinator:
     def child(self, node_id: str, token_hash: str | None = None) -> Child:
         c = self.children.get(node_id)
         if c is None:
-            raise UnknownNodeError(f"node {node_id!r} has not joined this server (or expired); call Join first")
+            raise UnknownNodeError(f"node {node_id!r} has not joined this server (or expired); {JOIN_FIRST}")
         if token_hash is not None and c.token_hash != token_hash:
             raise UnknownNodeError(f"node {node_id!r} is registered with another token")
         return c
