@@ -471,6 +471,8 @@ class Coordinator:
         if tree is None:
             raise SecAggError(f"round {rnd} runs no secure aggregation over the whole tree")
         if via not in tree.waiting:
+            if via in tree.reporters and tree.reported(via) == dict(zip(nodes, tiers, strict=False)):
+                return  # the same roster again: a retry whose first reply was lost
             raise SecAggError(f"{via!r} already reported its roster for round {rnd}, or the session opened "
                               "without it (its roster came after the roster deadline)")
         # Lowest tiers select ceil(share x over_selection) clients each, their shares summing

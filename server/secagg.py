@@ -93,11 +93,16 @@ class TreeRoster:
     route: dict[str, str] = field(default_factory=dict)
     tiers: dict[str, str] = field(default_factory=dict)
     waiting: set[str] = field(default_factory=set)
+    reporters: set[str] = field(default_factory=set)  # the aggregator children whose rosters are in
     sent: bool = False  # reported upstream (a tier below the root)
     inputs: set[str] = field(default_factory=set)  # clients whose masked input went up through here
     final: SecAggReply | None = None  # the session's end, as relayed (a tier below the root)
     reported_down: int = 0  # of this tier's bytes_down, how much went up with exchanges
     roster_deadline: float = math.inf  # wall time: the root opens the session then, rosters or not
+
+    def reported(self, via: str) -> dict[str, str]:
+        """The roster ``via`` reported: each client and its lowest tier."""
+        return {n: self.tiers[n] for n, v in self.route.items() if v == via}
 
     def add(self, via: str, nodes: list[str], tiers: list[str]) -> None:
         if len(nodes) != len(tiers):
@@ -110,6 +115,7 @@ class TreeRoster:
         for n, t in zip(nodes, tiers, strict=True):
             self.route[n] = via
             self.tiers[n] = t
+        self.reporters.add(via)
 
 
 def check_masked_header(header: UploadHeader | None) -> None:
