@@ -172,7 +172,7 @@ def frozen_digest(model: nn.Module, trainable: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-def _export(
+def export_training_program(
     model: nn.Module,
     trainable: Sequence[str],
     out_dir: str | os.PathLike[str],
@@ -184,6 +184,27 @@ def _export(
     vocab_size: int,
     micro_batch: int = 8,
 ) -> TrainingManifest:
+    """Write ``train.pte`` and ``train_program.json`` for ``model`` (a peft LoRA model
+    whose parameters require grad exactly when named in ``trainable``) into ``out_dir``
+    and return the manifest. Files are written atomically, the manifest last.
+
+    With ``$ORCHARD_PROGRAM_CACHE`` set to a directory, a program exported before from
+    the same inputs is copied from there instead (and a new one is kept there). The key
+    covers every tensor of the model (names, shapes, bytes), its modules' classes and
+    their source files, the arguments, this exporter's source and the torch and
+    executorch versions; an entry whose program does not match its manifest's digest is
+    exported afresh."""
+    _check_inputs(model, trainable, micro_batch)
+    root = Path(out_dir)
+    cache = os.environ.get(PROGRAM_CACHE_ENV, "").strip()
+    entry = None
+    if cache:
+        entry = Path(cache) / _cache_key(model, trainable, dict(
+            task=task, lora_variant=lora_variant, lora_rank=lora_rank, seq_len=seq_len, vocab_size=vocab_size,
+            micro_batch=micro_batch))
+        hit = _from_cache(entry, root)
+        if hit is not None:
+            return hit
     try:
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
         from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
@@ -193,7 +214,6 @@ def _export(
         raise ProgramExportError(
             f"exporting a training program needs executorch ({err}): pip install 'orchard-fl[executorch]'"
         ) from None
-    _check_inputs(model, trainable, micro_batch)
     wanted = set(trainable)
     was_training = model.training
     model.eval()  # no dropout in the traced graph; LoRA dropout is refused by the spec anyway
@@ -229,7 +249,6 @@ def _export(
     params = dict(model.named_parameters())
     n_user = sum(1 for s in joint.graph_signature.output_specs if s.kind.name in ("LOSS_OUTPUT", "USER_OUTPUT"))
 
-    root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     _write_atomic(root / PROGRAM_FILE, et.buffer)
     manifest = TrainingManifest(
@@ -258,46 +277,10 @@ def _export(
         base_sha256=frozen_digest(model, trainable),
     )
     _write_atomic(root / MANIFEST_FILE, (manifest.model_dump_json(indent=2) + "\n").encode())
+    if entry is not None:
+        _to_cache(entry, root)
     return manifest
 
-
-
-def export_training_program(
-    model: nn.Module,
-    trainable: Sequence[str],
-    out_dir: str | os.PathLike[str],
-    *,
-    task: str,
-    lora_variant: str,
-    lora_rank: int,
-    seq_len: int,
-    vocab_size: int,
-    micro_batch: int = 8,
-) -> TrainingManifest:
-    """Write ``train.pte`` and ``train_program.json`` for ``model`` (a peft LoRA model
-    whose parameters require grad exactly when named in ``trainable``) into ``out_dir``
-    and return the manifest. Files are written atomically, the manifest last.
-
-    With ``$ORCHARD_PROGRAM_CACHE`` set to a directory, a program exported before from
-    the same inputs is copied from there instead (and a new one is kept there). The key
-    covers every tensor of the model (names, shapes, bytes), its modules' classes and
-    their source files, the arguments, this exporter's source and the torch and
-    executorch versions; an entry whose program does not match its manifest's digest is
-    exported afresh."""
-    _check_inputs(model, trainable, micro_batch)
-    args = dict(task=task, lora_variant=lora_variant, lora_rank=lora_rank, seq_len=seq_len,
-                vocab_size=vocab_size, micro_batch=micro_batch)
-    cache = os.environ.get(PROGRAM_CACHE_ENV, "").strip()
-    if not cache:
-        return _export(model, trainable, out_dir, **args)  # type: ignore[arg-type]
-    entry = Path(cache) / _cache_key(model, trainable, args)
-    root = Path(out_dir)
-    hit = _from_cache(entry, root)
-    if hit is not None:
-        return hit
-    manifest = _export(model, trainable, root, **args)  # type: ignore[arg-type]
-    _to_cache(entry, root)
-    return manifest
 
 
 def _check_inputs(model: nn.Module, trainable: Sequence[str], micro_batch: int) -> None:

@@ -201,48 +201,51 @@ def test_bundle_holds_program_and_manifest(ffa: Bundled) -> None:
 
 def test_the_program_cache_serves_the_same_inputs_only(ffa: Bundled, tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """An export is copied from $ORCHARD_PROGRAM_CACHE only for the same model, tensors and
-    arguments; anything else, or a damaged entry, is exported (here: the ffa bundle's real
-    program stands in for ExecuTorch, counted)."""
+    """The ffa bundle's export went into the session's $ORCHARD_PROGRAM_CACHE
+    (tests/conftest.py) under its key; from a copy of that cache, only the same model,
+    tensors and arguments are served, and anything else, or a damaged entry, is exported
+    (here: torch.export refuses, so an export shows as ProgramExportError)."""
+    import os
+
     from orchard.edge_runtime import et_export
+    from orchard.edge_runtime.task_bundle import _lora_model
 
-    calls: list[Path] = []
+    m = json.loads((ffa.path / MANIFEST_FILE).read_text())
+    args = {k: m[k] for k in ("task", "lora_variant", "lora_rank", "seq_len", "vocab_size", "micro_batch")}
+    model = _lora_model(ffa.task)
+    entry = Path(os.environ[et_export.PROGRAM_CACHE_ENV]) / et_export._cache_key(model, ffa.task.trainable, args)
+    first = (ffa.path / PROGRAM_FILE).read_bytes()
+    assert (entry / PROGRAM_FILE).read_bytes() == first  # kept by the fixture's real export
+    cache = tmp_path / "cache"
+    shutil.copytree(entry, cache / entry.name)
+    monkeypatch.setenv(et_export.PROGRAM_CACHE_ENV, str(cache))
 
-    def fake_export(model, trainable, out_dir, **args):  # type: ignore[no-untyped-def]
-        calls.append(Path(out_dir))
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        for f in (PROGRAM_FILE, MANIFEST_FILE):
-            shutil.copyfile(ffa.path / f, Path(out_dir) / f)
-        return et_export.read_manifest(out_dir)
+    def no_export(*a: object, **k: object) -> None:
+        raise RuntimeError("exported")
 
-    monkeypatch.setattr(et_export, "_export", fake_export)
-    monkeypatch.setenv(et_export.PROGRAM_CACHE_ENV, str(tmp_path / "cache"))
-    model = ffa.task.build_model()
-    args = dict(task="shakespeare", lora_variant="ffa", lora_rank=4, seq_len=16, vocab_size=65, micro_batch=4)
+    monkeypatch.setattr(torch.export, "export", no_export)
 
-    def export(out: str, m: torch.nn.Module = model, **kw: object) -> bytes:
-        et_export.export_training_program(m, ffa.task.trainable, tmp_path / out, **{**args, **kw})  # type: ignore[arg-type]
+    def export(out: str, mdl: torch.nn.Module = model, **kw: object) -> bytes:
+        et_export.export_training_program(mdl, ffa.task.trainable, tmp_path / out, **{**args, **kw})  # type: ignore[arg-type]
         return (tmp_path / out / PROGRAM_FILE).read_bytes()
 
-    first = export("a")
-    assert len(calls) == 1
-    assert export("b") == first and len(calls) == 1  # served from the cache
-    assert json.loads((tmp_path / "b" / MANIFEST_FILE).read_text()) == json.loads((ffa.path / MANIFEST_FILE).read_text())
-    export("c", micro_batch=8)  # another argument
-    assert len(calls) == 2
-    other = ffa.task.build_model()
+    assert export("a") == first  # served from the cache
+    assert json.loads((tmp_path / "a" / MANIFEST_FILE).read_text()) == m
+    with pytest.raises(et_export.ProgramExportError, match="exported"):
+        export("b", micro_batch=args["micro_batch"] + 1)  # another argument
+    other = _lora_model(ffa.task)
     with torch.no_grad():
         next(p for n, p in other.named_parameters() if n not in ffa.task.trainable).add_(1e-3)  # another base
-    export("d", other)
-    assert len(calls) == 3
-    entry = tmp_path / "cache" / et_export._cache_key(model, ffa.task.trainable, args)
-    assert (entry / PROGRAM_FILE).read_bytes() == first
-    (entry / PROGRAM_FILE).write_bytes(b"damaged")
-    assert export("e") == first and len(calls) == 4  # a damaged entry is exported afresh
-    assert export("f") == first and len(calls) == 4
+    with pytest.raises(et_export.ProgramExportError, match="exported"):
+        export("c", other)
+    (cache / entry.name / PROGRAM_FILE).write_bytes(b"damaged")
+    with pytest.raises(et_export.ProgramExportError, match="exported"):
+        export("d")  # a damaged entry is exported afresh
+    shutil.copyfile(ffa.path / PROGRAM_FILE, cache / entry.name / PROGRAM_FILE)
+    assert export("e") == first
     monkeypatch.delenv(et_export.PROGRAM_CACHE_ENV)
-    export("g")
-    assert len(calls) == 5  # no cache: always exported
+    with pytest.raises(et_export.ProgramExportError, match="exported"):
+        export("f")  # no cache: always exported
 
 
 # ------------------------------------------------------------------ bad bundles
