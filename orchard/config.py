@@ -48,11 +48,6 @@ class SecureAggregationConfig(_Strict):
 
     enabled: bool = False
     scope: Literal["cohort", "tree"] = "cohort"
-
-    @property
-    def over_tree(self) -> bool:
-        """On, and one session per round at the root (scope "tree")."""
-        return self.enabled and self.scope == "tree"
     threshold: float | None = None
     neighbours: int | None = None
     dropout_rate: float = Field(0.1, ge=0.0, lt=0.5)
@@ -62,6 +57,11 @@ class SecureAggregationConfig(_Strict):
     # Clients mask (w / weight_scale) * update so that weighted values stay inside the
     # clip; weights above weight_scale are capped. Weights travel in the clear.
     weight_scale: float = Field(1000.0, gt=0.0)
+
+    @property
+    def over_tree(self) -> bool:
+        """On, and one session per round at the root (scope "tree")."""
+        return self.enabled and self.scope == "tree"
 
 
 class ServerOptimizerConfig(_Strict):

@@ -84,6 +84,7 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
     ledger = PrivacyLedger.plan(run, population=cfg.clients)
     noise_rng = np.random.default_rng([cfg.seed, 0xADA])  # adaptive clipping's count noise (seeded here)
     trained_total, busy_total = 0, 0.0
+    ended_early = False  # by the privacy budget or the caller's stop, after a completed round
     try:
         for rnd in range(1, cfg.rounds + 1):
             rec: dict[str, Any] = {}
@@ -121,6 +122,7 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
                     break
                 report.failed_attempts += 1
             if not rec:  # the privacy budget ended the run
+                ended_early = True
                 break
             if not rec["ok"]:
                 report.rounds.append(_public(rec))
@@ -145,6 +147,7 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
                 progress(row)
             if stop is not None and stop(row):
                 report.status = f"stopped early after round {rnd}"
+                ended_early = True
                 break
     finally:
         backend.close()
@@ -153,9 +156,9 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
     report.total_seconds = round(busy_total, 3)
     report.simulated_seconds = round(sum(r.get("simulated_seconds", 0.0) for r in report.rounds), 3)
     last = report.rounds[-1] if report.rounds else None
-    if last is not None and last.get("accuracy") is None and report.status.startswith("stopped"):
-        # The privacy budget ended the run before its last planned round: the model it
-        # ends with is the last completed round's, tested here as a last round would be.
+    if ended_early and last is not None and last.get("accuracy") is None:
+        # The run ended before its last planned round: the model it ends with is the last
+        # completed round's, tested here as a last round would be.
         ev = task.evaluate(arrays)
         last["accuracy"], last["loss"] = float(ev["accuracy"]), float(ev["loss"])
     done = [r for r in report.rounds if r.get("accuracy") is not None]
