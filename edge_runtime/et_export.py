@@ -282,7 +282,6 @@ def export_training_program(
     return manifest
 
 
-
 def _check_inputs(model: nn.Module, trainable: Sequence[str], micro_batch: int) -> None:
     if micro_batch < 1:
         raise ProgramExportError(f"micro_batch must be >= 1, got {micro_batch}")
@@ -308,15 +307,15 @@ def _cache_key(model: nn.Module, trainable: Sequence[str], args: dict[str, objec
     sources = set()
     for m in model.modules():
         with contextlib.suppress(TypeError, OSError):
-            sources.add(inspect.getsourcefile(type(m)) or "")
-    for src in sorted(sources):
-        if src and os.path.isfile(src):
+            sources.add(inspect.getsourcefile(type(m)))
+    for src in sorted(filter(None, sources)):
+        if os.path.isfile(src):
             h.update(src.encode())
             h.update(Path(src).read_bytes())
-    for name, t in sorted(model.state_dict().items()):
-        t = t.detach().contiguous().cpu()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    # Every tensor's values (frozen_digest over nothing trained: all of them), dtype and shape.
+    h.update(frozen_digest(model, ()).encode())
+    h.update(json.dumps({n: [str(t.dtype), list(t.shape)] for n, t in model.state_dict().items()},
+                        sort_keys=True).encode())
     return h.hexdigest()[:32]
 
 
