@@ -299,5 +299,8 @@ def noise(stddev: float, inner: Aggregator, rng: np.random.Generator) -> Noise:
     return Noise(stddev, inner, rng)
 
 
+dp = noise  # central DP's transform, ``dp(stddev, inner, rng)``: Gaussian noise on the finalized sum
+
+
 def robust(statistic: str, inner: Aggregator, trim_fraction: float = 0.1) -> Robust:
     return Robust(statistic, inner, trim_fraction)
