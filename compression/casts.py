@@ -153,6 +153,17 @@ class CastCodec(BaseCodec):
                     self._heads[dims] = hit
         return hit
 
+    def framing(self, shape: tuple[int, ...]) -> tuple[bytes, np.dtype, int] | None:
+        """For a linear cast (float32): what every payload of ``shape`` framed as
+        :meth:`encode` frames it is -- its header, then that many elements of that
+        little-endian dtype, which are the payload's coordinates (see
+        :func:`~orchard.compression.wire.framed_values`). None for a cast that is not
+        linear (its values are no coordinates). CodecError if ``shape`` is not a shape."""
+        if not self.algebra.linear:
+            return None
+        _, head, count = self._frame(shape)
+        return head, self._wire, count
+
     def parse(self, payload: bytes, shape: tuple[int, ...]) -> EncodedTensor:
         """:meth:`BaseCodec.parse`, and the same result, taking a payload framed exactly as
         this codec frames ``shape`` without parsing its header field by field."""

@@ -18,6 +18,7 @@ outcome is read. Nothing here does I/O or touches the event loop's clock.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,7 +64,7 @@ class CheckedUpload:
     """A direct client's upload, parsed and checked, ready to join the compressed sum;
     with its L2 norm when the round clips updates."""
 
-    parts: dict[str, CheckedPayload]
+    parts: Mapping[str, CheckedPayload]
     norm: float | None = None
 
 

@@ -439,3 +439,79 @@ def test_the_setting_validates_and_travels_in_the_run_config() -> None:
     assert any("compressed_aggregation" in p for p in problems)
     cfg = RunConfig(compressed_aggregation="off")
     assert RunConfig.model_validate_json(cfg.model_dump_json()).compressed_aggregation == "off"
+
+
+@st.composite
+def flat_cohorts(draw: st.DrawFn) -> tuple[dict[str, tuple[int, ...]], list[tuple[dict[str, np.ndarray], float, float]]]:
+    shapes = dict(zip("abcd", draw(st.lists(st.sampled_from([(), (1,), (7,), (3, 5), (2, 3, 4), (40, 3)]),
+                                            min_size=1, max_size=4)), strict=False))
+    ups = []
+    for _ in range(draw(st.integers(1, 5))):
+        u = {k: draw(tensors(shape=st.just(s))).astype(np.float32) for k, s in shapes.items()}
+        ups.append((u, draw(st.sampled_from([1.0, 0.5, 2.5, 1e-3, 7.25])), draw(st.sampled_from([1.0, 0.3, 1e-2]))))
+    return shapes, ups
+
+
+@given(case=flat_cohorts(), poison=st.integers(0, 3), mid=st.booleans())
+def test_a_small_float32_update_sums_flat_exactly_as_its_tensors_sum_alone(
+        case: tuple[dict[str, tuple[int, ...]], list[tuple[dict[str, np.ndarray], float, float]]],
+        poison: int, mid: bool) -> None:
+    """The flat path of UpdateSum (a small float32 update checked and added as one vector)
+    against one PayloadSum per tensor fed the same payloads: every tensor's sum equal to
+    the bit, the same bounds, a NaN refused with the same tensor named, and a sum read in
+    the middle (``result``) changing nothing of what comes after."""
+    shapes, ups = case
+    codec = build_codec(SPECS["float32"])
+    flat = UpdateSum(codec, shapes, 9)
+    assert flat._layout is not None  # the path under test
+    ref = {k: PayloadSum(codec, s, tensor_seed(9, k)) for k, s in shapes.items()}
+    rng = np.random.default_rng(0)
+    for i, (u, w, scale) in enumerate(ups):
+        parts = {k: codec.encode(v, rng, None, tensor_seed(9, k))[0] for k, v in u.items()}
+        checked = flat.check(parts)
+        for k, acc in ref.items():
+            one = acc.check(parts[k])
+            assert checked[k].bound == one.bound
+            assert checked[k].coords.tobytes() == one.coords.tobytes()
+            acc.add(one, w * scale)
+        flat.add(checked, w, scale)
+        if mid and i == 0:
+            got = flat.result()
+            for k, acc in ref.items():
+                assert got[k].tobytes() == acc.result().tobytes()
+    assert flat.count == len(ups)
+    assert [float(b) for b in flat._bounds] == [acc.bound for acc in ref.values()]
+    drained = dict(flat.drain())
+    for k, acc in ref.items():
+        assert drained[k].tobytes() == acc.take().tobytes()
+    assert all(not v.any() for v in flat.result().values())  # drained: empty again
+    # A NaN in one tensor: refused, that tensor named, nothing changed.
+    bad = sorted(shapes)[poison % len(shapes)]
+    u = {k: np.zeros(s, np.float32) for k, s in shapes.items()}
+    u[bad] = np.full(shapes[bad], np.nan, np.float32)
+    with pytest.raises(NonFiniteError, match=f"tensor '{bad}'.*NaN or Inf"):
+        flat.check({k: codec.encode(v, rng)[0] for k, v in u.items()})
+
+
+def test_the_flat_path_keeps_the_per_tensor_guards_and_falls_back_to_the_general_parser() -> None:
+    codec = build_codec(SPECS["float32"])
+    shapes = {"w": (3, 2), "b": (2,)}
+    flat = UpdateSum(codec, shapes, 0)
+    assert flat._layout is not None
+    big = {"w": np.full((3, 2), 3e38, np.float32), "b": np.ones(2, np.float32)}
+    parts = {k: codec.encode(v, np.random.default_rng(0))[0] for k, v in big.items()}
+    flat.add(flat.check(parts))
+    before = {k: v.copy() for k, v in flat.result().items()}
+    with pytest.raises(CodecError, match="tensor 'w': a summand of magnitude up to 3e\\+38 .* past float32's range"):
+        flat.add(flat.check(parts))
+    assert flat.count == 1 and all(np.array_equal(flat.result()[k], before[k]) for k in shapes)
+    # A payload framed otherwise: the general parser's answer, with the tensor named.
+    with pytest.raises(CodecError, match="tensor 'b'"):
+        flat.check({"w": parts["w"], "b": parts["b"] + b"\0"})
+    # A per-tensor mapping of checked payloads adds as the flat kind does.
+    other = UpdateSum(codec, shapes, 0)
+    per_tensor = {k: PayloadSum(codec, s, 0).check(parts[k]) for k, s in shapes.items()}
+    other.add(per_tensor)
+    assert all(other.result()[k].tobytes() == before[k].tobytes() for k in shapes)
+    # A large update keeps the per-tensor path (no flat copy of a big model per check).
+    assert UpdateSum(codec, {"w": (300, 300)}, 0)._layout is None
