@@ -214,6 +214,7 @@ class Engine:
         self._ahead_jobs: deque[Future[list[ClientOutput]]] = deque()
         self._ahead: dict[int, ClientOutput] = {}
         self._ahead_parts: set[int] = set()
+        self._policies: dict[tuple[int, float], DevicePolicy] = {}  # device policies by (steps, seconds)
 
     def _tier(self, name: str, parent: Tier | None, depth: int) -> Tier:
         h = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
@@ -508,6 +509,7 @@ class Engine:
         ``ahead_of``: the round's global model, to train clients ahead on an idle worker
         while the rest are dispatched (:meth:`_train_ahead`); None to train none ahead."""
         up_bytes = self._payload_estimate(schema, shared_seed)
+        self._policies.clear()
         self._forget_ahead()
         ahead = ahead_of is not None and getattr(self.backend, "run_here", None) is not None
         queued: list[Arrival] = []
@@ -519,10 +521,15 @@ class Engine:
             if leaf.cr is None:
                 continue
             # One stream per tier and round, drawn in assignment order: same seed, same fates.
-            rng = np.random.default_rng([self.seed, leaf.cr.task.round, leaf.cr.task.attempt, li, 0xD0])
+            # Two doubles per dispatched device, all drawn at once: Generator.random fills
+            # an array from the stream in order, so row j is the j-th device's pair.
+            nodes = list(leaf.cr.assignments)
+            fates = np.random.default_rng([self.seed, leaf.cr.task.round, leaf.cr.task.attempt, li, 0xD0]
+                                          ).random((len(nodes), 2)).tolist()
+            drawn = 0
             # Only selected devices get a task; the others' polls would come back Idle
             # (every eligible device was already a candidate, so none can fill in).
-            for node in list(leaf.cr.assignments):
+            for node in nodes:
                 if node not in live:
                     continue
                 a = leaf.coord.assign(node)
@@ -543,7 +550,8 @@ class Engine:
                 train_s, steps = self._train_time(dev, planned, a.deadline_unix - self.time.wall() - down_s)
                 up_s = dev.profile.latency_s + up_bytes * 8 / (dev.profile.up_mbps * 1e6)
                 finish = t_open + down_s + train_s + up_s
-                fate, when = rng.random(2)
+                fate, when = fates[drawn]
+                drawn += 1
                 if steps == 0:
                     stats.stopped_by_governor += 1
                     continue
@@ -656,8 +664,15 @@ class Engine:
         per_step = min(tc.batch_size, max(n, 1))
         if not self.governor:
             return dev.device.work(planned * per_step * dev.seconds_per_example), planned
-        policy = DevicePolicy(eligibility=self.run.eligibility,
-                              budget=RoundBudget(max_steps=planned, time_s=max(time_left_s, 1e-3)))
+        # Devices of one kind share a link and so a time budget: their (frozen) policies are
+        # one object, built once a round.
+        key = (planned, max(time_left_s, 1e-3))
+        policy = self._policies.get(key)
+        if policy is None:
+            if len(self._policies) >= 256:
+                self._policies.clear()
+            policy = self._policies[key] = DevicePolicy(
+                eligibility=self.run.eligibility, budget=RoundBudget(max_steps=key[0], time_s=key[1]))
         gov = Governor(dev.device, policy, dev.clock)
 
         def step() -> float:
