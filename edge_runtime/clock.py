@@ -77,3 +77,11 @@ class VirtualClock:
             raise ClockError(f"cannot sleep a negative time ({seconds} s)")
         self.slept_s += seconds
         self._t += seconds
+
+    def snapshot(self) -> tuple[float, float, float]:
+        """(now, wall origin, seconds slept): what :meth:`restore` takes to be this clock."""
+        return self._t, self._wall_origin, self.slept_s
+
+    def restore(self, snap: tuple[float, float, float]) -> None:
+        """Become the clock :meth:`snapshot` described (exactly: no arithmetic on the values)."""
+        self._t, self._wall_origin, self.slept_s = (float(v) for v in snap)

@@ -451,6 +451,22 @@ class SimulatedDevice:
         self._catch_up()
         self.plugged = plugged
 
+    def snapshot(self) -> tuple[Any, ...]:
+        """Everything about this device that changes, and its clock, as plain values: with
+        the parameters it was made with (or any that differ only in the initial battery,
+        charger and temperature, which only start a device), :meth:`restore` makes a device
+        that behaves exactly as this one from here on. A simulator moves devices between
+        processes this way (a few numbers, not the parameters' objects)."""
+        return (self._battery_j, self._temp, self._energy_j, self._t, self.plugged, self.max_temperature_c,
+                self.min_battery_percent, self.work_done, self.clock.snapshot())
+
+    def restore(self, snap: tuple[Any, ...]) -> None:
+        """Take the state a :meth:`snapshot` holds (this device's clock included)."""
+        (self._battery_j, self._temp, self._energy_j, self._t, self.plugged, self.max_temperature_c,
+         self.min_battery_percent, self.work_done, clock) = snap
+        self.clock.restore(clock)
+        self._reading = None  # a cached reading of the state before: read afresh
+
     def read(self) -> DeviceState:
         self._catch_up()
         reading = self._reading

@@ -89,6 +89,12 @@ def _process_run(jobs: list[ClientJob], arrays: NDArrays,
                                   w["vectorize"], starts, w["device"]))
 
 
+def _process_devices(params: dict[str, Any], batch: list[tuple[Any, ...]]) -> list[tuple[float, int, tuple[Any, ...]]]:
+    from orchard.simulation.engine import run_devices  # (the engine imports this module)
+
+    return run_devices(params, batch)
+
+
 class _Unpacked(Future[list[ClientOutput]]):
     """The outputs of a worker's job: its :class:`PackedOutputs`, unpacked once they arrive."""
 
@@ -143,6 +149,13 @@ class ProcessBackend:
         need = {j.start for j in jobs if j.start}
         sent = {k: v for k, v in starts.items() if k in need} if starts and need else None
         return _Unpacked(self._pool.submit(_process_run, jobs, global_arrays, sent))
+
+    def run_devices(self, params: dict[str, Any], batch: list[tuple[Any, ...]]
+                    ) -> Future[list[tuple[float, int, tuple[Any, ...]]]]:
+        """Run simulated devices' training under their governors on a worker
+        (``engine.run_devices``): the engine hands a worker part of a dispatch while the
+        worker would otherwise wait for jobs."""
+        return self._pool.submit(_process_devices, params, batch)
 
     def run_here(self, jobs: list[ClientJob], global_arrays: NDArrays,
                  starts: Mapping[str, NDArrays] | None = None) -> list[ClientOutput]:

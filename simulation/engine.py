@@ -72,6 +72,8 @@ from orchard.client.secure import SecureParticipant, masked_input
 from orchard.client.update import train_seed
 from orchard.compression import build_codec, encode_update
 from orchard.config import RunConfig, ServerConfig
+from orchard.edge_runtime.clock import VirtualClock
+from orchard.edge_runtime.device import SimulatedDevice, SimulatedDeviceParams
 from orchard.edge_runtime.governor import Governor, run_governed
 from orchard.edge_runtime.policy import DevicePolicy, RoundBudget
 from orchard.errors import OrchardError, SecAggError, StaleUpdateError
@@ -105,6 +107,7 @@ _HELD_HERE_MAX = 1024  # at most this many clients trained by the engine and not
 _TOKEN = "simulated"  # every simulated node presents the same (unchecked) credential
 _AHEAD_BATCH = 320  # clients per job trained ahead, on an idle worker, while devices are dispatched
 _AHEAD_MAX = 4096  # at most this many clients trained ahead per round (their uploads wait in memory)
+_DEVICE_BATCH = 256  # device models per batch sent to a worker (see Engine._device_models)
 
 
 class VirtualTime:
@@ -516,7 +519,11 @@ class Engine:
         if self.run.downlink_delta:
             self._prune_held()
         t_open = self.time.t
-        arrivals: list[Arrival] = []
+        # First every selected device is handed its task and downloads; then their device
+        # models run (here, and on an idle worker: see _device_models); then, in the same
+        # order, each one's fate and arrival. No step reads what a later one of another
+        # device writes, so this is the order of doing each device whole.
+        picked: list[tuple[Tier, str, TaskAssignment, LiveDevice, str, float, int, tuple[float, float]]] = []
         for li, leaf in enumerate(self.leaves):
             if leaf.cr is None:
                 continue
@@ -546,29 +553,32 @@ class Engine:
                 stats.selected += 1
                 down_s = dev.profile.latency_s + down_bytes * 8 / (dev.profile.down_mbps * 1e6)
                 dev.clock.advance(max(0.0, t_open + down_s - dev.clock.monotonic()))
-                planned = self._planned_steps(part)
-                train_s, steps = self._train_time(dev, planned, a.deadline_unix - self.time.wall() - down_s)
-                up_s = dev.profile.latency_s + up_bytes * 8 / (dev.profile.up_mbps * 1e6)
-                finish = t_open + down_s + train_s + up_s
-                fate, when = fates[drawn]
+                picked.append((leaf, node, a, dev, start, down_s, self._planned_steps(part), fates[drawn]))
                 drawn += 1
-                if steps == 0:
-                    stats.stopped_by_governor += 1
-                    continue
-                if fate < dev.profile.dropout:
-                    stats.vanished += 1
-                    leaf.last_silence = max(leaf.last_silence, t_open + when * (finish - t_open))
-                    continue
-                if steps < planned:
-                    stats.stopped_early += 1
-                leaf.waiting += 1
-                leaf.working.add(node)
-                arrivals.append(Arrival(finish, part, node, leaf, a, steps if steps < planned else None, start))
-                if ahead:
-                    queued.append(arrivals[-1])
-                    if len(queued) >= _AHEAD_BATCH:
-                        assert ahead_of is not None
-                        queued = self._train_ahead(queued, ahead_of, starts)
+        trained = self._device_models([(dev, planned, a.deadline_unix - self.time.wall() - down_s)
+                                       for _, _, a, dev, _, down_s, planned, _ in picked])
+        arrivals: list[Arrival] = []
+        for (leaf, node, a, dev, start, down_s, planned, (fate, when)), (train_s, steps) in zip(
+                picked, trained, strict=True):
+            up_s = dev.profile.latency_s + up_bytes * 8 / (dev.profile.up_mbps * 1e6)
+            finish = t_open + down_s + train_s + up_s
+            if steps == 0:
+                stats.stopped_by_governor += 1
+                continue
+            if fate < dev.profile.dropout:
+                stats.vanished += 1
+                leaf.last_silence = max(leaf.last_silence, t_open + when * (finish - t_open))
+                continue
+            if steps < planned:
+                stats.stopped_early += 1
+            leaf.waiting += 1
+            leaf.working.add(node)
+            arrivals.append(Arrival(finish, dev.index, node, leaf, a, steps if steps < planned else None, start))
+            if ahead:
+                queued.append(arrivals[-1])
+                if len(queued) >= _AHEAD_BATCH:
+                    assert ahead_of is not None
+                    queued = self._train_ahead(queued, ahead_of, starts)
         arrivals.sort(key=lambda x: (x.finish, x.partition))
         return arrivals
 
@@ -657,15 +667,10 @@ class Engine:
         used = set(self.held.values())
         self.held_blobs = {h: b for h, b in self.held_blobs.items() if h in used}
 
-    def _train_time(self, dev: LiveDevice, planned: int, time_left_s: float) -> tuple[float, int]:
-        """(seconds, steps done) of local training on the simulated device."""
-        tc = self.run.train
-        n = int(self.sizes[dev.index])
-        per_step = min(tc.batch_size, max(n, 1))
-        if not self.governor:
-            return dev.device.work(planned * per_step * dev.seconds_per_example), planned
-        # Devices of one kind share a link and so a time budget: their (frozen) policies are
-        # one object, built once a round.
+    def _policy(self, planned: int, time_left_s: float) -> DevicePolicy:
+        """A device's governor policy for this round: its eligibility rules, its planned
+        steps and the time it has. Devices of one kind share a link and so a time budget:
+        their (frozen) policies are one object, built once a round."""
         key = (planned, max(time_left_s, 1e-3))
         policy = self._policies.get(key)
         if policy is None:
@@ -673,14 +678,59 @@ class Engine:
                 self._policies.clear()
             policy = self._policies[key] = DevicePolicy(
                 eligibility=self.run.eligibility, budget=RoundBudget(max_steps=key[0], time_s=key[1]))
-        gov = Governor(dev.device, policy, dev.clock)
+        return policy
 
-        def step() -> float:
-            dev.device.work(per_step * dev.seconds_per_example)
-            return float(per_step)
+    def _device_models(self, todo: list[tuple[LiveDevice, int, float]]) -> list[tuple[float, int]]:
+        """(seconds, steps done) of local training on each simulated device of ``todo``
+        (device, planned steps, seconds left before the deadline), each device's state
+        moved on by its training.
 
-        report = run_governed(gov, step)
-        return report.elapsed_s, report.steps_done
+        Under the governor, a device's model is thousands of small steps of Python a round.
+        With a backend that can run devices elsewhere (``run_devices``: worker processes,
+        idle while devices are dispatched) the list is cut into batches: this process
+        works from the front, the worker from the back, until they meet. A device's result
+        is a pure function of its state, policy and plan, so where it ran changes nothing;
+        a device run elsewhere comes back as a snapshot of its new state."""
+        tc = self.run.train
+        plans: list[tuple[LiveDevice, DevicePolicy | None, int, int]] = []
+        for dev, planned, time_left_s in todo:
+            n = int(self.sizes[dev.index])
+            per_step = min(tc.batch_size, max(n, 1))
+            plans.append((dev, self._policy(planned, time_left_s) if self.governor else None, planned, per_step))
+        out: list[tuple[float, int] | None] = [None] * len(plans)
+
+        def here(lo: int, hi: int) -> None:
+            for i in range(lo, hi):
+                dev, policy, planned, per_step = plans[i]
+                out[i] = device_training(dev.device, dev.clock, policy, planned, per_step, dev.seconds_per_example)
+
+        run_devices = getattr(self.backend, "run_devices", None)
+        if run_devices is None or not self.governor or len(plans) < 2 * _DEVICE_BATCH:
+            here(0, len(plans))
+            return [r for r in out if r is not None]
+        front, back = 0, len(plans)
+        away: list[tuple[int, int, Future[list[tuple[float, int, tuple[Any, ...]]]]]] = []
+
+        def send() -> None:
+            nonlocal back
+            lo = max(front, back - _DEVICE_BATCH)
+            batch = [(dev.kind, dev.device.snapshot(), policy, planned, per_step, dev.seconds_per_example)
+                     for dev, policy, planned, per_step in plans[lo:back]]
+            away.append((lo, back, run_devices(self.pop.kind_params(), batch)))
+            back = lo
+
+        while front < back:
+            if sum(not f.done() for _, _, f in away) < 2 and back - front > _DEVICE_BATCH:
+                send()  # the worker keeps one batch running and one waiting
+                continue
+            hi = min(front + _DEVICE_BATCH // 4, back)
+            here(front, hi)
+            front = hi
+        for lo, hi, fut in away:
+            for i, (secs, steps, snap) in zip(range(lo, hi), fut.result(), strict=True):
+                plans[i][0].device.restore(snap)
+                out[i] = (secs, steps)
+        return [r for r in out if r is not None]
 
     # ------------------------------------------------------------------ arrivals, in time order
 
@@ -798,8 +848,12 @@ class Engine:
                 assert o is not None  # every client not deferred was in a job
                 self._arrive(a, o, events, seq, stats)
             outputs.clear()
-        for _, fut, _, _ in pending:
+        # Whoever had not arrived when the root closed is late, whether or not its job was
+        # already out (how far ahead jobs ran depends on the backend, not on the round).
+        for batch, fut, _, _ in pending:
             fut.cancel()
+            stats.late += len(batch)
+        stats.late += len(arrivals) - cursor
         self._forget_ahead()
 
     @staticmethod
@@ -1021,6 +1075,38 @@ class Engine:
     def shutdown(self) -> None:
         for t in self.tiers():
             t.coord.shutdown()
+
+
+def device_training(device: SimulatedDevice, clock: VirtualClock, policy: DevicePolicy | None, planned: int,
+                    per_step: int, seconds_per_example: float) -> tuple[float, int]:
+    """(seconds, steps done) of ``planned`` local steps of ``per_step`` examples on a
+    simulated device: under the edge runtime's governor with ``policy`` (it may pace the
+    device or stop early), or without one (None) every step at once."""
+    if policy is None:
+        return device.work(planned * per_step * seconds_per_example), planned
+    gov = Governor(device, policy, clock)
+
+    def step() -> float:
+        device.work(per_step * seconds_per_example)
+        return float(per_step)
+
+    report = run_governed(gov, step)
+    return report.elapsed_s, report.steps_done
+
+
+def run_devices(params: dict[str, SimulatedDeviceParams],
+                batch: list[tuple[str, tuple[Any, ...], DevicePolicy | None, int, int, float]]
+                ) -> list[tuple[float, int, tuple[Any, ...]]]:
+    """:func:`device_training` for devices sent as (kind, snapshot, policy, planned steps,
+    examples per step, seconds per example), each rebuilt from its kind's parameters
+    (``params``): (seconds, steps, the device's new snapshot) for each."""
+    out = []
+    for kind, snap, policy, planned, per_step, spe in batch:
+        device = SimulatedDevice(params[kind], VirtualClock())
+        device.restore(snap)
+        secs, steps = device_training(device, device.clock, policy, planned, per_step, spe)
+        out.append((secs, steps, device.snapshot()))
+    return out
 
 
 def _done(outputs: list[ClientOutput]) -> Future[list[ClientOutput]]:

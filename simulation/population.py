@@ -97,6 +97,7 @@ class Population:
             thermal=th, unmetered_network=p.unmetered_network, idle=True)
             for p, th in zip(self.profiles, self._thermal, strict=True)]
         self._flops_per_s = [p.gflops * 1e9 for p in self.profiles]
+        self._by_kind = dict(zip(self.kinds, self._params, strict=True))
 
     # ------------------------------------------------------------------ who is around
 
@@ -146,6 +147,11 @@ class Population:
                 d += _DAY_S
             best = min(best, d)
         return t + best
+
+    def kind_params(self) -> dict[str, SimulatedDeviceParams]:
+        """Each kind's device parameters: what, with a device's snapshot, rebuilds the
+        device (:meth:`SimulatedDevice.restore`) in another process."""
+        return self._by_kind
 
     def materialise(self, i: int, t: float) -> LiveDevice:
         """Device ``i`` as a :class:`SimulatedDevice`, brought up to time ``t``."""

@@ -225,3 +225,27 @@ def test_virtual_clock_only_moves_forward() -> None:
     assert (c.monotonic(), c.wall(), c.slept_s) == (2.5, 1002.5, 2.5)
     with pytest.raises(ClockError):
         c.advance(-1.0)
+
+
+def test_a_restored_snapshot_behaves_as_the_device_it_was_taken_from() -> None:
+    """A device rebuilt elsewhere from its kind's parameters and a snapshot (as the
+    simulator's workers do) reads, works, rests and charges exactly as the original, and
+    its clock is the original's to the bit."""
+    kind = SimulatedDeviceParams(capacity_wh=4.0, battery_percent=90.0, active_power_w=7.5,
+                                 thermal=ThermalParams(tau_s=45.0))
+    original = SimulatedDevice(kind.with_state(37.25, False, 31.5), VirtualClock(start=12.5, wall_origin=1e9))
+    original.work(3.3)
+    original.clock.sleep(40.0)
+    original.read()
+    copy = SimulatedDevice(kind, VirtualClock())  # the kind's own initial state, then the snapshot
+    copy.restore(original.snapshot())
+    assert copy.snapshot() == original.snapshot()
+    for dev in (original, copy):
+        dev.work(2.0)
+        dev.clock.advance(600.0)
+        dev.set_plugged(True)
+        dev.clock.advance(1234.5)
+    assert copy.read() == original.read()
+    assert copy.snapshot() == original.snapshot()
+    assert (copy.clock.monotonic(), copy.clock.wall(), copy.clock.slept_s) == (
+        original.clock.monotonic(), original.clock.wall(), original.clock.slept_s)

@@ -447,6 +447,33 @@ def test_clients_trained_ahead_change_nothing(monkeypatch: pytest.MonkeyPatch) -
         np.testing.assert_array_equal(remote.final_arrays[k], v)
 
 
+def test_device_models_run_on_a_worker_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # With worker processes, the engine sends batches of devices (as snapshots) to run
+    # their governors on the idle worker while it runs the others (small batches here,
+    # so it happens in a 40-client round). Every device's steps, time and state -- so
+    # the fates, the uploads and the model -- are those of running each one here.
+    import orchard.simulation.engine as engine
+    from orchard.simulation.backends import ProcessBackend
+
+    monkeypatch.setattr(engine, "_DEVICE_BATCH", 4)
+    sent: list[int] = []
+    real = ProcessBackend.run_devices
+
+    def counting(self: ProcessBackend, params: dict, batch: list) -> object:
+        sent.append(len(batch))
+        return real(self, params, batch)
+
+    monkeypatch.setattr(ProcessBackend, "run_devices", counting)
+    local = run_simulation(_sim(rounds=2, chunk_size=16))
+    remote = run_simulation(_sim(rounds=2, chunk_size=16, backend="process", workers=1))
+    assert sum(sent) > 0
+    for key in ("participants", "trained", "bytes_up", "simulated_seconds", "stopped_by_governor", "stopped_early",
+                "vanished", "late"):
+        assert [r[key] for r in remote.rounds] == [r[key] for r in local.rounds], key
+    for k, v in local.final_arrays.items():
+        np.testing.assert_array_equal(remote.final_arrays[k], v)
+
+
 def test_engine_trains_while_it_waits_on_a_slow_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     # A backend whose worker is slow (each job takes 50 ms, on a thread) and that can run
     # jobs in the engine's process: the engine trains the next clients itself while it
