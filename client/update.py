@@ -26,7 +26,7 @@ import numpy as np
 from orchard import wire
 from orchard.aggregation import FEDNOVA_TAU
 from orchard.aggregation.privacy import clip_l2
-from orchard.compression import Codec, encode_update
+from orchard.compression import Codec, encode_packed
 from orchard.config import RunConfig
 from orchard.edge_runtime.fednova import norm_a, normalise
 from orchard.errors import UpdateSchemaError
@@ -34,7 +34,6 @@ from orchard.messages import TaskAssignment, UploadHeader, UploadKind
 from orchard.seeds import derive_seed
 from orchard.trainer import TrainConfig, TrainResult
 from orchard.typing import NDArrays, Weighting
-from orchard.updates import pack
 
 
 def train_seed(run_seed: int, rnd: int, partition_id: int) -> int:
@@ -138,8 +137,8 @@ def build_upload(t: TaskAssignment, cfg: RunConfig, train_cfg: TrainConfig, code
         # (DP's clip norm, robust.norm_bound), as ``aggregation.layer.Clip`` does at a tier.
         delta, _ = clip_l2(delta, cast(float, cfg.clip_norm))
     w = weight_of(result, weighting)
-    payloads, new_states = encode_update(codec, delta, upload_rng(seed), states, t.shared_seed)
-    payload, sizes = pack([payloads[s.name] for s in t.schema])
+    payload, sizes, new_states = encode_packed(codec, delta, [s.name for s in t.schema], upload_rng(seed), states,
+                                               t.shared_seed)
     metric_w = float(max(result.num_examples, 1))
     metrics = {k: float(v) for k, v in result.metrics.items() if np.isfinite(v)}
     header = UploadHeader(

@@ -135,6 +135,16 @@ class CastCodec(BaseCodec):
             return self.encode_parsed(x32, rng, state, shared_seed)[0].to_bytes(), None
         return self._frame(x32.shape)[1] + memoryview(values).cast("B"), None  # type: ignore[arg-type]
 
+    def encode_framed(self, x: np.ndarray) -> tuple[bytes, memoryview] | None:
+        """:meth:`encode`'s payload in its two parts, the header and a view of the values
+        (``head + bytes(values)`` is that payload), for a caller that joins many payloads
+        into one buffer; None on a host whose wire dtype is not native (there, encode)."""
+        x32 = as_float32(x)
+        values = np.ascontiguousarray(self._to_wire(x32.reshape(-1)))
+        if values.dtype != self._wire:
+            return None
+        return self._frame(x32.shape)[1], memoryview(values).cast("B")  # type: ignore[arg-type]
+
     def _frame(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], bytes, int]:
         """``shape`` checked (CodecError if it is not a shape), the header of every payload
         of that shape (``raw_head``) and its element count; kept per shape. A shape equal

@@ -55,6 +55,37 @@ def encode_update(
     return payloads, new_states
 
 
+def encode_packed(
+    codec: Codec,
+    arrays: Mapping[str, np.ndarray],
+    names: list[str],
+    rng: np.random.Generator,
+    states: Mapping[str, State] | None = None,
+    shared_seed: int = 0,
+) -> tuple[bytes, tuple[int, ...], States]:
+    """:func:`encode_update` of ``arrays`` (encoded in their own order), its payloads then
+    joined in ``names`` order: (the joined payload, each tensor's size, the new states).
+    A dense cast's payloads are a header and the values each, joined straight into the
+    one buffer (the same bytes, without a payload object per tensor)."""
+    from orchard.compression.casts import CastCodec  # (casts imports this module's neighbours)
+
+    if type(codec) is CastCodec and list(arrays) == names:
+        check_seed(shared_seed)
+        parts: list[bytes | memoryview] = []
+        sizes = []
+        for name in names:
+            framed = codec.encode_framed(arrays[name])
+            if framed is None:  # not a little-endian host: the general path below
+                break
+            head, values = framed
+            parts += (head, values)
+            sizes.append(len(head) + len(values))
+        else:
+            return b"".join(parts), tuple(sizes), {}
+    payloads, new_states = encode_update(codec, arrays, rng, states, shared_seed)
+    return b"".join(payloads[n] for n in names), tuple(len(payloads[n]) for n in names), new_states
+
+
 def decode_update(
     codec: Codec,
     payloads: Mapping[str, bytes],

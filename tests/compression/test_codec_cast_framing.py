@@ -251,3 +251,27 @@ def test_a_small_weighted_add_forms_the_same_float64_products(
     want = acc + x.astype(np.float64) * weight
     add_weighted(acc, x, weight)
     assert acc.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@given(
+    xs=st.lists(
+        hnp.arrays(np.float32, hnp.array_shapes(min_dims=0, max_dims=2, min_side=1, max_side=12),
+                   elements=st.floats(-1e4, 1e4, width=32)),
+        min_size=1, max_size=4),
+    seed=st.integers(0, 2**32),
+)
+def test_an_update_encoded_packed_is_its_payloads_joined(name: str, xs: list[np.ndarray], seed: int) -> None:
+    """encode_packed (a client's upload: a dense cast joins each tensor's header and values
+    straight into one buffer) against encode_update and the payloads joined in the
+    schema's order: the same bytes, sizes and states, for every codec."""
+    from orchard.compression import encode_packed, encode_update
+
+    codec = build_codec(SPECS[name])
+    arrays = {f"t{i}": x for i, x in enumerate(xs)}
+    names = list(arrays)
+    payloads, states = encode_update(codec, arrays, np.random.default_rng(seed), None, seed)
+    blob, sizes, got_states = encode_packed(codec, arrays, names, np.random.default_rng(seed), None, seed)
+    assert blob == b"".join(payloads[n] for n in names)
+    assert sizes == tuple(len(payloads[n]) for n in names)
+    assert got_states.keys() == states.keys()
