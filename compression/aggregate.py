@@ -41,7 +41,7 @@ from orchard.compression.update import check_names, tensor_seed
 from orchard.compression.wire import EncodedTensor, framed_values
 from orchard.config import RunConfig
 from orchard.errors import CodecError
-from orchard.updates import squared_norm
+from orchard.updates import split, squared_norm
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 UINT32_MAX = int(np.iinfo(np.uint32).max)
@@ -357,6 +357,15 @@ class _FlatLayout:
             off += count
         self.size = off
         self.starts = np.array([lo for lo, _ in self.spans], dtype=np.intp)
+        # A whole update framed as clients frame it: each tensor's payload size, and where
+        # each header and each tensor's values start in the joined payload.
+        self.sizes = tuple(len(head) + count * dtype.itemsize for head, dtype, count in frames)
+        self.total = sum(self.sizes)
+        self.places: list[tuple[bytes, int, np.dtype, int, int]] = []  # head, its offset, dtype, count, values' offset
+        at = 0
+        for (head, dtype, count), size in zip(frames, self.sizes, strict=True):
+            self.places.append((head, at, dtype, count, at + len(head)))
+            at += size
 
     @staticmethod
     def of(codec: Codec, shapes: Mapping[str, tuple[int, ...]]) -> _FlatLayout | None:
@@ -427,6 +436,24 @@ class UpdateSum:
                 raise type(err)(f"tensor {name!r}: {err}") from None
         return out
 
+    def check_packed(self, payload: bytes | bytearray | memoryview, sizes: tuple[int, ...]
+                     ) -> Mapping[str, CheckedPayload]:
+        """:meth:`check` of an upload's tensors joined in this sum's order, ``sizes`` each
+        (:func:`orchard.updates.split`, then check): the same result and errors. An update
+        framed exactly as a client frames a small float32 one is read in place, without a
+        view per tensor."""
+        layout = self._layout
+        if (layout is not None and type(payload) is bytes and sizes == layout.sizes
+                and len(payload) == layout.total):
+            parts = []
+            for head, at, dtype, count, values_at in layout.places:
+                if payload[at:values_at] != head:
+                    break
+                parts.append(np.frombuffer(payload, dtype, count, values_at))
+            else:
+                return self._flat_result(np.concatenate(parts) if len(parts) > 1 else parts[0], layout)
+        return self.check(dict(zip(self.sums, split(payload, sizes), strict=True)))
+
     def _check_flat(self, payloads: Mapping[str, bytes | bytearray | memoryview], layout: _FlatLayout
                     ) -> CheckedUpdate:
         parts = []
@@ -440,7 +467,10 @@ class UpdateSum:
                     raise type(err)(f"tensor {name!r}: {err}") from None
                 assert v is not None  # a linear cast's payload has coordinates
             parts.append(v)
-        coords = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        return self._flat_result(np.concatenate(parts) if len(parts) > 1 else parts[0], layout)
+
+    def _flat_result(self, coords: np.ndarray, layout: _FlatLayout) -> CheckedUpdate:
+        """Every tensor's values as one vector, checked: finite, with each tensor's peak."""
         # max |x| of each tensor in one reduction (NaN propagates, as in peak).
         bounds = np.maximum.reduceat(np.abs(coords), layout.starts).tolist()
         if not math.isfinite(sum(bounds)):  # (at most n * float32's max: no overflow)

@@ -41,7 +41,6 @@ from orchard.messages import UploadHeader
 from orchard.server.round import RoundTask
 from orchard.server.secagg import SecureCohort, SecureUpstream, TreeRoster
 from orchard.typing import NDArrays
-from orchard.updates import split
 
 
 @dataclass
@@ -112,8 +111,7 @@ class CompressedCohort:
             raise UpdateSchemaError(f"this round weighs every update 1 (uniform weighting), "
                                     f"the header says {h.weight}")
         try:
-            parts = dict(zip(self.shapes, split(payload, h.payload_sizes), strict=True))
-            checked = self.sums.check(parts)
+            checked = self.sums.check_packed(payload, h.payload_sizes)
             return CheckedUpload(checked, None if self.clip is None else self.sums.norm(checked))
         except NonFiniteError as err:
             raise UpdateSchemaError(f"{err}; refusing the update") from None

@@ -24,7 +24,7 @@ from orchard.compression.aggregate import FLOAT32_MAX, UINT32_MAX, add_weighted
 from orchard.compression.update import tensor_seed
 from orchard.compression.wire import EncodedTensor, Field, parse_payload
 from orchard.config import CodecSpec, CohortConfig, RunConfig, SecureAggregationConfig
-from orchard.errors import CodecError
+from orchard.errors import CodecError, UpdateSchemaError
 
 LINEAR = [n for n, s in SPECS.items() if build_codec(s).algebra.linear]
 
@@ -515,3 +515,34 @@ def test_the_flat_path_keeps_the_per_tensor_guards_and_falls_back_to_the_general
     assert all(other.result()[k].tobytes() == before[k].tobytes() for k in shapes)
     # A large update keeps the per-tensor path (no flat copy of a big model per check).
     assert UpdateSum(codec, {"w": (300, 300)}, 0)._layout is None
+
+
+@given(case=flat_cohorts(), cut=st.integers(0, 3), flip=st.integers(0, 10**6))
+def test_a_packed_update_checks_as_its_split_tensors_do(
+        case: tuple[dict[str, tuple[int, ...]], list[tuple[dict[str, np.ndarray], float, float]]],
+        cut: int, flip: int) -> None:
+    """check_packed (a tier reading a whole upload in place) against split and check: the
+    same coordinates and bounds for a well-framed upload, and for a damaged one (a header
+    byte changed, sizes that do not add up) the same error, or the same result."""
+    from orchard.updates import pack, split
+
+    shapes, ups = case
+    codec = build_codec(SPECS["float32"])
+    total = UpdateSum(codec, shapes, 3)
+    payload, sizes = pack([codec.encode(ups[0][0][k], np.random.default_rng(0))[0] for k in shapes])
+    got = total.check_packed(payload, sizes)
+    want = total.check(dict(zip(shapes, split(payload, sizes), strict=True)))
+    for k in shapes:
+        assert got[k].coords.tobytes() == want[k].coords.tobytes() and got[k].bound == want[k].bound
+    damaged = bytearray(payload)
+    damaged[flip % len(payload)] ^= 0xFF
+    bad_sizes = sizes if cut == 0 else (sizes[0] + 1, *sizes[1:])
+    outcomes = []
+    for check in (lambda: total.check_packed(bytes(damaged), bad_sizes),
+                  lambda: total.check(dict(zip(shapes, split(bytes(damaged), bad_sizes), strict=True)))):
+        try:
+            r = check()
+            outcomes.append(("ok", [(r[k].coords.tobytes(), r[k].bound) for k in shapes]))
+        except (CodecError, UpdateSchemaError) as err:
+            outcomes.append((type(err).__name__, str(err)))
+    assert outcomes[0] == outcomes[1]
