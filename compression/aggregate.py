@@ -147,9 +147,7 @@ class PayloadSum:
         can: CodecError if it is malformed, :class:`NonFiniteError` if it carries NaN or Inf."""
         enc, bound, coords = self._parse(payload, self.shape, self.shared_seed)
         if not math.isfinite(bound):
-            raise NonFiniteError(
-                f"{self.codec.name} payload for shape {self.shape} holds NaN or Inf values"
-            )
+            raise self.non_finite()
         if coords is not None:
             return CheckedPayload(enc, bound, coords)
         # No coordinates: decode here, where checks run (beside each other), not in add.
@@ -166,14 +164,21 @@ class PayloadSum:
         changes nothing."""
         self.add(self.check(payload), weight)
 
+    def non_finite(self) -> NonFiniteError:
+        """The refusal of a payload of this sum's tensor that holds NaN or Inf."""
+        return NonFiniteError(f"{self.codec.name} payload for shape {self.shape} holds NaN or Inf values")
+
+    def past_range(self, bound: float, so_far: float) -> CodecError:
+        """The refusal of a summand up to ``bound`` (weighted) that could take a sum up to
+        ``so_far`` of this tensor past float32's range."""
+        return CodecError(f"a summand of magnitude up to {bound:.3g} could take the sum of shape "
+                          f"{self.shape} (up to {so_far:.3g} so far) past float32's range")
+
     def guard(self, bound: float, codes: int = 0) -> None:
         """Refuse (CodecError) a summand that could take the sum past float32's range, or
         its integer codes past uint32. ``bound`` is the summand's, weighted."""
         if self.bound + bound > FLOAT32_MAX:
-            raise CodecError(
-                f"a summand of magnitude up to {bound:.3g} could take the sum of shape "
-                f"{self.shape} (up to {self.bound:.3g} so far) past float32's range"
-            )
+            raise self.past_range(bound, self.bound)
         if self.code_bound + codes > UINT32_MAX:
             raise CodecError(
                 f"{self.codec.name}: {self.compressed_count} summands' codes of shape "
@@ -355,7 +360,6 @@ class _FlatLayout:
         for _, _, count in frames:
             self.spans.append((off, off + count))
             off += count
-        self.size = off
         self.starts = np.array([lo for lo, _ in self.spans], dtype=np.intp)
         # A whole update framed as clients frame it: each tensor's payload size, and where
         # each header and each tensor's values start in the joined payload.
@@ -474,10 +478,8 @@ class UpdateSum:
         # max |x| of each tensor in one reduction (NaN propagates, as in peak).
         bounds = np.maximum.reduceat(np.abs(coords), layout.starts).tolist()
         if not math.isfinite(sum(bounds)):  # (at most n * float32's max: no overflow)
-            i = next(j for j, b in enumerate(bounds) if not math.isfinite(b))
-            acc = self.sums[layout.names[i]]
-            raise NonFiniteError(f"tensor {layout.names[i]!r}: {acc.codec.name} payload for shape {acc.shape} "
-                                 "holds NaN or Inf values")
+            name = next(n for n, b in zip(layout.names, bounds, strict=True) if not math.isfinite(b))
+            raise NonFiniteError(f"tensor {name!r}: {self.sums[name].non_finite()}")
         return CheckedUpdate(coords, bounds, layout)
 
     def _flat_of(self, checked: Mapping[str, CheckedPayload], layout: _FlatLayout) -> CheckedUpdate:
@@ -506,7 +508,7 @@ class UpdateSum:
             raise CodecError(f"a summand's scale must be in (0, 1], got {scale!r}")
         m = w * scale
         if self._layout is not None:
-            self._add_flat(checked if flat else self._flat_of(checked, self._layout), m)  # type: ignore[arg-type]
+            self._add_flat(self._flat_of(checked, self._layout), m)
         else:
             for name, acc in self.sums.items():  # every refusal before any tensor changes
                 try:
@@ -525,14 +527,10 @@ class UpdateSum:
         # Python floats: a handful of them cost less than an array call).
         bounds = [m * b for b in up.bounds]
         grown = [a + b for a, b in zip(self._bounds, bounds, strict=True)]
-        if max(grown) > FLOAT32_MAX:  # refuse before anything changes, as PayloadSum.guard says
+        if max(grown) > FLOAT32_MAX:  # refuse before anything changes, as PayloadSum.guard does
             i = next(j for j, g in enumerate(grown) if g > FLOAT32_MAX)
-            name = self._layout.names[i] if self._layout is not None else str(i)
-            acc = self.sums[name]
-            raise CodecError(
-                f"tensor {name!r}: a summand of magnitude up to {bounds[i]:.3g} could take the sum of shape "
-                f"{acc.shape} (up to {self._bounds[i]:.3g} so far) past float32's range"
-            )
+            name = up._layout.names[i]
+            raise CodecError(f"tensor {name!r}: {self.sums[name].past_range(bounds[i], self._bounds[i])}")
         if self._flat is None:  # a new float64 array: never a view of a caller's buffer
             self._flat = _weighted_copy(up.coords, m)
         else:

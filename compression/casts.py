@@ -129,11 +129,10 @@ class CastCodec(BaseCodec):
         # the header once per shape and append the values (the same bytes as
         # EncodedTensor.to_bytes; a client encodes one payload per tensor per round).
         check_seed(shared_seed)
-        x32 = as_float32(x)
-        values = np.ascontiguousarray(self._to_wire(x32.reshape(-1)))
-        if values.dtype != self._wire:  # not little-endian (a big-endian host): the general path
-            return self.encode_parsed(x32, rng, state, shared_seed)[0].to_bytes(), None
-        return self._frame(x32.shape)[1] + memoryview(values).cast("B"), None  # type: ignore[arg-type]
+        framed = self.encode_framed(x)
+        if framed is None:  # not little-endian (a big-endian host): the general path
+            return self.encode_parsed(as_float32(x), rng, state, shared_seed)[0].to_bytes(), None
+        return framed[0] + framed[1], None
 
     def encode_framed(self, x: np.ndarray) -> tuple[bytes, memoryview] | None:
         """:meth:`encode`'s payload in its two parts, the header and a view of the values

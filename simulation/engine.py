@@ -705,10 +705,10 @@ class Engine:
                 out[i] = device_training(dev.device, dev.clock, policy, planned, per_step, dev.seconds_per_example)
 
         run_devices = getattr(self.backend, "run_devices", None)
-        if run_devices is None or not self.governor or len(plans) < 2 * _DEVICE_BATCH:
-            here(0, len(plans))
-            return [r for r in out if r is not None]
         front, back = 0, len(plans)
+        if run_devices is None or not self.governor or back < 2 * _DEVICE_BATCH:
+            here(front, back)
+            front = back
         away: list[tuple[int, int, Future[list[tuple[float, int, tuple[Any, ...]]]]]] = []
 
         def send() -> None:
@@ -730,7 +730,9 @@ class Engine:
             for i, (secs, steps, snap) in zip(range(lo, hi), fut.result(), strict=True):
                 plans[i][0].device.restore(snap)
                 out[i] = (secs, steps)
-        return [r for r in out if r is not None]
+        done = [r for r in out if r is not None]
+        assert len(done) == len(plans)  # every device ran, here or on the worker
+        return done
 
     # ------------------------------------------------------------------ arrivals, in time order
 
