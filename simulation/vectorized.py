@@ -17,6 +17,14 @@ module with each client's parameters). The result is the same as running
   added to the gradient before weight decay, as TorchTrainer and torch.optim.SGD do);
 - the same metrics: example-weighted running loss and accuracy.
 
+A plain MLP (a ``nn.Linear``, or an ``nn.Sequential`` of ``nn.Linear`` and ``nn.ReLU``
+layers ending in a Linear, on flat features) takes the same steps through
+:func:`_mlp_step`: its forward and backward written out as batched matrix products
+(``baddbmm``/``bmm`` over the client dimension). That is the same arithmetic as vmap's
+(the same products, the same softmax-minus-one-hot gradient), without functorch's
+per-call transforms, which cost more than a 64-64-10 step's arithmetic; any other model
+goes through vmap.
+
 :func:`supports` says when this applies (SGD without momentum, every parameter
 trained, no buffers, no dropout or batch norm, whose behaviour depends on per-call
 randomness or running statistics); anything else takes the per-client path.
@@ -63,6 +71,81 @@ def _loss(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor,
     loss = F.cross_entropy(flat, target)
     correct = (flat.argmax(dim=-1) == target).sum()
     return loss, (loss.detach(), correct)
+
+
+# One step of an MLP's plan: ("linear", weight name, bias name or None) or ("relu", "", None).
+MlpLayer = tuple[str, str, str | None]
+
+
+def _mlp_plan(model: nn.Module, names: Sequence[str]) -> list[MlpLayer] | None:
+    """The layers of a plain MLP whose every parameter is trained (see the module's
+    docstring), in order; None for any other model."""
+    if type(model) is nn.Linear:
+        layers: list[tuple[str, nn.Module]] = [("", model)]
+    elif type(model) is nn.Sequential:
+        layers = list(model.named_children())
+    else:
+        return None
+    if not layers or type(layers[0][1]) is not nn.Linear or type(layers[-1][1]) is not nn.Linear:
+        return None
+    plan: list[MlpLayer] = []
+    for name, layer in layers:
+        prefix = f"{name}." if name else ""
+        if type(layer) is nn.Linear:
+            plan.append(("linear", prefix + "weight", None if layer.bias is None else prefix + "bias"))
+        elif type(layer) is nn.ReLU:
+            plan.append(("relu", "", None))
+        else:
+            return None
+    wanted = [n for kind, w, b in plan if kind == "linear" for n in (w, b) if n is not None]
+    return plan if sorted(wanted) == sorted(names) else None
+
+
+def _mlp_step(plan: Sequence[MlpLayer], params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+              shared: bool) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Every client's gradient of its mean cross-entropy, its loss and its hits, for an
+    MLP ``plan``: ``x`` (C, B, F), ``y`` (C, B); ``params`` stacked (C, ...) or, with
+    ``shared``, one model every client starts from (1, ...)."""
+    c, b = y.shape
+    inputs: list[torch.Tensor] = []  # each Linear's input, for its weight's gradient
+    masks: list[torch.Tensor] = []  # where each ReLU passed its input through
+    h = x
+    for kind, w, bias in plan:
+        if kind == "relu":
+            masks.append(h > 0)
+            h = h.clamp_min(0)
+            continue
+        inputs.append(h)
+        weight = params[w]
+        if shared:  # one product over every client's batch
+            flat = h.reshape(c * b, -1)
+            out = (torch.addmm(params[bias][0], flat, weight[0].t()) if bias is not None
+                   else flat @ weight[0].t())
+            h = out.reshape(c, b, -1)
+        else:
+            h = (torch.baddbmm(params[bias].unsqueeze(1), h, weight.transpose(1, 2)) if bias is not None
+                 else torch.bmm(h, weight.transpose(1, 2)))
+    logp = torch.log_softmax(h, dim=-1)
+    target = y.unsqueeze(-1)
+    loss = -logp.gather(-1, target).squeeze(-1).mean(dim=1)
+    hits = (h.argmax(dim=-1) == y).sum(dim=1)
+    # d(mean cross-entropy)/d(logits) = (softmax - one_hot) / B, per client.
+    g = logp.exp()
+    g.scatter_add_(-1, target, torch.full_like(target, -1, dtype=g.dtype))
+    g.div_(b)
+    grads: dict[str, torch.Tensor] = {}
+    for i, (kind, w, bias) in enumerate(reversed(plan)):
+        if kind == "relu":
+            g = g * masks.pop()
+            continue
+        inp = inputs.pop()
+        grads[w] = torch.bmm(g.transpose(1, 2), inp)
+        if bias is not None:
+            grads[bias] = g.sum(dim=1)
+        if i < len(plan) - 1:  # the first layer's input needs no gradient
+            weight = params[w]
+            g = (g.reshape(c * b, -1) @ weight[0]).reshape(c, b, -1) if shared else torch.bmm(g, weight)
+    return grads, (loss.detach(), hits)
 
 
 def _plan(n: int, config: TrainConfig) -> list[tuple[int, int]]:
@@ -121,8 +204,20 @@ def train_group(trainers: Sequence[TorchTrainer], global_arrays: NDArrays,
     # matrix product over every client's batch instead of C small ones.
     params: dict[str, torch.Tensor] = anchors
     mu, wd, lr = cfg.proximal_mu, cfg.weight_decay, cfg.learning_rate
-    loss_fn = grad(lambda p, x, y: _loss(model, p, x, y), has_aux=True)
-    step_fn, first_fn = vmap(loss_fn), vmap(loss_fn, in_dims=(None, 0, 0))
+    # The written-out MLP step takes flat float features and integer class targets.
+    flat_data = x_all.dim() == 3 and x_all.dtype == torch.float32 and y_all.dim() == 2 and y_all.dtype == torch.int64
+    mlp = _mlp_plan(model, names) if flat_data else None
+    if mlp is not None:
+        def step(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, shared: bool
+                 ) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+            return _mlp_step(mlp, p, x, y, shared)
+    else:
+        loss_fn = grad(lambda p, x, y: _loss(model, p, x, y), has_aux=True)
+        step_fn, first_fn = vmap(loss_fn), vmap(loss_fn, in_dims=(None, 0, 0))
+
+        def step(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, shared: bool
+                 ) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+            return first_fn(g, x, y) if shared else step_fn(p, x, y)
     loss_sum = torch.zeros(c, dtype=torch.float64, device=dev)
     correct = torch.zeros(c, dtype=torch.int64, device=dev)
     seen = 0
@@ -133,7 +228,7 @@ def train_group(trainers: Sequence[TorchTrainer], global_arrays: NDArrays,
         else:
             idx = perms[epoch, :, start:start + cfg.batch_size]  # (C, B)
             x, y = x_all[rows, idx], y_all[rows, idx]
-        grads, (loss, hits) = first_fn(g, x, y) if i == 0 else step_fn(params, x, y)
+        grads, (loss, hits) = step(params, x, y, i == 0)
         with torch.no_grad():
             nxt = {}
             for k, p in params.items():

@@ -97,6 +97,70 @@ def test_vectorized_equals_per_client(cfg: TrainConfig) -> None:
         assert f.metrics["train_accuracy"] == pytest.approx(ref.metrics["train_accuracy"])
 
 
+def test_vmap_path_equals_per_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The digits MLP takes the written-out MLP step; with it turned off, the general vmap
+    # step gives the per-client result too.
+    import orchard.simulation.vectorized as vectorized
+
+    trainers, g = _trainers(12)
+    assert vectorized._mlp_plan(trainers[0].model, trainers[0].trainable) is not None
+    monkeypatch.setattr(vectorized, "_mlp_plan", lambda model, names: None)
+    cfg = TrainConfig(epochs=2, batch_size=8, learning_rate=0.05, weight_decay=1e-3, proximal_mu=0.1)
+    cfgs = [dataclasses.replace(cfg, seed=train_seed(0, 1, i)) for i in range(12)]
+    fast = train_many(trainers, g, cfgs)
+    for t, c, f in zip(_trainers(12)[0], cfgs, fast, strict=True):
+        ref = t.train(g, c)
+        for k in g:
+            np.testing.assert_allclose(f.arrays[k], ref.arrays[k], atol=1e-5, rtol=0)
+        assert f.metrics["train_accuracy"] == pytest.approx(ref.metrics["train_accuracy"])
+
+
+def _mlp_data(n: int, seed: int) -> TensorData:
+    gen = torch.Generator().manual_seed(seed)
+    return TensorData(torch.randn(n, 6, generator=gen), torch.randint(0, 3, (n,), generator=gen))
+
+
+@pytest.mark.parametrize("build", [
+    lambda: nn.Linear(6, 3),
+    lambda: nn.Sequential(nn.Linear(6, 5, bias=False), nn.ReLU(), nn.Linear(5, 4), nn.ReLU(), nn.Linear(4, 3)),
+    lambda: nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.ReLU(), nn.Linear(5, 3, bias=False)),
+])
+def test_mlp_step_equals_per_client(build: object) -> None:
+    import orchard.simulation.vectorized as vectorized
+
+    def trainers() -> list[TorchTrainer]:
+        return [TorchTrainer(build, _mlp_data(14, i), _mlp_data(4, 100 + i), seed=i)  # type: ignore[arg-type]
+                for i in range(9)]
+
+    ts = trainers()
+    assert vectorized._mlp_plan(ts[0].model, ts[0].trainable) is not None
+    g = {k: v.detach().numpy().copy() for k, v in ts[0].model.state_dict().items()}
+    cfg = TrainConfig(epochs=2, batch_size=4, learning_rate=0.3, weight_decay=1e-2, proximal_mu=0.5)
+    cfgs = [dataclasses.replace(cfg, seed=train_seed(3, 2, i)) for i in range(9)]
+    fast = train_many(ts, g, cfgs)
+    for t, c, f in zip(trainers(), cfgs, fast, strict=True):
+        ref = t.train(g, c)
+        assert f.num_steps == ref.num_steps == 8
+        for k in g:
+            np.testing.assert_allclose(f.arrays[k], ref.arrays[k], atol=1e-5, rtol=0)
+        assert f.metrics["train_loss"] == pytest.approx(ref.metrics["train_loss"], abs=1e-5)
+        assert f.metrics["train_accuracy"] == pytest.approx(ref.metrics["train_accuracy"])
+
+
+def test_mlp_step_only_for_plain_mlps() -> None:
+    from orchard.simulation.vectorized import _mlp_plan
+
+    def plan(model: nn.Module, trainable: list[str] | None = None) -> object:
+        return _mlp_plan(model, trainable or [n for n, _ in model.named_parameters()])
+
+    assert plan(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))) == [
+        ("linear", "0.weight", "0.bias"), ("relu", "", None), ("linear", "2.weight", "2.bias")]
+    assert plan(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))) is None  # another activation
+    assert plan(nn.Sequential(nn.Linear(3, 4), nn.ReLU())) is None  # ends in an activation
+    assert plan(nn.Sequential(nn.Flatten(), nn.Linear(3, 2))) is None
+    assert plan(nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2)), ["2.weight", "2.bias"]) is None
+
+
 def test_vectorized_slices_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     # On a CPU a group trains in slices (cache-sized); a client's result is the same
     # whatever slice it is trained in.
