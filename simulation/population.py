@@ -178,12 +178,11 @@ class Population:
 
     def store(self, live: LiveDevice) -> None:
         """Write a device's state back to its row (it leaves the round)."""
-        st = live.device.read()
+        battery, temperature = live.device.levels()
         i = live.index
-        if live.profile.battery and st.battery_percent is not None:
-            self.battery[i] = st.battery_percent
-        if st.temperature_c is not None:
-            self.temperature[i] = st.temperature_c
+        if live.profile.battery:
+            self.battery[i] = battery
+        self.temperature[i] = temperature
         self.updated[i] = live.clock.monotonic()
 
     @staticmethod

@@ -249,3 +249,18 @@ def test_a_restored_snapshot_behaves_as_the_device_it_was_taken_from() -> None:
     assert copy.snapshot() == original.snapshot()
     assert (copy.clock.monotonic(), copy.clock.wall(), copy.clock.slept_s) == (
         original.clock.monotonic(), original.clock.wall(), original.clock.slept_s)
+
+
+def test_levels_are_what_a_reading_reports() -> None:
+    kind = SimulatedDeviceParams(capacity_wh=4.0, battery_percent=90.0, active_power_w=7.5,
+                                 thermal=ThermalParams(tau_s=45.0))
+    a = SimulatedDevice(kind.with_state(37.25, False, 31.5), VirtualClock(start=12.5))
+    b = SimulatedDevice(kind.with_state(37.25, False, 31.5), VirtualClock(start=12.5))
+    for dev in (a, b):
+        dev.work(3.3)
+        dev.clock.advance(77.7)  # idle time the levels catch up, as a reading does
+    battery, temperature = a.levels()
+    state = b.read()
+    assert (battery, temperature) == (state.battery_percent, state.temperature_c)
+    assert battery < 37.25 and temperature > kind.thermal.ambient_c
+    assert a.snapshot() == b.snapshot()  # both caught up the same way
