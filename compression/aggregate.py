@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from orchard.compression.base import BaseCodec, Codec, check_seed, check_shape
+from orchard.compression.casts import CastCodec
 from orchard.compression.errors import NonFiniteError
 from orchard.compression.update import check_names, tensor_seed
 from orchard.compression.wire import EncodedTensor, framed_values
@@ -376,8 +377,6 @@ class _FlatLayout:
         """The layout when every tensor's payload is a linear cast's values (float32), none is
         empty and the update is small (at most ``_FLAT_MAX`` elements: there a tier's cost
         is the calls per tensor, not the work); else None."""
-        from orchard.compression.casts import CastCodec
-
         if type(codec) is not CastCodec or not shapes:
             return None
         frames = []

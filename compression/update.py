@@ -20,6 +20,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from orchard.compression.base import Codec, State, check_seed, check_shape
+from orchard.compression.casts import CastCodec
 from orchard.compression.errors import MalformedPayloadError, UpdateMismatchError
 from orchard.errors import CodecError
 
@@ -67,8 +68,6 @@ def encode_packed(
     joined in ``names`` order: (the joined payload, each tensor's size, the new states).
     A dense cast's payloads are a header and the values each, joined straight into the
     one buffer (the same bytes, without a payload object per tensor)."""
-    from orchard.compression.casts import CastCodec  # (casts imports this module's neighbours)
-
     if type(codec) is CastCodec and list(arrays) == names:
         check_seed(shared_seed)
         parts: list[bytes | memoryview] = []

@@ -438,7 +438,7 @@ class SimulatedDevice:
         without building the whole reading (a simulator puts thousands of devices away
         a round this way)."""
         self._catch_up()
-        return 100.0 * self._battery_j / self._capacity_j, self._temp
+        return self.battery_percent, self._temp
 
     def work(self, units: float) -> float:
         """Run ``units`` of work at active power; advances the clock. Returns seconds taken."""

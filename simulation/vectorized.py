@@ -145,7 +145,7 @@ def _mlp_step(plan: Sequence[MlpLayer], params: dict[str, torch.Tensor], x: torc
         if i < len(plan) - 1:  # the first layer's input needs no gradient
             weight = params[w]
             g = (g.reshape(c * b, -1) @ weight[0]).reshape(c, b, -1) if shared else torch.bmm(g, weight)
-    return grads, (loss.detach(), hits)
+    return grads, (loss, hits)
 
 
 def _plan(n: int, config: TrainConfig) -> list[tuple[int, int]]:
