@@ -39,7 +39,7 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 
 typecheck: $(STAMP)
-	$(BIN)/mypy orchard server client aggregation compression secure_agg
+	$(BIN)/mypy orchard server client aggregation compression secure_agg edge_runtime simulation pretrain tasks
 
 proto: $(STAMP)
 	$(BIN)/python -m orchard.protogen

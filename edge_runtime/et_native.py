@@ -208,7 +208,7 @@ class NativeMethod:
         if nbytes == 0:
             return np.empty(shape, dt)
         buf = (C.c_uint8 * nbytes).from_address(int(data.value or 0))
-        return np.frombuffer(buf, dtype=dt).reshape(shape)
+        return np.frombuffer(memoryview(buf), dtype=dt).reshape(shape)
 
     @property
     def outputs(self) -> list[np.ndarray | int]:

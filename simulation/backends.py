@@ -208,7 +208,8 @@ class RayBackend:
                 return run_jobs(self.task, population, self.cfg, self.codec, arrays, jobs, vectorize, starts)
 
         cfg_json = cfg.model_dump_json()
-        self._actors = [_Worker.remote(cfg_json) for _ in range(workers)]
+        # ray.remote turned the class into an actor class, with .remote (unknown to mypy).
+        self._actors = [_Worker.remote(cfg_json) for _ in range(workers)]  # type: ignore[attr-defined]
         self._next = 0
         self._arrays_ref: Any = None
         self._arrays_id: int | None = None

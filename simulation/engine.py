@@ -409,8 +409,8 @@ class Engine:
             self.in_flight = keep
             heapq.heapify(self.in_flight)
         for node in list(self.silent):
-            a = self.root.cr.assignments.get(node) if self.root.cr is not None else None
-            if a is None or rnd - a.round > S:
+            held = self.root.cr.assignments.get(node) if self.root.cr is not None else None
+            if held is None or rnd - held.round > S:
                 del self.silent[node]
                 self._release(node, self.busy.pop(node))
 
@@ -713,6 +713,7 @@ class Engine:
 
         def send() -> None:
             nonlocal back
+            assert run_devices is not None  # only sent to a backend that runs devices
             lo = max(front, back - _DEVICE_BATCH)
             batch = [(dev.kind, dev.device.snapshot(), policy, planned, per_step, dev.seconds_per_example)
                      for dev, policy, planned, per_step in plans[lo:back]]
@@ -929,10 +930,10 @@ class Engine:
 
     def _event(self, kind: str, obj: Any, events: list, seq: Any, stats: SimulatedCounts) -> None:
         if kind == "partial":
-            tier, header, payload = obj
-            parent = tier.parent
+            below, header, payload = obj
+            parent = below.parent
             try:
-                parent.coord.upload_now(tier.name, header, payload)
+                parent.coord.upload_now(below.name, header, payload)
             except OrchardError as err:
                 name = type(err).__name__
                 stats.rejected[name] = stats.rejected.get(name, 0) + 1

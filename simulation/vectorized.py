@@ -52,7 +52,8 @@ _STATEFUL_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.Al
 
 def supports(trainer: object, config: TrainConfig) -> bool:
     """Whether ``trainer`` can train through the vectorised path with ``config``."""
-    if type(trainer) is not TorchTrainer:
+    # Exactly a TorchTrainer: a subclass may train differently.
+    if not isinstance(trainer, TorchTrainer) or type(trainer) is not TorchTrainer:
         return False
     if config.optimizer.lower() != "sgd" or config.momentum != 0.0:
         return False
