@@ -21,6 +21,7 @@ from orchard.compression import build_codec
 from orchard.config import RunConfig
 from orchard.errors import ConfigError, OrchardError
 from orchard.simulation.clients import ClientJob, ClientOutput, PackedOutputs, run_jobs
+from orchard.simulation.heap import keep_freed_memory
 from orchard.tasks import Task, get_task
 from orchard.typing import NDArrays
 
@@ -70,6 +71,7 @@ def _process_init(task_name: str, task_params: dict[str, Any], cfg_json: str, po
                   vectorize: bool, device: str = "cpu") -> None:
     import torch
 
+    keep_freed_memory()  # as the engine: pickled batches of outputs reuse the heap
     torch.set_num_threads(1)
     cfg = RunConfig.model_validate_json(cfg_json)
     _WORKER.update(task=get_task(task_name, **task_params), cfg=cfg, codec=build_codec(cfg.codec),
@@ -198,6 +200,7 @@ class RayBackend:
             def __init__(self, cfg_json: str) -> None:
                 import torch
 
+                keep_freed_memory()
                 torch.set_num_threads(1)
                 self.cfg = RunConfig.model_validate_json(cfg_json)
                 self.task = get_task(task_name, **task_params)

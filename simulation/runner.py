@@ -20,6 +20,7 @@ from orchard.simulation.backends import make_backend
 from orchard.simulation.config import SimulationConfig, simulation_problems
 from orchard.simulation.engine import Engine
 from orchard.simulation.gcpause import cyclic_gc_paused
+from orchard.simulation.heap import keep_freed_memory
 from orchard.simulation.population import Population
 from orchard.simulation.report import SimulationReport, append_round, write_report
 from orchard.tasks import get_task
@@ -54,6 +55,7 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
     if problems:
         raise ConfigError(problems)
     run = cfg.run_config()
+    keep_freed_memory()  # this process and each worker reuse their freed blocks (simulation.heap)
     task = get_task(run.task, **run.task_params)
     if cfg.runtime == "executorch":  # clients train through the task's ExecuTorch program
         from orchard.edge_runtime.et_task import ExecuTorchTask
