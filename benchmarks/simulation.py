@@ -11,6 +11,10 @@ and then ``--rounds`` measured rounds, and reports:
   process's CPU time instead (with the process backend, the workers' CPU is not in it:
   it measures the engine's critical path), which is what to compare on a loaded host;
 - seconds_per_round: mean wall seconds of a measured round;
+- phase_seconds_per_round: the engine's own account of a measured round (the round
+  record's ``phase_seconds``, mean per round): check-in, opening the tiers and
+  selecting, dispatch (and the device models within it), arrivals (training, uploads,
+  folds), leaving; wall seconds in the engine process, printed under the table;
 - peak_rss_mib: the engine process's peak resident set (``resource.getrusage``); with
   the process backend each worker's peak is reported too (``worker_peak_rss_mib``).
 
@@ -90,6 +94,11 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
     secs = sum(r["seconds"] for r in measured)
     cpu = sum(r["cpu_seconds"] for r in measured)
     trained = sum(r["trained"] for r in measured)
+    # The engine's own account of where a measured round's wall time went (mean per round).
+    phases: dict[str, float] = {}
+    for r in measured:
+        for k, v in r.get("phase_seconds", {}).items():
+            phases[k] = phases.get(k, 0.0) + v / len(measured)
     import orchard.simulation.engine as engine_module
 
     return {
@@ -111,6 +120,7 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
         "seconds_per_round": round(secs / len(measured), 3),
         "cpu_seconds_per_round": round(cpu / len(measured), 3),
         "simulated_seconds_per_round": round(sum(r["simulated_seconds"] for r in measured) / len(measured), 2),
+        "phase_seconds_per_round": {k: round(v, 3) for k, v in phases.items()},
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         # The largest worker's peak (workers have exited: run_simulation closed the backend).
         "worker_peak_rss_mib": (round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)
@@ -205,6 +215,13 @@ def _spawn(args: dict[str, Any], env: dict[str, str] | None = None) -> dict[str,
         return {"path": "vectorized" if args["vectorize"] else "per-client", "status": "failed",
                 "clients_per_round": args["clients_per_round"], "error": out.stderr[-2000:]}
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _phases(p: dict[str, float]) -> str:
+    """The engine's round, step by step (wall seconds per round, this process only)."""
+    return (f"engine s/round: check-in {p.get('check_in', 0):.2f}, open and select {p.get('open', 0):.2f}, "
+            f"dispatch {p.get('dispatch', 0):.2f} (device models {p.get('device_models', 0):.2f}), "
+            f"arrivals {p.get('arrivals', 0):.2f}, leave {p.get('leave', 0):.2f}")
 
 
 def _fmt(v: Any, width: int, digits: int) -> str:
@@ -410,6 +427,9 @@ def main() -> None:
                 print(f"vectorized/per-client at {r['clients_per_round']} per round: "
                       f"{r['clients_per_second'] / base_cps:.1f}x wall, "
                       f"{r['cpu_clients_per_second'] / base_cpu:.1f}x CPU")
+    for r in rows:
+        if r.get("phase_seconds_per_round"):
+            print(f"{r['path']} at {r['clients_per_round']} per round, {_phases(r['phase_seconds_per_round'])}")
     for r in rows:
         if r.get("path") == "flower" and "clients_per_second" in r:
             pss = f", PSS {r['peak_pss_mib']:.0f} MiB" if r.get("peak_pss_mib") else ""

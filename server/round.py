@@ -125,6 +125,9 @@ class SimulatedCounts:
     failed_clients: int = 0
     simulated_seconds: float = 0.0
     rejected: dict[str, int] = field(default_factory=dict)  # client uploads refused, by error
+    # Wall seconds of a synchronous round's steps in the simulating process (Engine.round):
+    # where its time went, for whoever tunes the simulator.
+    phase_seconds: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -184,4 +187,6 @@ class RoundRecord:
             d.update(checked_in=s.checked_in, trained=s.trained, late=s.late, vanished=s.vanished,
                      stopped_by_governor=s.stopped_by_governor, stopped_early=s.stopped_early,
                      failed_clients=s.failed_clients, simulated_seconds=s.simulated_seconds)
+            if s.phase_seconds:
+                d["phase_seconds"] = dict(s.phase_seconds)
         return d

@@ -59,6 +59,7 @@ import hashlib
 import heapq
 import itertools
 import math
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -218,6 +219,7 @@ class Engine:
         self._ahead: dict[int, ClientOutput] = {}
         self._ahead_parts: set[int] = set()
         self._policies: dict[tuple[int, float], DevicePolicy] = {}  # device policies by (steps, seconds)
+        self._device_seconds = 0.0  # this round's wall seconds in _device_models
 
     def _tier(self, name: str, parent: Tier | None, depth: int) -> Tier:
         h = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
@@ -250,9 +252,13 @@ class Engine:
         self.round_cfg = cfg
         stats = SimulatedCounts()
         t_open = self.time.t
+        clock = time.perf_counter
+        t0 = clock()
+        self._device_seconds = 0.0
         blob = wire.arrays_to_blob(arrays)
         live = self._check_in(rnd, attempt, stats)
         self._report_pools()
+        t1 = clock()
         task = root_task(self.run_id, rnd, attempt, cfg, self.config_json if config is None else cfg.model_dump_json(),
                          arrays, blob, sha256_hex(blob), self.time.wall(), noise_stddev)
         schema, shared_seed = task.schema, task.shared_seed
@@ -260,15 +266,26 @@ class Engine:
             t.reset()
         self.root.cr = self.root.coord.open_round(task)
         self._open_below(self.root, blob)
+        t2 = clock()
         starts: dict[str, tuple[bytes, NDArrays]] = {}  # downlink reconstructions, by sha256
         arrivals = self._dispatch(live, blob, schema, shared_seed, stats, starts, ahead_of=arrays)
+        t3 = clock()
         self._secure_answer_all()  # the key stages, while the clients train
         self._process(arrivals, arrays, stats, {k: v[1] for k, v in starts.items()})
         for t in self.tiers():
             if t.cr is not None and not t.cr.closed:
                 t.coord.close_round(t.cr, "simulation round over")
         out = self.root.coord.outcome(self.root.cr)
+        t4 = clock()
         self._leave(live)
+        stats.phase_seconds = {
+            "check_in": round(t1 - t0, 4),  # devices polled, caught up, checked and joined
+            "open": round(t2 - t1, 4),  # the root's task, every tier opened and its cohort selected
+            "dispatch": round(t3 - t2, 4),  # assignments, downloads and the device models
+            "device_models": round(self._device_seconds, 4),  # of dispatch: the governors' runs
+            "arrivals": round(t4 - t3, 4),  # training, uploads and folds, in time order
+            "leave": round(clock() - t4, 4),  # devices back into the population
+        }
         need = math.ceil(cfg.cohort.target * cfg.cohort.min_fraction)
         ok = out.partial.count >= need and out.partial.weight > 0
         rec = RoundRecord.from_outcome(out, RoundStatus.COMPLETED if ok else RoundStatus.FAILED)
@@ -691,6 +708,13 @@ class Engine:
         works from the front, the worker from the back, until they meet. A device's result
         is a pure function of its state, policy and plan, so where it ran changes nothing;
         a device run elsewhere comes back as a snapshot of its new state."""
+        start = time.perf_counter()
+        try:
+            return self._run_device_models(todo)
+        finally:
+            self._device_seconds += time.perf_counter() - start
+
+    def _run_device_models(self, todo: list[tuple[LiveDevice, int, float]]) -> list[tuple[float, int]]:
         tc = self.run.train
         plans: list[tuple[LiveDevice, DevicePolicy | None, int, int]] = []
         for dev, planned, time_left_s in todo:

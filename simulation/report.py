@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 # Per-round fields that depend on the host (wall time), not on the seed.
-WALL_FIELDS = ("seconds", "cpu_seconds", "eval_seconds", "clients_per_second")
+WALL_FIELDS = ("seconds", "cpu_seconds", "eval_seconds", "clients_per_second", "phase_seconds")
 
 
 @dataclass

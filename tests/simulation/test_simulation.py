@@ -679,3 +679,18 @@ def test_a_jobs_train_config_is_the_runs_with_its_seed_and_steps() -> None:
     assert [f.name for f in dataclasses.fields(TrainConfig)] == [
         "epochs", "steps", "batch_size", "learning_rate", "optimizer", "momentum", "weight_decay", "proximal_mu",
         "seed", "extra"]
+
+
+def test_a_round_records_where_its_time_went(tmp_path) -> None:
+    # The engine's account of a synchronous round: every step's wall seconds, the device
+    # models inside dispatch, and no more than the round took.
+    cfg = SimulationConfig(clients=200, clients_per_round=20, rounds=2, aggregators=2, evaluate_every=0,
+                           progress=False, out=tmp_path, run=RunConfig(task="digits"))
+    report = run_simulation(cfg)
+    for r in report.rounds:
+        p = r["phase_seconds"]
+        assert set(p) == {"check_in", "open", "dispatch", "device_models", "arrivals", "leave"}
+        assert all(v >= 0 for v in p.values())
+        assert p["device_models"] <= p["dispatch"]
+        steps = sum(v for k, v in p.items() if k != "device_models")
+        assert 0 < steps <= r["seconds"] + 1e-3
