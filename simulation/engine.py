@@ -219,7 +219,7 @@ class Engine:
         self._ahead: dict[int, ClientOutput] = {}
         self._ahead_parts: set[int] = set()
         self._policies: dict[tuple[int, float], DevicePolicy] = {}  # device policies by (steps, seconds)
-        self._device_seconds = 0.0  # this round's wall seconds in _device_models
+        self._device_seconds = 0.0  # the last dispatch's wall seconds in _device_models
 
     def _tier(self, name: str, parent: Tier | None, depth: int) -> Tier:
         h = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
@@ -254,7 +254,6 @@ class Engine:
         t_open = self.time.t
         clock = time.perf_counter
         t0 = clock()
-        self._device_seconds = 0.0
         blob = wire.arrays_to_blob(arrays)
         live = self._check_in(rnd, attempt, stats)
         self._report_pools()
@@ -572,8 +571,10 @@ class Engine:
                 dev.clock.advance(max(0.0, t_open + down_s - dev.clock.monotonic()))
                 picked.append((leaf, node, a, dev, start, down_s, self._planned_steps(part), fates[drawn]))
                 drawn += 1
+        started = time.perf_counter()
         trained = self._device_models([(dev, planned, a.deadline_unix - self.time.wall() - down_s)
                                        for _, _, a, dev, _, down_s, planned, _ in picked])
+        self._device_seconds = time.perf_counter() - started  # (a round's phase_seconds)
         arrivals: list[Arrival] = []
         for (leaf, node, a, dev, start, down_s, planned, (fate, when)), (train_s, steps) in zip(
                 picked, trained, strict=True):
@@ -708,13 +709,6 @@ class Engine:
         works from the front, the worker from the back, until they meet. A device's result
         is a pure function of its state, policy and plan, so where it ran changes nothing;
         a device run elsewhere comes back as a snapshot of its new state."""
-        start = time.perf_counter()
-        try:
-            return self._run_device_models(todo)
-        finally:
-            self._device_seconds += time.perf_counter() - start
-
-    def _run_device_models(self, todo: list[tuple[LiveDevice, int, float]]) -> list[tuple[float, int]]:
         tc = self.run.train
         plans: list[tuple[LiveDevice, DevicePolicy | None, int, int]] = []
         for dev, planned, time_left_s in todo:
