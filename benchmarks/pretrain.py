@@ -9,6 +9,12 @@ the same AdamW, clipping and LR schedule, one process. They run interleaved in b
 their tokens/s is the recipe's overhead (target >= 0.95). Because the math is the same,
 their losses must agree too, which the table reports.
 
+With ``--profile N`` the recipe's step is also traced with ``torch.profiler`` for N steps
+after the timed blocks: the table of the kernels that took the most device time, and how
+the step's device time splits into matrix products, attention, fused elementwise work
+and the optimizer, against the steps' wall time (the device's idle share is the host's
+overhead), printed and written beside the JSON.
+
 Then the resume check: an uninterrupted ``run()`` against one stopped half-way
 (checkpointed through DCP) and resumed; the largest loss difference should be 0 on CPU.
 
@@ -108,12 +114,70 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# Kernel names by kind, for the profile's summary (first match wins; the rest is "other").
+KERNEL_KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("attention", ("flash", "fmha", "attention", "cudnn")),
+    ("matmul", ("gemm", "xmma", "cutlass", "nvjet", "matmul", "sm90_")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("fused (triton)", ("triton",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KERNEL_KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+def profile_steps(c: Components, loader: Any, steps: int) -> dict[str, Any]:
+    """Trace ``steps`` recipe steps: device time per kernel kind, the busiest kernels, and
+    the device's busy share of the steps' wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if c.env.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        t = time.perf_counter()
+        pending = [train_step(c, next(loader)) for _ in range(steps)]
+        torch.stack(pending).cpu()
+        _sync(c.env.device)
+        wall = time.perf_counter() - t
+    events = prof.key_averages()
+    kinds: dict[str, float] = {}
+    kernels = []
+    for e in events:
+        dev_us = float(getattr(e, "self_device_time_total", 0.0))
+        if dev_us <= 0 or e.device_type != torch.autograd.DeviceType.CUDA or "#" in e.key:
+            continue  # ("Optimizer.step#AdamW.step" and the like span kernels counted apart)
+        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + dev_us / 1e3 / steps
+        kernels.append((dev_us / 1e3 / steps, e.count // steps, e.key))
+    kernels.sort(reverse=True)
+    busy_ms = sum(kinds.values())
+    return {
+        "profile_steps": steps,
+        "profile_wall_ms_per_step": 1e3 * wall / steps,
+        "profile_device_ms_per_step": busy_ms,
+        "profile_device_busy": busy_ms / (1e3 * wall / steps) if wall else None,
+        "profile_ms_per_step_by_kind": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+        "profile_top_kernels": [
+            {"ms_per_step": round(ms, 3), "calls_per_step": n, "kernel": k[:160]}
+            for ms, n, k in kernels[:25]
+        ],
+        "profile_table": events.table(sort_by="self_cuda_time_total", row_limit=30)
+        if c.env.device.type == "cuda"
+        else events.table(sort_by="self_cpu_time_total", row_limit=30),
+    }
+
+
 def compare_loops(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     cfg = make_config(args, workdir / "loops", log_every=args.block)
     env = distributed.setup(cfg.device, need_group=False)
     c = build(cfg, env)
     plain = PlainLoop(c)
-    total = args.warmup + args.rounds * args.block
+    total = args.warmup + args.rounds * args.block + args.profile
     loader = iter(Prefetcher(c.sampler, 0, total, 1, env.device, cfg.data.prefetch))
     recipe_losses: list[torch.Tensor] = []
     plain_losses: list[torch.Tensor] = []
@@ -145,6 +209,7 @@ def compare_loops(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         for block in order:
             block(first, args.block, timed=True)
 
+    profiled = profile_steps(c, loader, args.profile) if args.profile else {}
     tokens = args.rounds * args.block * c.tokens_per_step
     peak = peak_flops(env.device, args.peak_flops)
     out = {
@@ -161,6 +226,12 @@ def compare_loops(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     out["ratio_vs_plain_loop"] = out["recipe_tokens_per_s"] / out["plain_tokens_per_s"]
     out["recipe_mfu"] = mfu(out["recipe_tokens_per_s"], c.flops_per_token, peak)
     out["plain_mfu"] = mfu(out["plain_tokens_per_s"], c.flops_per_token, peak)
+    out["flops_per_token"] = c.flops_per_token
+    out["peak_flops"] = peak
+    out["peak_memory_gib_both_loops"] = (
+        torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else None
+    )
+    out.update(profiled)
     distributed.teardown(env)
     return out
 
@@ -168,7 +239,12 @@ def compare_loops(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 def resume_check(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     steps = args.resume_steps
     extra = {"steps": steps, "log_every": steps}  # losses are kept per step either way
+    cuda = args.device == "cuda"
+    if cuda:  # the recipe's own peak, one model resident
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     full = run(make_config(args, workdir / "full", **extra))
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     first = run(make_config(args, workdir / "split", stop_after=steps // 2, **extra))
     second = run(make_config(args, workdir / "split", **extra))
     resumed = first.losses + second.losses
@@ -179,6 +255,8 @@ def resume_check(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             abs(a - b) for a, b in zip(full.losses, resumed, strict=True)
         ),
         "run_tokens_per_s": full.tokens_per_s,
+        "run_mfu": full.mfu,
+        "run_peak_memory_gib": peak_gib,
     }
 
 
@@ -199,7 +277,11 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per loop first")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
     p.add_argument("--block", type=int, default=5, help="steps per loop per round")
-    p.add_argument("--resume-steps", type=int, default=10)
+    p.add_argument("--resume-steps", type=int, default=10, help="0: no resume check")
+    p.add_argument(
+        "--profile", type=int, default=0, metavar="N",
+        help="trace N more recipe steps with torch.profiler and summarise where device time went",
+    )
     p.add_argument("--peak-flops", type=float, default=None, help="per device, for MFU on CPU")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
@@ -219,7 +301,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         try:
             loops = compare_loops(args, Path(tmp))
-            resume = resume_check(args, Path(tmp))
+            resume = resume_check(args, Path(tmp)) if args.resume_steps else {}
         except torch.OutOfMemoryError:
             console.print(
                 f"[red]out of device memory at batch size {args.batch_size}[/red] (two copies "
@@ -261,13 +343,28 @@ def main() -> None:
     table.add_row(
         "max |loss diff| recipe vs plain", f"{loops['max_abs_loss_diff_vs_plain']:.2e}", ""
     )
-    table.add_row(
-        f"max |loss diff| resumed@{resume['resume_stopped_at']} vs uninterrupted",
-        f"{resume['resume_max_abs_loss_diff']:.2e}",
-        "",
-    )
-    table.add_row("run() tokens/s (end to end)", f"{resume['run_tokens_per_s']:,.0f}", "")
+    if resume:
+        table.add_row(
+            f"max |loss diff| resumed@{resume['resume_stopped_at']} vs uninterrupted",
+            f"{resume['resume_max_abs_loss_diff']:.2e}",
+            "",
+        )
+        table.add_row("run() tokens/s (end to end)", f"{resume['run_tokens_per_s']:,.0f}", "")
+    if resume.get("run_peak_memory_gib") is not None:
+        table.add_row("run() peak device memory", f"{resume['run_peak_memory_gib']:.1f} GiB", "")
     console.print(table)
+    if args.profile:
+        print(loops["profile_table"])
+        busy = loops["profile_device_busy"] if gpu else None
+        console.print(
+            f"profile over {args.profile} recipe steps: {loops['profile_wall_ms_per_step']:.1f} ms "
+            f"a step, device busy {loops['profile_device_ms_per_step']:.1f} ms"
+            + (f" ({100 * busy:.0f}%)" if busy is not None else "")
+        )
+        for kind, ms in loops["profile_ms_per_step_by_kind"].items():
+            console.print(f"  {kind:<16} {ms:8.2f} ms a step")
+        if args.json:
+            args.json.with_suffix(".profile.txt").write_text(loops["profile_table"])
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
 

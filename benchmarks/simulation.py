@@ -49,7 +49,11 @@ On a GPU (``--device cuda``): the vectorised path on cuda against the CPU path i
 run, for the digits MLP and the MNIST CNN at 100,000 clients per round, with the largest
 difference between the two global models.
 
-    python benchmarks/simulation.py --device cuda [--per-round 100000] [--json PATH]
+    python benchmarks/simulation.py --device cuda [--per-round 100000] [--check-per-round 5000] [--json PATH]
+
+``--check-per-round`` runs the CPU baseline and the model comparison at a smaller size
+(the device also runs it, so the two models come from one configuration), for hosts where
+the CPU path at 100,000 clients per round would take too long.
 """
 
 from __future__ import annotations
@@ -91,6 +95,11 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
 
         np.savez(save, **report.final_arrays)
     measured = report.rounds[1:]
+    if len(measured) < rounds or any(r.get("status") == "failed" for r in measured):
+        raise SystemExit(f"only {len(report.rounds)} of {rounds + 1} rounds ran, statuses "
+                         f"{[r.get('status') for r in report.rounds]}: a round fails when fewer than "
+                         f"{clients_per_round} of the {population} devices check in (use a population of "
+                         "a few times the clients per round)")
     secs = sum(r["seconds"] for r in measured)
     cpu = sum(r["cpu_seconds"] for r in measured)
     trained = sum(r["trained"] for r in measured)
@@ -278,37 +287,57 @@ def _against(a: argparse.Namespace) -> None:
 
 
 def _devices(a: argparse.Namespace) -> None:
-    """The vectorised path on ``a.device`` against the CPU path, same run, per task: clients
-    per second, and the largest difference between the two global models."""
+    """The vectorised path on ``a.device`` against the CPU path, same run, per task.
+
+    At ``--per-round`` the device's clients/s; at ``--check-per-round`` (default: the
+    same size) the device and the CPU path run the same configuration, which gives the
+    CPU's clients/s (the ratio's baseline) and the largest difference between the two
+    global models. A smaller check size is for hosts where the CPU path would take too long
+    at the headline size (the MNIST CNN on a CPU trains ~100 clients/s per worker)."""
     import numpy as np
 
-    rows = []
+    n, check = a.per_round[0], a.check_per_round or a.per_round[0]
+    rows: list[dict[str, Any]] = []
+
+    def case(task: str, device: str, per_round: int, save: str | None) -> dict[str, Any]:
+        # A device is online with some probability: the population is 3x the round's size
+        # (at least), so that a round fills.
+        r = _spawn(dict(clients_per_round=per_round, population=max(a.population, 3 * per_round),
+                        aggregators=max(1, per_round // 250), rounds=a.rounds, vectorize=True,
+                        governor=not a.no_governor, workers=a.workers, backend=a.backend, task=task,
+                        device=device, save=save))
+        if "clients_per_second" not in r:
+            raise SystemExit(f"{task} on {device} at {per_round} per round failed:\n{r.get('error', '')}")
+        print(f"  {task} on {device}, {per_round} per round: {r['clients_per_second']:,.0f} clients/s "
+              f"({r['seconds_per_round']:.2f} s/round)", flush=True)
+        return r
+
     with tempfile.TemporaryDirectory(prefix="orchard-device-") as tmp:
-        for task in ("digits", "mnist"):
-            models = {}
-            for device in (a.device, "cpu"):
-                path = str(Path(tmp) / f"{task}-{device}.npz")
-                r = _spawn(dict(clients_per_round=a.per_round[0], population=a.population,
-                                aggregators=max(1, a.per_round[0] // 250), rounds=a.rounds, vectorize=True,
-                                governor=not a.no_governor, workers=a.workers, backend=a.backend, task=task,
-                                device=device, save=path))
-                if "clients_per_second" not in r:
-                    raise SystemExit(f"{task} on {device} failed:\n{r.get('error', '')}")
-                rows.append(r)
-                models[device] = dict(np.load(path))
+        for task in a.tasks:
+            paths = {d: str(Path(tmp) / f"{task}-{d}.npz") for d in (a.device, "cpu")}
+            headline = case(task, a.device, n, paths[a.device] if check == n else None)
+            pair = [headline] if check == n else [case(task, a.device, check, paths[a.device])]
+            pair.append(case(task, "cpu", check, paths["cpu"]))
+            models = {d: dict(np.load(p)) for d, p in paths.items()}
             diff = max(float(np.abs(models[a.device][k] - models["cpu"][k]).max()) for k in models["cpu"])
-            rows[-2]["max_abs_diff_vs_cpu"] = diff
+            cpu = pair[-1]
+            for r in ([headline] if check != n else []) + pair:
+                r["x_cpu"] = r["clients_per_second"] / cpu["clients_per_second"]
+            pair[0]["max_abs_diff_vs_cpu"] = diff
+            rows += ([headline] if check != n else []) + pair
     print(f"{'task':<8} {'device':<6} {'per round':>9} {'clients/s':>10} {'s/round':>8} {'x cpu':>7} {'max |diff|':>11}")
-    for i in range(0, len(rows), 2):
-        dev, cpu = rows[i], rows[i + 1]
-        for r in (dev, cpu):
-            ratio = r["clients_per_second"] / cpu["clients_per_second"]
-            diff = r.get("max_abs_diff_vs_cpu")
-            print(f"{r['task']:<8} {r['device']:<6} {r['clients_per_round']:>9} {r['clients_per_second']:>10.0f} "
-                  f"{r['seconds_per_round']:>8.2f} {ratio:>7.2f} {'-' if diff is None else format(diff, '.2e'):>11}")
+    for r in rows:
+        diff = r.get("max_abs_diff_vs_cpu")
+        print(f"{r['task']:<8} {r['device']:<6} {r['clients_per_round']:>9} {r['clients_per_second']:>10.0f} "
+              f"{r['seconds_per_round']:>8.2f} {r['x_cpu']:>7.2f} {'-' if diff is None else format(diff, '.2e'):>11}")
+        if r.get("phase_seconds_per_round"):
+            print(f"{'':<8} {_phases(r['phase_seconds_per_round'])}")
+    print("x cpu: against the CPU path at the check size, same task; max |diff|: the two global "
+          "models at the check size")
     if a.json_path:
         with open(a.json_path, "w") as f:
-            json.dump({"device": a.device, "cases": rows, "population": a.population}, f, indent=2)
+            json.dump({"device": a.device, "per_round": n, "check_per_round": check, "cases": rows,
+                       "population": a.population, "workers": a.workers}, f, indent=2)
 
 
 def main() -> None:
@@ -339,6 +368,11 @@ def main() -> None:
     ap.add_argument("--device", default=None, choices=["cuda", "cpu"],
                     help="the vectorised path on a GPU against the CPU path, digits and MNIST, at --per-round "
                          "(default 100000 here)")
+    ap.add_argument("--tasks", nargs="+", default=["digits", "mnist"], choices=["digits", "mnist"],
+                    help="with --device: the tasks to measure")
+    ap.add_argument("--check-per-round", type=int, default=None,
+                    help="with --device: clients per round of the CPU baseline and the model check "
+                         "(default: --per-round)")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.case:
@@ -350,7 +384,6 @@ def main() -> None:
     if a.device:
         if a.per_round == [1000, 10_000]:  # the default: the GPU case's own size
             a.per_round = [100_000]
-        a.population = max(a.population, a.per_round[0])
         _devices(a)
         return
     per_round = [1000] if a.quick else a.per_round

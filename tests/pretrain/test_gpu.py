@@ -43,3 +43,17 @@ def test_known_gpus_have_a_peak() -> None:
     name = torch.cuda.get_device_name()
     if any(key in name for key, _ in PEAK_BF16_FLOPS):
         assert peak_flops(torch.device("cuda")) is not None
+
+
+def test_cuda_resume_from_a_checkpoint_follows_the_uninterrupted_losses(tmp_path, tiny_config) -> None:
+    # The DCP checkpoint is written from the GPU mid-run and read back by a new run, which
+    # must continue the uninterrupted run's losses. Same kernels on the same inputs give the
+    # same floats; the tolerance is for attention kernels that accumulate in any order.
+    full = run(tiny_config(tmp_path / "full", device="cuda", steps=12, log_every=1))
+    first = run(tiny_config(tmp_path / "split", device="cuda", steps=12, log_every=1, stop_after=5))
+    assert (first.step, first.stopped_by) == (5, "stop_after")
+    second = run(tiny_config(tmp_path / "split", device="cuda", steps=12, log_every=1))
+    assert second.start_step == 5 and second.finished
+    resumed = first.losses + second.losses
+    assert len(resumed) == len(full.losses) == 12
+    assert max(abs(a - b) for a, b in zip(full.losses, resumed, strict=True)) <= 1e-3

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -36,3 +41,21 @@ def test_the_cuda_path_gives_the_cpu_model_within_float_tolerance() -> None:
     gpu = run_simulation(SimulationConfig.model_validate(_cfg("cuda")["simulation"]))
     for k, v in cpu.final_arrays.items():
         np.testing.assert_allclose(gpu.final_arrays[k], v, rtol=1e-4, atol=1e-5)
+
+
+def test_device_benchmark_measures_the_headline_and_checks_at_a_smaller_size(tmp_path) -> None:
+    # benchmarks/simulation.py --device: the headline size on the device, and the device
+    # against the CPU at --check-per-round (here both on the CPU, so the models agree exactly).
+    out = tmp_path / "device.json"
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "simulation.py"
+    args = ["--device", "cpu", "--tasks", "digits", "--per-round", "60", "--check-per-round", "30",
+            "--rounds", "1", "--population", "200", "--backend", "local", "--json", str(out)]
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert (got["per_round"], got["check_per_round"]) == (60, 30)
+    sizes = [(c["device"], c["clients_per_round"]) for c in got["cases"]]
+    assert sizes == [("cpu", 60), ("cpu", 30), ("cpu", 30)]
+    assert got["cases"][1]["max_abs_diff_vs_cpu"] == 0.0 and got["cases"][2]["x_cpu"] == 1.0
+    # A round fills: the population is at least three times the round's size.
+    assert all(c["population"] >= 3 * c["clients_per_round"] for c in got["cases"])
