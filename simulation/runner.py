@@ -42,6 +42,21 @@ def _flops_per_example(task: Any, arrays: dict[str, np.ndarray]) -> float:
     return 6.0 * n
 
 
+def _failure(rnd: int, rec: dict[str, Any], cfg: SimulationConfig) -> str:
+    """Why the run stopped at a round that failed every attempt, and what to change when
+    too few devices checked in for the round to fill."""
+    reason = str(rec.get("reason", "too few updates")).removesuffix("; round retried")
+    attempts = int(rec.get("attempt", 0)) + 1
+    msg = f"failed at round {rnd} ({attempts} attempt{'s' if attempts > 1 else ''}): {reason}"
+    checked_in = rec.get("checked_in")
+    if isinstance(checked_in, int) and checked_in < cfg.clients_per_round:
+        msg += (f". Only {checked_in:,} of the {cfg.clients:,} devices checked in for the "
+                f"{cfg.clients_per_round:,} wanted: a device checks in when its profile's hourly "
+                "availability, its battery and the device policy allow, so a round fills from a "
+                "population a few times clients_per_round (raise --clients or lower --clients-per-round)")
+    return msg
+
+
 def run_simulation(cfg: SimulationConfig, progress: Any = None,
                    stop: Callable[[dict[str, Any]], bool] | None = None) -> SimulationReport:
     """Run ``cfg`` to the end; write ``rounds.jsonl``, ``report.json`` and plots under ``cfg.out``.
@@ -128,7 +143,7 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
                 break
             if not rec["ok"]:
                 report.rounds.append(_public(rec))
-                report.status = f"failed at round {rnd}: {rec.get('reason', 'too few updates')}"
+                report.status = _failure(rnd, rec, cfg)
                 break
             arrays = rec.pop("new_arrays")
             trained_total += rec["trained"]

@@ -694,3 +694,13 @@ def test_a_round_records_where_its_time_went(tmp_path) -> None:
         assert p["device_models"] <= p["dispatch"]
         steps = sum(v for k, v in p.items() if k != "device_models")
         assert 0 < steps <= r["seconds"] + 1e-3
+
+
+def test_a_round_that_cannot_fill_says_what_to_change() -> None:
+    # Devices are online about 60% of the hour: a round of the whole population cannot fill.
+    report = run_simulation(_sim(clients=60, clients_per_round=60, rounds=1, aggregators=1))
+    assert report.status.startswith("failed at round 1 (")
+    assert "devices checked in for the 60 wanted" in report.status
+    assert "raise --clients or lower --clients-per-round" in report.status
+    # Where everyone checks in, a failed round has no such advice (here: none fails).
+    assert "failed" not in run_simulation(_deterministic(8, rounds=1)).status
