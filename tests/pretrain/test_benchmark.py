@@ -10,6 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pretrain.py"
 
 
@@ -49,3 +52,14 @@ def test_profile_sorts_kernels_by_kind() -> None:
         == "optimizer"
     )
     assert bench.kernel_kind("void at::native::reduce_kernel<128, 4>") == "other"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the script would run")
+def test_gpu_script_stops_at_once_without_a_gpu(tmp_path) -> None:
+    script = SCRIPT.parent / "gpu.sh"
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(script), str(tmp_path / "out")], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=SCRIPT.parents[1])
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "torch sees no CUDA device" in proc.stderr
+    assert not list((tmp_path / "out").iterdir())  # no step ran
