@@ -295,7 +295,11 @@ def _devices(a: argparse.Namespace) -> None:
     global models. A smaller check size is for hosts where the CPU path would take too long
     at the headline size (the MNIST CNN on a CPU trains ~100 clients/s per worker)."""
     import numpy as np
+    import torch
 
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda needs a CUDA GPU and a CUDA build of torch; this machine has none "
+                         "(torch.cuda.is_available() is False): use --device cpu to check the script")
     n, check = a.per_round[0], a.check_per_round or a.per_round[0]
     rows: list[dict[str, Any]] = []
 

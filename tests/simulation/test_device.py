@@ -59,3 +59,11 @@ def test_device_benchmark_measures_the_headline_and_checks_at_a_smaller_size(tmp
     assert got["cases"][1]["max_abs_diff_vs_cpu"] == 0.0 and got["cases"][2]["x_cpu"] == 1.0
     # A round fills: the population is at least three times the round's size.
     assert all(c["population"] >= 3 * c["clients_per_round"] for c in got["cases"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the benchmark would run")
+def test_device_benchmark_without_a_gpu_says_so() -> None:
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "simulation.py"
+    proc = subprocess.run([sys.executable, str(script), "--device", "cuda"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 1 and "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
