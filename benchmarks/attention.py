@@ -96,13 +96,15 @@ def main() -> None:
             row["error"] = str(err).splitlines()[0][:200]
         rows.append(row)
     base = next((r["fwd_bwd_ms"] for r in rows if r["backend"] == "default" and "fwd_bwd_ms" in r), None)
+    for r in rows:
+        if "fwd_bwd_ms" in r:
+            r["speedup_vs_default"] = base / r["fwd_bwd_ms"] if base else None
     print(f"causal SDPA, bf16, shape {shape}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     print(f"{'backend':<10} {'fwd ms':>8} {'fwd TF/s':>9} {'f+b ms':>8} {'f+b TF/s':>9} {'x default':>9} {'|diff|':>9}")
     for r in rows:
         if "error" in r:
             print(f"{r['backend']:<10} does not run here: {r['error']}")
             continue
-        r["speedup_vs_default"] = base / r["fwd_bwd_ms"] if base else None
         print(f"{r['backend']:<10} {r['fwd_ms']:>8.3f} {r['fwd_tflops']:>9.0f} {r['fwd_bwd_ms']:>8.3f} "
               f"{r['fwd_bwd_tflops']:>9.0f} {r['speedup_vs_default'] or 0:>9.2f} {r['max_abs_diff_vs_math']:>9.1e}")
     if a.json:

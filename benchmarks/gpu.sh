@@ -11,7 +11,6 @@
 # 3. Causal attention at that GPT's shape per SDPA backend (benchmarks/attention.py).
 # 4. The simulator's vectorised path on cuda at 100,000 clients per round, digits MLP and
 #    MNIST CNN, against the CPU path (benchmarks/simulation.py --device cuda).
-#
 # 5. Pretraining again at batch 32 (more tokens a step; no resume check), for the MFU.
 #
 # STEPS names the steps to run (default: all five, by the names below).

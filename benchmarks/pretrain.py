@@ -136,9 +136,8 @@ def profile_steps(c: Components, loader: Any, steps: int) -> dict[str, Any]:
     the device's busy share of the steps' wall time."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU]
-    if c.env.device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
+    cuda = c.env.device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     with profile(activities=activities) as prof:
         t = time.perf_counter()
         pending = [train_step(c, next(loader)) for _ in range(steps)]
@@ -152,7 +151,8 @@ def profile_steps(c: Components, loader: Any, steps: int) -> dict[str, Any]:
         dev_us = float(getattr(e, "self_device_time_total", 0.0))
         if dev_us <= 0 or e.device_type != torch.autograd.DeviceType.CUDA or "#" in e.key:
             continue  # ("Optimizer.step#AdamW.step" and the like span kernels counted apart)
-        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + dev_us / 1e3 / steps
+        kind = kernel_kind(e.key)
+        kinds[kind] = kinds.get(kind, 0.0) + dev_us / 1e3 / steps
         kernels.append((dev_us / 1e3 / steps, e.count // steps, e.key))
     kernels.sort(reverse=True)
     busy_ms = sum(kinds.values())
@@ -166,9 +166,9 @@ def profile_steps(c: Components, loader: Any, steps: int) -> dict[str, Any]:
             {"ms_per_step": round(ms, 3), "calls_per_step": n, "kernel": k[:160]}
             for ms, n, k in kernels[:25]
         ],
-        "profile_table": events.table(sort_by="self_cuda_time_total", row_limit=30)
-        if c.env.device.type == "cuda"
-        else events.table(sort_by="self_cpu_time_total", row_limit=30),
+        "profile_table": events.table(
+            sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=30
+        ),
     }
 
 

@@ -291,7 +291,7 @@ class Engine:
         stats.simulated_seconds = round(self.time.t - t_open, 3)
         rec.simulated = stats
         if not ok:
-            rec.reason = f"{out.partial.count} of the {need} updates needed arrived; round retried"
+            rec.reason = f"{out.partial.count} of the {need} updates needed arrived"
             return {**rec.as_dict(), "ok": False}
         new_arrays, rec.metrics = server_step(out.partial, cfg, optimizer)
         return {**rec.as_dict(), "ok": True, "new_arrays": new_arrays}

@@ -45,7 +45,7 @@ def _flops_per_example(task: Any, arrays: dict[str, np.ndarray]) -> float:
 def _failure(rnd: int, rec: dict[str, Any], cfg: SimulationConfig) -> str:
     """Why the run stopped at a round that failed every attempt, and what to change when
     too few devices checked in for the round to fill."""
-    reason = str(rec.get("reason", "too few updates")).removesuffix("; round retried")
+    reason = rec.get("reason", "too few updates")
     attempts = int(rec.get("attempt", 0)) + 1
     msg = f"failed at round {rnd} ({attempts} attempt{'s' if attempts > 1 else ''}): {reason}"
     checked_in = rec.get("checked_in")
