@@ -11,9 +11,12 @@
 # 3. Causal attention at that GPT's shape per SDPA backend (benchmarks/attention.py).
 # 4. The simulator's vectorised path on cuda at 100,000 clients per round, digits MLP and
 #    MNIST CNN, against the CPU path (benchmarks/simulation.py --device cuda).
-# 5. Pretraining again at batch 32 (more tokens a step; no resume check), for the MFU.
+# 5. Pretraining again at batch 32 (more tokens a step; no resume check), for the MFU,
+#    then at that batch with the whole forward compiled as one graph (pretrain-model), and
+#    that replayed as CUDA graphs (pretrain-model-graphs).
 #
-# STEPS names the steps to run (default: all five, by the names below).
+# STEPS names the steps to run (default: all, by the names below). TASKS picks the
+# simulator's tasks (default "digits mnist"); BATCH the batch of the last three steps.
 # Each step has its own time limit (seconds; PRETRAIN_S, TESTS_S, ... below), so one
 # that hangs leaves the others their time. Logs and JSON land in OUTDIR. PYTHON picks the
 # interpreter (default python3); WORKERS the simulator's worker processes (default 4);
@@ -29,7 +32,8 @@ status=0
 step() {  # step NAME SECONDS COMMAND...: run it under a limit, log to OUTDIR/NAME.log
     local name=$1 limit=$2
     shift 2
-    [[ " ${STEPS:-pretrain tests attention simulation pretrain-b32} " == *" $name "* ]] || return 0
+    local all="pretrain tests attention simulation pretrain-b32 pretrain-model pretrain-model-graphs"
+    [[ " ${STEPS:-$all} " == *" $name "* ]] || return 0
     echo "== $name (limit ${limit}s): $*"
     local t0=$SECONDS
     timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
@@ -54,7 +58,14 @@ step attention "${ATTENTION_S:-40}" "$py" benchmarks/attention.py
 # pair) took about two minutes; MNIST trains longer on the CPU side of the check.
 step simulation "${SIMULATION_S:-420}" "$py" benchmarks/simulation.py --device cuda \
     --per-round 100000 --check-per-round "${CHECK_PER_ROUND:-2000}" --rounds 1 \
-    --workers "${WORKERS:-4}" --json "$out/simulation.json"
+    --workers "${WORKERS:-4}" --tasks ${TASKS:-digits mnist} --json "$out/simulation.json"
+b=${BATCH:-32}
 step pretrain-b32 "${PRETRAIN_B32_S:-100}" "$py" benchmarks/pretrain.py --device cuda \
-    --batch-size 32 --warmup 2 --rounds 4 --resume-steps 0
+    --batch-size "$b" --warmup 2 --rounds 4 --resume-steps 0 --json "$out/pretrain-b32.json"
+step pretrain-model "${PRETRAIN_B32_S:-100}" "$py" benchmarks/pretrain.py --device cuda \
+    --batch-size "$b" --warmup 2 --rounds 4 --resume-steps 0 --compile-scope model \
+    --json "$out/pretrain-model.json"
+step pretrain-model-graphs "${PRETRAIN_B32_S:-100}" "$py" benchmarks/pretrain.py --device cuda \
+    --batch-size "$b" --warmup 2 --rounds 4 --resume-steps 0 --compile-scope model \
+    --cuda-graphs --json "$out/pretrain-model-graphs.json"
 exit $status

@@ -39,7 +39,14 @@ from orchard.gpt import GPT
 from orchard.pretrain import distributed
 from orchard.pretrain.config import PretrainConfig, parse_pretrain_config
 from orchard.pretrain.data import Prefetcher
-from orchard.pretrain.recipe import Components, build, lr_multiplier, run, train_step
+from orchard.pretrain.recipe import (
+    Components,
+    build,
+    compile_options,
+    lr_multiplier,
+    run,
+    train_step,
+)
 from orchard.pretrain.throughput import mfu, peak_flops
 
 MFU_TARGET = 0.45  # on one H100 or H200, GPT-2 small, sequence 1024, bf16
@@ -60,6 +67,8 @@ def make_config(args: argparse.Namespace, output_dir: Path, **extra: Any) -> Pre
         "model": MODELS[args.model],
         "precision": args.precision,
         "compile": args.compile,
+        "compile_scope": args.compile_scope,
+        "cuda_graphs": args.cuda_graphs,
         "optim": {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 5},
         "progress": False,
         "export": False,
@@ -78,8 +87,9 @@ class PlainLoop:
         cfg = c.config
         torch.manual_seed(cfg.seed)
         self.model = GPT(c.gpt.config).to(c.env.device)
-        if cfg.compile:
-            self.model.compile()
+        if cfg.compile:  # compiled as the recipe's model is, so the ratio compares loops
+            self.model.compile(scope=cfg.compile_scope, **compile_options(cfg))
+        self.cuda_graphs = cfg.cuda_graphs
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         other = [p for p in self.model.parameters() if p.dim() < 2]
         cuda = c.env.device.type == "cuda"
@@ -99,6 +109,8 @@ class PlainLoop:
 
     def step(self, step: int) -> torch.Tensor:
         x, y = (t.to(self.device) for t in self.sampler.batch(step))
+        if self.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
             loss = self.model(x, y)  # nanoGPT's habit: the model returns the loss
         loss.backward()
@@ -106,7 +118,8 @@ class PlainLoop:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
-        return loss.detach()
+        # A CUDA graph's output is overwritten by its next replay: keep a copy.
+        return loss.detach().clone() if self.cuda_graphs else loss.detach()
 
 
 def _sync(device: torch.device) -> None:
@@ -274,6 +287,17 @@ def main() -> None:
         default=None,
         help="torch.compile each block and the loss head (default: on for cuda, off for cpu)",
     )
+    p.add_argument(
+        "--compile-scope",
+        choices=["blocks", "model"],
+        default="blocks",
+        help="compile each block and the loss head, or the whole forward as one graph",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="replay the compiled graphs as CUDA graphs (torch.compile 'reduce-overhead')",
+    )
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per loop first")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
     p.add_argument("--block", type=int, default=5, help="steps per loop per round")
@@ -313,6 +337,8 @@ def main() -> None:
         "device": args.device,
         "precision": args.precision,
         "compile": args.compile,
+        "compile_scope": args.compile_scope,
+        "cuda_graphs": args.cuda_graphs,
         "batch_size": args.batch_size,
         "torch": torch.__version__,
         **loops,
@@ -323,7 +349,11 @@ def main() -> None:
         result["mfu_target"] = MFU_TARGET
 
     table = Table(
-        title=f"pretrain benchmark ({args.model}, {loops['params'] / 1e6:.1f}M params, {args.device})"
+        title=f"pretrain benchmark ({args.model}, {loops['params'] / 1e6:.1f}M params, "
+        f"{args.device}, batch {args.batch_size}"
+        + (f", compiled: {args.compile_scope}" if args.compile else "")
+        + (" + CUDA graphs" if args.cuda_graphs else "")
+        + ")"
     )
     table.add_column("measure")
     table.add_column("recipe", justify="right")

@@ -177,17 +177,24 @@ class GPT(nn.Module):
             else:  # LayerNorm weight
                 nn.init.ones_(p)
 
-    def compile(self, *args: Any, **kwargs: Any) -> None:
-        """Compile each block and the loss head with ``torch.compile`` (``args`` and
-        ``kwargs`` go to it).
+    def compile(self, *args: Any, scope: str = "blocks", **kwargs: Any) -> None:
+        """Compile with ``torch.compile`` (``args`` and ``kwargs`` go to it).
 
-        Per block rather than the whole model: a block is the unit FSDP2 shards and
-        activation checkpointing recomputes, and all blocks share one compiled graph.
-        The embeddings and the final norm stay eager.
+        ``scope="blocks"`` (the default) compiles each block and the loss head: a block is
+        the unit FSDP2 shards and activation checkpointing recomputes, and all blocks
+        share one compiled graph; the embeddings and the final norm stay eager.
+        ``scope="model"`` compiles the whole forward (embeddings, blocks, final norm and
+        loss head) as one graph, so inductor can also fuse across block boundaries (one
+        block's last residual add with the next block's LayerNorm); for one process or DDP.
         """
-        for block in self.blocks:
-            block.compile(*args, **kwargs)
-        self._lm_loss = torch.compile(lm_loss, *args, **kwargs)
+        if scope == "blocks":
+            for block in self.blocks:
+                block.compile(*args, **kwargs)
+            self._lm_loss = torch.compile(lm_loss, *args, **kwargs)
+        elif scope == "model":
+            super().compile(*args, **kwargs)
+        else:
+            raise ConfigError(f"compile scope must be 'blocks' or 'model', got {scope!r}")
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         t = idx.shape[1]

@@ -147,12 +147,16 @@ def test_gpt_loss_head_is_cross_entropy_of_its_logits() -> None:
 @pytest.mark.parametrize(
     "extra",
     # One micro-batch shape for both, so the second case reuses the first's kernels.
-    [{"batch_size": 4}, {"activation_checkpointing": True, "grad_accum": 2, "batch_size": 4}],
-    ids=["plain", "ckpt-accum"],
+    [
+        {"batch_size": 4},
+        {"activation_checkpointing": True, "grad_accum": 2, "batch_size": 4},
+        {"batch_size": 4, "compile_scope": "model"},
+    ],
+    ids=["plain", "ckpt-accum", "whole-model"],
 )
 def test_compiled_run_follows_the_eager_losses(tmp_path, tiny_config, extra) -> None:
-    """``compile = true`` (each block and the loss head through inductor) trains the same
-    model as eager execution, to float rounding, and still exports and resumes."""
+    """``compile = true`` (each block and the loss head through inductor, or the whole
+    forward with ``compile_scope = "model"``) trains the same model as eager execution, to float rounding, and still exports and resumes."""
     eager = run(tiny_config(tmp_path / "eager", steps=10, log_every=1, **extra))
     compiled = run(tiny_config(tmp_path / "compiled", steps=10, log_every=1, compile=True, **extra))
     assert compiled.finished and len(compiled.losses) == 10
