@@ -12,11 +12,10 @@
 # 4. The simulator's vectorised path on cuda at 100,000 clients per round, digits MLP and
 #    MNIST CNN, against the CPU path (benchmarks/simulation.py --device cuda).
 # 5. Pretraining again at batch 32 (more tokens a step; no resume check), for the MFU,
-#    then at that batch with the whole forward compiled as one graph (pretrain-model), and
-#    that replayed as CUDA graphs (pretrain-model-graphs).
+#    then at that batch with the whole forward compiled as one graph (pretrain-model).
 #
 # STEPS names the steps to run (default: all, by the names below). TASKS picks the
-# simulator's tasks (default "digits mnist"); BATCH the batch of the last three steps.
+# simulator's tasks (default "digits mnist"); BATCH the batch of the last two steps.
 # Each step has its own time limit (seconds; PRETRAIN_S, TESTS_S, ... below), so one
 # that hangs leaves the others their time. Logs and JSON land in OUTDIR. PYTHON picks the
 # interpreter (default python3); WORKERS the simulator's worker processes (default 4);
@@ -32,7 +31,7 @@ status=0
 step() {  # step NAME SECONDS COMMAND...: run it under a limit, log to OUTDIR/NAME.log
     local name=$1 limit=$2
     shift 2
-    local all="pretrain tests attention simulation pretrain-b32 pretrain-model pretrain-model-graphs"
+    local all="pretrain tests attention simulation pretrain-b32 pretrain-model"
     [[ " ${STEPS:-$all} " == *" $name "* ]] || return 0
     echo "== $name (limit ${limit}s): $*"
     local t0=$SECONDS
@@ -65,7 +64,4 @@ step pretrain-b32 "${PRETRAIN_B32_S:-100}" "$py" benchmarks/pretrain.py --device
 step pretrain-model "${PRETRAIN_B32_S:-100}" "$py" benchmarks/pretrain.py --device cuda \
     --batch-size "$b" --warmup 2 --rounds 4 --resume-steps 0 --compile-scope model \
     --json "$out/pretrain-model.json"
-step pretrain-model-graphs "${PRETRAIN_B32_S:-100}" "$py" benchmarks/pretrain.py --device cuda \
-    --batch-size "$b" --warmup 2 --rounds 4 --resume-steps 0 --compile-scope model \
-    --cuda-graphs --json "$out/pretrain-model-graphs.json"
 exit $status

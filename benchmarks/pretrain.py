@@ -39,14 +39,7 @@ from orchard.gpt import GPT
 from orchard.pretrain import distributed
 from orchard.pretrain.config import PretrainConfig, parse_pretrain_config
 from orchard.pretrain.data import Prefetcher
-from orchard.pretrain.recipe import (
-    Components,
-    build,
-    compile_options,
-    lr_multiplier,
-    run,
-    train_step,
-)
+from orchard.pretrain.recipe import Components, build, lr_multiplier, run, train_step
 from orchard.pretrain.throughput import mfu, peak_flops
 
 MFU_TARGET = 0.45  # on one H100 or H200, GPT-2 small, sequence 1024, bf16
@@ -68,7 +61,6 @@ def make_config(args: argparse.Namespace, output_dir: Path, **extra: Any) -> Pre
         "precision": args.precision,
         "compile": args.compile,
         "compile_scope": args.compile_scope,
-        "cuda_graphs": args.cuda_graphs,
         "optim": {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 5},
         "progress": False,
         "export": False,
@@ -88,8 +80,7 @@ class PlainLoop:
         torch.manual_seed(cfg.seed)
         self.model = GPT(c.gpt.config).to(c.env.device)
         if cfg.compile:  # compiled as the recipe's model is, so the ratio compares loops
-            self.model.compile(scope=cfg.compile_scope, **compile_options(cfg))
-        self.cuda_graphs = cfg.cuda_graphs
+            self.model.compile(scope=cfg.compile_scope)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         other = [p for p in self.model.parameters() if p.dim() < 2]
         cuda = c.env.device.type == "cuda"
@@ -109,8 +100,6 @@ class PlainLoop:
 
     def step(self, step: int) -> torch.Tensor:
         x, y = (t.to(self.device) for t in self.sampler.batch(step))
-        if self.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(self.device.type, dtype=self.dtype, enabled=self.dtype is not None):
             loss = self.model(x, y)  # nanoGPT's habit: the model returns the loss
         loss.backward()
@@ -118,8 +107,7 @@ class PlainLoop:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
-        # A CUDA graph's output is overwritten by its next replay: keep a copy.
-        return loss.detach().clone() if self.cuda_graphs else loss.detach()
+        return loss.detach()
 
 
 def _sync(device: torch.device) -> None:
@@ -293,11 +281,6 @@ def main() -> None:
         default="blocks",
         help="compile each block and the loss head, or the whole forward as one graph",
     )
-    p.add_argument(
-        "--cuda-graphs",
-        action="store_true",
-        help="replay the compiled graphs as CUDA graphs (torch.compile 'reduce-overhead')",
-    )
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per loop first")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
     p.add_argument("--block", type=int, default=5, help="steps per loop per round")
@@ -338,7 +321,6 @@ def main() -> None:
         "precision": args.precision,
         "compile": args.compile,
         "compile_scope": args.compile_scope,
-        "cuda_graphs": args.cuda_graphs,
         "batch_size": args.batch_size,
         "torch": torch.__version__,
         **loops,
@@ -352,7 +334,6 @@ def main() -> None:
         title=f"pretrain benchmark ({args.model}, {loops['params'] / 1e6:.1f}M params, "
         f"{args.device}, batch {args.batch_size}"
         + (f", compiled: {args.compile_scope}" if args.compile else "")
-        + (" + CUDA graphs" if args.cuda_graphs else "")
         + ")"
     )
     table.add_column("measure")

@@ -75,7 +75,7 @@ from typing import Any
 
 def _case(clients_per_round: int, population: int, aggregators: int, rounds: int, vectorize: bool,
           governor: bool, workers: int, backend: str, task: str = "digits", device: str = "cpu",
-          save: str | None = None) -> dict[str, Any]:
+          save: str | None = None, verbose: bool = False) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
@@ -89,7 +89,12 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
                            backend=backend, chunk_size=512, evaluate_every=0, progress=False, run=run,
                            device=device)  # type: ignore[arg-type]
     t0 = time.perf_counter()
-    report = run_simulation(cfg)
+
+    def progress(r: dict[str, Any]) -> None:  # on stderr: a case that runs out of time still says how far it got
+        print(f"    round {r['round']} ({'warm-up' if r['round'] == 1 else 'measured'}): {r['seconds']:.1f} s, "
+              f"{r['trained']} trained; {_phases(r.get('phase_seconds', {}))}", file=sys.stderr, flush=True)
+
+    report = run_simulation(cfg, progress=progress if verbose else None)
     if save:
         import numpy as np
 
@@ -215,13 +220,23 @@ def _revision(rev: str) -> Any:
 
 
 def _spawn(args: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run one case in a fresh process; with ``args["verbose"]`` its stderr (round by round)
+    is echoed as it comes, else kept for the error message only."""
     cmd = [sys.executable, __file__, "--case", json.dumps(args)]
-    out = subprocess.run(cmd, capture_output=True, text=True, check=False,
-                         env=None if env is None else {**os.environ, **env})
-    if out.returncode != 0:
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=None if env is None else {**os.environ, **env}) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        err: list[str] = []
+        for line in proc.stderr:  # stdout holds one JSON line: its pipe cannot fill meanwhile
+            err.append(line)
+            if args.get("verbose"):
+                sys.stderr.write(line)
+                sys.stderr.flush()
+        stdout = proc.stdout.read()
+    if proc.returncode != 0:
         return {"path": "vectorized" if args["vectorize"] else "per-client", "status": "failed",
-                "clients_per_round": args["clients_per_round"], "error": out.stderr[-2000:]}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+                "clients_per_round": args["clients_per_round"], "error": "".join(err)[-2000:]}
+    return json.loads(stdout.strip().splitlines()[-1])
 
 
 def _phases(p: dict[str, float]) -> str:
@@ -307,7 +322,7 @@ def _devices(a: argparse.Namespace) -> None:
         r = _spawn(dict(clients_per_round=per_round, population=max(a.population, 3 * per_round),
                         aggregators=max(1, per_round // 250), rounds=a.rounds, vectorize=True,
                         governor=not a.no_governor, workers=a.workers, backend=a.backend, task=task,
-                        device=device, save=save))
+                        device=device, save=save, verbose=True))
         if "clients_per_second" not in r:
             raise SystemExit(f"{task} on {device} at {per_round} per round failed:\n{r.get('error', '')}")
         print(f"  {task} on {device}, {per_round} per round: {r['clients_per_second']:,.0f} clients/s "

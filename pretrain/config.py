@@ -97,9 +97,6 @@ class PretrainConfig(_Strict):
     # What torch.compile covers: each block and the loss head ("blocks"), or the whole
     # forward as one graph ("model": fuses across blocks; one process or DDP only).
     compile_scope: Literal["blocks", "model"] = "blocks"
-    # Replay each compiled graph as a CUDA graph (torch.compile mode "reduce-overhead"):
-    # no per-kernel launch cost on the host. CUDA, compile = true, DDP or one process.
-    cuda_graphs: bool = False
 
     checkpoint_every: int = Field(100, ge=0)  # 0: only on stop and at the end
     keep_checkpoints: int = Field(2, ge=1)
@@ -136,14 +133,6 @@ class PretrainConfig(_Strict):
             problems.append(
                 "compile_scope 'model' compiles across FSDP2's per-block units; "
                 "use compile_scope 'blocks' with strategy fsdp"
-            )
-        if self.cuda_graphs and not self.compile:
-            problems.append("cuda_graphs replays compiled graphs: set compile = true with it")
-        if self.cuda_graphs and self.device == "cpu":
-            problems.append("cuda_graphs is CUDA-only: drop it on CPU")
-        if self.cuda_graphs and self.strategy == "fsdp":
-            problems.append(
-                "cuda_graphs cannot capture FSDP2's collectives: use strategy ddp, or drop it"
             )
         if problems:
             raise ValueError("; ".join(problems))

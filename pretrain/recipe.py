@@ -135,7 +135,7 @@ def build(cfg: PretrainConfig, env: DistEnv) -> Components:
     gpt.activation_checkpointing = cfg.activation_checkpointing
     flops = gpt.flops_per_token()
     if cfg.compile:
-        gpt.compile(scope=cfg.compile_scope, **compile_options(cfg))
+        gpt.compile(scope=cfg.compile_scope)
     model = distributed.wrap(gpt, cfg.strategy, env)
     # Dropout draws differ per rank; a resumed run restores this state from its checkpoint.
     torch.manual_seed(cfg.seed + 1 + env.rank)
@@ -167,12 +167,6 @@ def build(cfg: PretrainConfig, env: DistEnv) -> Components:
     )
 
 
-def compile_options(cfg: PretrainConfig) -> dict[str, Any]:
-    """``torch.compile`` keyword arguments for ``cfg``: CUDA graphs are its
-    "reduce-overhead" mode."""
-    return {"mode": "reduce-overhead"} if cfg.cuda_graphs else {}
-
-
 def _grad_sync(model: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
     """Skip the gradient all-reduce on all but the last micro-batch of a step."""
     if isinstance(model, FSDPModule):
@@ -193,10 +187,6 @@ def train_step(c: Components, batch: Batch) -> torch.Tensor:
     total = torch.zeros((), device=c.env.device)
     n = len(batch)
     for i, (x, y) in enumerate(batch):
-        if c.config.cuda_graphs:
-            # A new iteration: the graphs' output buffers from the last one may be reused
-            # (nothing of them is kept: the loss is divided, a new tensor, before it is).
-            torch.compiler.cudagraph_mark_step_begin()
         with (
             _grad_sync(c.model, i == n - 1),
             torch.autocast(c.env.device.type, dtype=c.amp_dtype, enabled=c.amp_dtype is not None),

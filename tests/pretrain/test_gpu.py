@@ -23,10 +23,10 @@ pytestmark = [
         {"precision": "fp16"},
         {"precision": "bf16", "activation_checkpointing": True, "grad_accum": 2},
         {"precision": "bf16", "compile": True},
-        {"precision": "bf16", "compile": True, "compile_scope": "model", "cuda_graphs": True},
+        {"precision": "bf16", "compile": True, "compile_scope": "model"},
         {"precision": "bf16", "strategy": "fsdp"},
     ],
-    ids=["bf16", "fp16", "ckpt-accum", "compile", "model-graphs", "fsdp"],
+    ids=["bf16", "fp16", "ckpt-accum", "compile", "compile-model", "fsdp"],
 )
 def test_cuda_training_learns(tmp_path, tiny_config, extra) -> None:
     result = run(tiny_config(tmp_path, device="cuda", steps=30, **extra))
@@ -38,20 +38,6 @@ def test_cuda_training_learns(tmp_path, tiny_config, extra) -> None:
 def test_cuda_export_round_trips(tmp_path, tiny_config) -> None:
     result = run(tiny_config(tmp_path, device="cuda", steps=5, export=True))
     assert result.export["onnx_max_abs_diff"] <= 1e-4
-
-
-def test_cuda_graphs_follow_the_eager_losses(tmp_path, tiny_config) -> None:
-    # The whole forward compiled and replayed as CUDA graphs, with gradient accumulation
-    # (two replays per step): the same training as eager execution, to kernel rounding.
-    extra = {"precision": "bf16", "grad_accum": 2, "steps": 12, "log_every": 1}
-    eager = run(tiny_config(tmp_path / "eager", device="cuda", **extra))
-    graphs = run(
-        tiny_config(
-            tmp_path / "graphs", device="cuda", compile=True, compile_scope="model",
-            cuda_graphs=True, **extra,
-        )
-    )
-    assert max(abs(a - b) for a, b in zip(eager.losses, graphs.losses, strict=True)) <= 5e-2
 
 
 def test_known_gpus_have_a_peak() -> None:

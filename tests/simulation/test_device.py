@@ -52,6 +52,8 @@ def test_device_benchmark_measures_the_headline_and_checks_at_a_smaller_size(tmp
             "--rounds", "1", "--population", "200", "--backend", "local", "--json", str(out)]
     proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
+    # Each case says round by round how far it got, so one stopped by a time limit still reports.
+    assert proc.stderr.count("round 1 (warm-up)") == 3 and proc.stderr.count("round 2 (measured)") == 3
     got = json.loads(out.read_text())
     assert (got["per_round"], got["check_per_round"]) == (60, 30)
     sizes = [(c["device"], c["clients_per_round"]) for c in got["cases"]]
