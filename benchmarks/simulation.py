@@ -259,10 +259,12 @@ def _against(a: argparse.Namespace) -> None:
     head = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "rev-parse", "HEAD"],
                           capture_output=True, text=True, check=False).stdout.strip()
     rows = []
+    tasks = a.tasks or ["digits"]
     with _revision(a.against) as (env, commit):
-        for n in a.per_round:
+        for task, n in ((t, n) for t in tasks for n in a.per_round):
             args = dict(clients_per_round=n, population=a.population, aggregators=max(1, n // 250),
-                        rounds=a.rounds, vectorize=True, governor=governor, workers=a.workers, backend=a.backend)
+                        rounds=a.rounds, vectorize=True, governor=governor, workers=a.workers, backend=a.backend,
+                        task=task)
             runs: dict[str, list[dict[str, Any]]] = {"old": [], "new": []}
             for _ in range(a.repeat):
                 runs["old"].append(_spawn(args, env))
@@ -273,20 +275,20 @@ def _against(a: argparse.Namespace) -> None:
                     raise SystemExit(f"the {side} code failed at {n} per round:\n{bad[0].get('error', '')}")
             med = {k: statistics.median(r["clients_per_second"] for r in v) for k, v in runs.items()}
             cpu = {k: statistics.median(r["cpu_clients_per_second"] for r in v) for k, v in runs.items()}
-            rows.append({"clients_per_round": n, "old": runs["old"], "new": runs["new"],
+            rows.append({"task": task, "clients_per_round": n, "old": runs["old"], "new": runs["new"],
                          "old_clients_per_second": med["old"], "new_clients_per_second": med["new"],
                          "ratio": round(med["new"] / med["old"], 3),
                          "old_cpu_clients_per_second": cpu["old"], "new_cpu_clients_per_second": cpu["new"],
                          "cpu_ratio": round(cpu["new"] / cpu["old"], 3)})
     load_after = os.getloadavg()
-    print(f"this checkout ({head[:10]}) against {a.against} ({commit[:10]}), vectorised digits MLP, "
+    print(f"this checkout ({head[:10]}) against {a.against} ({commit[:10]}), vectorised path, "
           f"{a.repeat} runs each, alternating; medians")
-    print(f"{'per round':>9} {'old cl/s':>9} {'new cl/s':>9} {'new/old':>8} {'old cpu':>8} {'new cpu':>8} "
+    print(f"{'task':<7} {'per round':>9} {'old cl/s':>9} {'new cl/s':>9} {'new/old':>8} {'old cpu':>8} {'new cpu':>8} "
           f"{'cpu n/o':>8}  all runs (old | new)")
     for r in rows:
         runs_txt = (" ".join(f"{x['clients_per_second']:.0f}" for x in r["old"]) + " | "
                     + " ".join(f"{x['clients_per_second']:.0f}" for x in r["new"]))
-        print(f"{r['clients_per_round']:>9} {r['old_clients_per_second']:>9.0f} {r['new_clients_per_second']:>9.0f} "
+        print(f"{r['task']:<7} {r['clients_per_round']:>9} {r['old_clients_per_second']:>9.0f} {r['new_clients_per_second']:>9.0f} "
               f"{r['ratio']:>8.3f} {r['old_cpu_clients_per_second']:>8.0f} {r['new_cpu_clients_per_second']:>8.0f} "
               f"{r['cpu_ratio']:>8.3f}  {runs_txt}")
     print(f"population {a.population}, governor {'on' if governor else 'off'}, workers {a.workers} "
@@ -330,7 +332,7 @@ def _devices(a: argparse.Namespace) -> None:
         return r
 
     with tempfile.TemporaryDirectory(prefix="orchard-device-") as tmp:
-        for task in a.tasks:
+        for task in a.tasks or ["digits", "mnist"]:
             paths = {d: str(Path(tmp) / f"{task}-{d}.npz") for d in (a.device, "cpu")}
             headline = case(task, a.device, n, paths[a.device] if check == n else None)
             pair = [headline] if check == n else [case(task, a.device, check, paths[a.device])]
@@ -385,8 +387,9 @@ def main() -> None:
     ap.add_argument("--device", default=None, choices=["cuda", "cpu"],
                     help="the vectorised path on a GPU against the CPU path, digits and MNIST, at --per-round "
                          "(default 100000 here)")
-    ap.add_argument("--tasks", nargs="+", default=["digits", "mnist"], choices=["digits", "mnist"],
-                    help="with --device: the tasks to measure")
+    ap.add_argument("--tasks", nargs="+", default=None, choices=["digits", "mnist"],
+                    help="with --device: the tasks to measure (default digits and mnist); with --against: "
+                         "the tasks to compare (default digits)")
     ap.add_argument("--check-per-round", type=int, default=None,
                     help="with --device: clients per round of the CPU baseline and the model check "
                          "(default: --per-round)")

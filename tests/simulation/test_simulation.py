@@ -178,6 +178,32 @@ def test_vectorized_slices_change_nothing(monkeypatch: pytest.MonkeyPatch) -> No
             np.testing.assert_array_equal(a.arrays[k], b.arrays[k])
 
 
+def test_cpu_slices_are_sized_by_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A slice holds at most _CPU_SLICE_BYTES of forward activations: the digits MLP takes
+    # the cap, the MNIST CNN (about 1.7 MiB a client at batch 10) far fewer; and a slice
+    # cut by bytes changes no client's result either.
+    import orchard.simulation.vectorized as vectorized
+
+    digits = get_task("digits", **DIGITS).client_trainer(0, 100, 0)
+    mnist = get_task("mnist", with_replacement=True, samples_per_client=20).client_trainer(0, 100, 0)
+    cfg = TrainConfig(batch_size=10)
+    assert vectorized.activation_bytes(mnist.model, mnist.train_data.x[0], 10) == 10 * 4 * (
+        2 * 16 * 28 * 28 + 16 * 14 * 14 + 2 * 32 * 14 * 14 + 2 * 32 * 7 * 7 + 2 * 64 + 10)
+    assert vectorized.cpu_slice(digits, cfg) == vectorized._CPU_CLIENTS
+    assert 1 <= vectorized.cpu_slice(mnist, cfg) < 20
+    trainers, g = _trainers(12)
+    cfgs = [dataclasses.replace(TrainConfig(epochs=2, batch_size=4, learning_rate=0.1), seed=train_seed(0, 1, i))
+            for i in range(12)]
+    whole = train_many(trainers, g, cfgs)
+    monkeypatch.setattr(vectorized, "_CPU_SLICE_BYTES", 3 * vectorized.activation_bytes(
+        trainers[0].model, trainers[0].train_data.x[0], 4))
+    assert vectorized.cpu_slice(trainers[0], cfgs[0]) == 3
+    for a, b in zip(whole, train_many(trainers, g, cfgs), strict=True):
+        assert a.metrics == b.metrics
+        for k in g:
+            np.testing.assert_array_equal(a.arrays[k], b.arrays[k])
+
+
 def test_vectorized_uploads_equal_per_client_uploads() -> None:
     """Through build_upload and the codec: the decoded updates agree to float tolerance."""
     task = get_task("digits", **DIGITS)
