@@ -47,6 +47,7 @@ from orchard.typing import NDArrays
 _CPU_CLIENTS = 160  # at most this many clients per vmap call on a CPU (see train_many)
 # ... and at most this many bytes of forward activations in one call (see cpu_slice).
 _CPU_SLICE_BYTES = 24 << 20
+_ACTIVATION_BYTES: dict[tuple, int] = {}  # cpu_slice's measurements, by model structure and batch
 
 _STATEFUL_MODULES = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
                      nn.modules.batchnorm._BatchNorm)
@@ -298,7 +299,12 @@ def cpu_slice(trainer: TorchTrainer, config: TrainConfig) -> int:
     slices of 160 (and 48 one client at a time). A client's result does not depend on
     the slice it is in."""
     batch = min(config.batch_size, len(trainer.train_data))  # the weights do not change the shapes
-    per_client = activation_bytes(trainer.model, trainer.train_data.x[0], batch)
+    model, example = trainer.model, trainer.train_data.x[0]
+    key = (type(model), tuple((n, tuple(p.shape)) for n, p in model.named_parameters()),
+           tuple(example.shape), example.dtype, batch)
+    per_client = _ACTIVATION_BYTES.get(key)
+    if per_client is None:  # once per model structure and batch, not once per call
+        per_client = _ACTIVATION_BYTES[key] = activation_bytes(model, example, batch)
     return max(1, min(_CPU_CLIENTS, _CPU_SLICE_BYTES // max(1, per_client)))
 
 
