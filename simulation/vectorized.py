@@ -300,8 +300,7 @@ def cpu_slice(trainer: TorchTrainer, config: TrainConfig) -> int:
     the slice it is in."""
     batch = min(config.batch_size, len(trainer.train_data))  # the weights do not change the shapes
     model, example = trainer.model, trainer.train_data.x[0]
-    key = (type(model), tuple((n, tuple(p.shape)) for n, p in model.named_parameters()),
-           tuple(example.shape), example.dtype, batch)
+    key = (repr(model), tuple(example.shape), example.dtype, batch)  # the repr names every layer's shape
     per_client = _ACTIVATION_BYTES.get(key)
     if per_client is None:  # once per model structure and batch, not once per call
         per_client = _ACTIVATION_BYTES[key] = activation_bytes(model, example, batch)
