@@ -273,7 +273,7 @@ def main() -> None:
         "--compile",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="torch.compile each block and the loss head (default: on for cuda, off for cpu)",
+        help="torch.compile the model, as --compile-scope says (default: on for cuda, off for cpu)",
     )
     p.add_argument(
         "--compile-scope",

@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import itertools
 import json
 import os
 import resource
@@ -261,7 +262,7 @@ def _against(a: argparse.Namespace) -> None:
     rows = []
     tasks = a.tasks or ["digits"]
     with _revision(a.against) as (env, commit):
-        for task, n in ((t, n) for t in tasks for n in a.per_round):
+        for task, n in itertools.product(tasks, a.per_round):
             args = dict(clients_per_round=n, population=a.population, aggregators=max(1, n // 250),
                         rounds=a.rounds, vectorize=True, governor=governor, workers=a.workers, backend=a.backend,
                         task=task)
