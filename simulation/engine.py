@@ -108,6 +108,7 @@ _HELD_HERE_MAX = 1024  # at most this many clients trained by the engine and not
 _TOKEN = "simulated"  # every simulated node presents the same (unchecked) credential
 _AHEAD_BATCH = 320  # clients per job trained ahead, on an idle worker, while devices are dispatched
 _AHEAD_MAX = 4096  # at most this many clients trained ahead per round (their uploads wait in memory)
+_JOBS_PER_WORKER = 2  # jobs queued per worker: the next one waits while one runs, so a worker never idles between them
 _DEVICE_BATCH = 256  # device models per batch sent to a worker (see Engine._device_models)
 
 
@@ -800,7 +801,7 @@ class Engine:
 
         def refill() -> None:
             nonlocal limit, in_flight
-            while in_flight < self.workers and cursor < len(arrivals):
+            while in_flight < _JOBS_PER_WORKER * self.workers and cursor < len(arrivals):
                 size, limit = limit, min(self.chunk_size, 2 * limit)
                 batch = take(size)
                 if batch:
