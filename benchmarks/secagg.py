@@ -27,7 +27,14 @@ the dropped clients' pairwise masks). Reported per configuration:
   in the same run by the same ``cryptography`` call the PRG makes, into a preallocated
   buffer; bound_ratio = server_seconds / bound (1.0 would be pure keystream on every
   core and nothing else). bound_cpu_ratio = server_cpu_seconds / (mask_bytes / GB/s of
-  one core) compares CPU time with CPU time, which a loaded host disturbs less.
+  one core) compares CPU time with CPU time, which a loaded host disturbs less;
+- fold floor: the server does not only expand each mask, it adds it into the sum. The
+  floor of that is the mask folder itself (``MaskFolder``, one thread, a d-word
+  accumulator, a batch of seeds, its own chunking) measured in the same run on one core
+  in CPU time: fold_bound = mask_bytes / (fold GB/s of one core x cores), fold_ratio =
+  server_seconds / fold_bound. keystream/fold is what the additions alone cost on this
+  host; what the server spends above fold_bound is key agreements, Shamir
+  reconstruction, the masked inputs' own sum, the other stages and imperfect overlap.
 
 Times are wall-clock (perf_counter); the *_cpu_seconds columns are CPU time over the
 same spans (the process's for the server, whose mask threads run inside its spans; the
@@ -62,7 +69,7 @@ from orchard.secure_agg import (
     choose_parameters,
     decode,
 )
-from orchard.secure_agg.prg import DEFAULT_CHUNK_BYTES, available_cores
+from orchard.secure_agg.prg import DEFAULT_CHUNK_BYTES, SEED_BYTES, MaskFolder, available_cores
 
 STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING)
 BITS = 16  # quantisation bits: 1000 * 2^16 < 2^32, so the sum never wraps
@@ -96,6 +103,9 @@ class Row:
     bound_ratio: float
     bound_cpu_ratio: float
     correct: bool
+    fold_gbps_per_core: float = 0.0
+    fold_bound_seconds: float = 0.0
+    fold_ratio: float = float("nan")
 
 
 def _entropy(label: str) -> bytes:
@@ -122,8 +132,25 @@ def keystream_gbps(seconds: float = 0.3, repeats: int = 3) -> float:
     return best
 
 
+def fold_gbps(words: int = 1 << 20, seeds: int = 32, repeats: int = 3) -> float:
+    """Mask bytes folded per CPU second on one core by the server's own folder
+    (:class:`MaskFolder`, one thread): AES-128-CTR keystream and the add into a
+    ``words``-word uint32 accumulator, chunk by chunk as it folds a session's masks. Best
+    of ``repeats`` runs of ``seeds`` masks each (thread CPU time, as keystream_gbps)."""
+    best = 0.0
+    for r in range(repeats):
+        acc = np.zeros(words, dtype=np.uint32)
+        c0 = time.thread_time()
+        with MaskFolder(acc, threads=1) as folder:
+            for i in range(seeds):
+                folder.add(hashlib.sha256(b"fold/%d/%d" % (r, i)).digest()[:SEED_BYTES], 1 if i % 2 else -1)
+            folder.finish()
+        best = max(best, seeds * words * 4 / (time.thread_time() - c0) / 1e9)
+    return best
+
+
 def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: float,
-            threads: int | None = None, seed: int = 0, interleave: bool = False) -> Row:
+            threads: int | None = None, seed: int = 0, interleave: bool = False, fold: float = 0.0) -> Row:
     params = choose_parameters(n, dropout, corrupt_fraction=corrupt_fraction)
     ids = [f"client-{i:05d}" for i in range(n)]
     config = SessionConfig.create(ids, d, neighbours=params.neighbours,
@@ -230,6 +257,9 @@ def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: fl
         bound_ratio=server_time / bound if bound else float("nan"),
         bound_cpu_ratio=server_cpu / (bound * cores) if bound else float("nan"),
         correct=bool(np.array_equal(result.total, plain)),
+        fold_gbps_per_core=fold,
+        fold_bound_seconds=mask_bytes / (fold * 1e9 * cores) if fold else 0.0,
+        fold_ratio=server_time * fold * 1e9 * cores / mask_bytes if fold and mask_bytes else float("nan"),
     )
 
 
@@ -254,11 +284,13 @@ def main(argv: list[str] | None = None) -> int:
     drops = args.dropout if args.dropout is not None else [0.0, 0.1, 0.3]
 
     gbps = keystream_gbps()
+    fold = fold_gbps()
     print(f"AES-128-CTR keystream: {gbps:.2f} GB/s per core (CPU time), {available_cores()} "
-          f"core(s) available")
+          f"core(s) available; the mask folder (keystream and add, one thread): {fold:.2f} GB/s per core, "
+          f"{gbps / fold:.2f}x the keystream's time")
     rows = []
     header = (f"{'n':>5} {'d':>9} {'drop':>5} {'k':>4} {'t':>4} {'server s':>9} {'(cpu)':>8} "
-              f"{'unmask s':>8} {'(cpu)':>6} {'bound s':>8} {'x bound':>8} {'(cpu)':>6} "
+              f"{'unmask s':>8} {'(cpu)':>6} {'bound s':>8} {'x bound':>8} {'(cpu)':>6} {'x fold':>7} "
               f"{'client s':>9} {'(cpu)':>7} {'client max':>10} {'plain s':>8} {'overhead':>9} "
               f"{'bytes x':>8} {'ok':>3}")
     print(header)
@@ -267,13 +299,13 @@ def main(argv: list[str] | None = None) -> int:
     for n, d, p in configs:
         for _ in range(max(1, args.repeat)):
             r = run_one(n, d, p, corrupt_fraction=args.corrupt_fraction, gbps=gbps,
-                        threads=args.threads, interleave=args.interleave)
+                        threads=args.threads, interleave=args.interleave, fold=fold)
             rows.append(r)
             print(f"{r.n:>5} {r.d:>9} {r.dropout:>5.2f} {r.neighbours:>4} {r.threshold:>4} "
                   f"{r.server_seconds:>9.3f} {r.server_cpu_seconds:>8.3f} "
                   f"{r.unmask_seconds:>8.3f} {r.unmask_cpu_seconds:>6.2f} "
                   f"{r.keystream_bound_seconds:>8.3f} {r.bound_ratio:>7.2f}x "
-                  f"{r.bound_cpu_ratio:>5.2f}x "
+                  f"{r.bound_cpu_ratio:>5.2f}x {r.fold_ratio:>6.2f}x "
                   f"{r.client_seconds:>9.4f} {r.client_cpu_seconds:>7.4f} "
                   f"{r.client_seconds_max:>10.4f} {r.plain_seconds:>8.4f} "
                   f"{r.overhead_ratio:>8.1f}x {r.bytes_expansion:>8.4f} "
@@ -284,7 +316,8 @@ def main(argv: list[str] | None = None) -> int:
             mine = [r for r in rows if (r.n, r.d, r.dropout) == (n, d, p)]
             print(f"  n={n} d={d} dropout={p:g}: server "
                   f"{statistics.median(r.server_seconds for r in mine):.3f} s, "
-                  f"{statistics.median(r.bound_ratio for r in mine):.2f}x the keystream bound, client "
+                  f"{statistics.median(r.bound_ratio for r in mine):.2f}x the keystream bound, "
+                  f"{statistics.median(r.fold_ratio for r in mine):.2f}x the fold floor, client "
                   f"{statistics.median(r.client_seconds for r in mine):.4f} s")
     if args.json:
         with open(args.json, "w") as f:

@@ -16,7 +16,12 @@ and then ``--rounds`` measured rounds, and reports:
   selecting, dispatch (and the device models within it), arrivals (training, uploads,
   folds), leaving; wall seconds in the engine process, printed under the table;
 - peak_rss_mib: the engine process's peak resident set (``resource.getrusage``); with
-  the process backend each worker's peak is reported too (``worker_peak_rss_mib``).
+  the process backend each worker's peak is reported too (``worker_peak_rss_mib``);
+- tree_cpu_us_per_client: CPU microseconds a trained client costs over every process of
+  the case (the engine, and the workers' CPU read with psutil at each round's end), and
+  core_bound_clients_per_second: trained clients per second if that CPU were spread
+  over every core with none idle -- the most this machine gives at this cost per client,
+  however the work is split between the engine and the workers.
 
 The per-client path (one TorchTrainer per client, the way a device trains) runs in the
 same invocation as the baseline, on fewer clients per round, and the table prints the
@@ -77,6 +82,7 @@ from typing import Any
 def _case(clients_per_round: int, population: int, aggregators: int, rounds: int, vectorize: bool,
           governor: bool, workers: int, backend: str, task: str = "digits", device: str = "cpu",
           save: str | None = None, verbose: bool = False) -> dict[str, Any]:
+    import psutil
     import torch
 
     torch.set_num_threads(1)
@@ -90,12 +96,28 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
                            backend=backend, chunk_size=512, evaluate_every=0, progress=False, run=run,
                            device=device)  # type: ignore[arg-type]
     t0 = time.perf_counter()
+    me = psutil.Process()
 
-    def progress(r: dict[str, Any]) -> None:  # on stderr: a case that runs out of time still says how far it got
-        print(f"    round {r['round']} ({'warm-up' if r['round'] == 1 else 'measured'}): {r['seconds']:.1f} s, "
-              f"{r['trained']} trained; {_phases(r.get('phase_seconds', {}))}", file=sys.stderr, flush=True)
+    def children_cpu() -> float:
+        """CPU seconds (user + system) of this case's child processes so far: the workers."""
+        total = 0.0
+        for child in me.children(recursive=True):
+            with contextlib.suppress(psutil.Error):  # one that exited meanwhile counts nothing
+                t = child.cpu_times()
+                total += t.user + t.system
+        return total
 
-    report = run_simulation(cfg, progress=progress if verbose else None)
+    # The workers' CPU at the end of each round (progress runs right after a round, before
+    # the next one starts): the difference over the measured rounds is theirs.
+    marks: list[float] = []
+
+    def progress(r: dict[str, Any]) -> None:
+        marks.append(children_cpu())
+        if verbose:  # on stderr: a case that runs out of time still says how far it got
+            print(f"    round {r['round']} ({'warm-up' if r['round'] == 1 else 'measured'}): {r['seconds']:.1f} s, "
+                  f"{r['trained']} trained; {_phases(r.get('phase_seconds', {}))}", file=sys.stderr, flush=True)
+
+    report = run_simulation(cfg, progress=progress)
     if save:
         import numpy as np
 
@@ -107,6 +129,11 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
     secs = sum(r["seconds"] for r in measured)
     cpu = sum(r["cpu_seconds"] for r in measured)
     trained = sum(r["trained"] for r in measured)
+    # Every process of the case (the engine and its workers) over the measured rounds: the
+    # CPU a client costs, and the most clients per second that CPU allows on this many
+    # cores if every core were busy all the time (a perfectly balanced engine and workers).
+    tree_cpu = cpu + (marks[-1] - marks[0] if backend == "process" and len(marks) > 1 else 0.0)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     # The engine's own account of where a measured round's wall time went (mean per round).
     phases: dict[str, float] = {}
     for r in measured:
@@ -131,6 +158,10 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
         "clients_per_second": round(trained / secs, 1),
         "cpu_clients_per_second": round(trained / cpu, 1) if cpu > 0 else None,
         "seconds_per_round": round(secs / len(measured), 3),
+        "tree_cpu_seconds_per_round": round(tree_cpu / len(measured), 3),
+        "tree_cpu_us_per_client": round(1e6 * tree_cpu / trained, 1) if trained else None,
+        "cores": cores,
+        "core_bound_clients_per_second": round(trained * cores / tree_cpu, 1) if tree_cpu > 0 else None,
         "cpu_seconds_per_round": round(cpu / len(measured), 3),
         "simulated_seconds_per_round": round(sum(r["simulated_seconds"] for r in measured) / len(measured), 2),
         "phase_seconds_per_round": {k: round(v, 3) for k, v in phases.items()},
@@ -484,6 +515,13 @@ def main() -> None:
     for r in rows:
         if r.get("phase_seconds_per_round"):
             print(f"{r['path']} at {r['clients_per_round']} per round, {_phases(r['phase_seconds_per_round'])}")
+    for r in rows:
+        if r.get("core_bound_clients_per_second"):
+            print(f"{r['path']} at {r['clients_per_round']} per round, every process (engine and workers): "
+                  f"{r['tree_cpu_us_per_client']:.0f} CPU-us a client, {r['tree_cpu_seconds_per_round']:.2f} "
+                  f"CPU-s a round; at most {r['core_bound_clients_per_second']:.0f} clients/s on "
+                  f"{r['cores']} cores at that cost ({r['clients_per_second'] / r['core_bound_clients_per_second']:.0%} "
+                  f"reached)")
     for r in rows:
         if r.get("path") == "flower" and "clients_per_second" in r:
             pss = f", PSS {r['peak_pss_mib']:.0f} MiB" if r.get("peak_pss_mib") else ""

@@ -1,5 +1,6 @@
 """``benchmarks/secagg.py`` at a toy size: every run's sum equals the plain sum, the
-keystream bound counts the masks the server really expanded, and ``--repeat`` runs each
+keystream bound counts the masks the server really expanded (and the fold floor, the
+same masks at the mask folder's speed), and ``--repeat`` runs each
 configuration that many times, with the key and unmasking stages batched or interleaved."""
 
 from __future__ import annotations
@@ -31,5 +32,10 @@ def test_toy_runs_are_correct_and_repeated(tmp_path: Path, mode: list[str]) -> N
         assert r["contributors"] <= masks <= r["contributors"] + dropped * r["neighbours"]
         assert (masks > r["contributors"]) == (dropped > 0)
         assert r["bound_ratio"] == r["server_seconds"] / r["keystream_bound_seconds"]
+        # The fold floor: the same masks at the mask folder's own speed (keystream and add),
+        # which cannot beat the keystream alone.
+        assert 0 < r["fold_gbps_per_core"] <= 1.05 * r["keystream_gbps_per_core"]
+        assert r["fold_bound_seconds"] == pytest.approx(r["mask_bytes"] / (r["fold_gbps_per_core"] * 1e9 * r["cores"]))
+        assert r["fold_ratio"] == pytest.approx(r["server_seconds"] / r["fold_bound_seconds"])
     assert "medians of 2 runs:" in res.stdout
     assert res.stdout.count("n=12 d=2000") == 2
