@@ -2,8 +2,9 @@
 
 The round engine (tiers, clocks, folding) always stays in the driving process; a
 backend only runs :func:`orchard.simulation.clients.run_jobs` on lists of jobs and hands
-back their uploads. At most ``workers`` jobs are in flight, so what is materialised at
-once is ``workers * chunk_size`` clients whatever the population.
+back their uploads. The engine keeps at most two jobs per worker in flight (one
+running, the next queued behind it), so what is materialised at once is about
+``2 * workers * chunk_size`` clients whatever the population.
 
 Threads work because the heavy parts (torch kernels, numpy, hashing) release the GIL;
 results do not depend on scheduling, since every client's work is a pure function of
