@@ -67,7 +67,7 @@ step simulation-mnist "${SIMULATION_MNIST_S:-1200}" "$py" benchmarks/simulation.
 b=${BATCH:-32}
 step pretrain-b32 "${PRETRAIN_B32_S:-100}" "$py" benchmarks/pretrain.py --device cuda \
     --batch-size "$b" --warmup 2 --rounds 4 --resume-steps 0 --json "$out/pretrain-b32.json"
-step pretrain-model "${PRETRAIN_B32_S:-100}" "$py" benchmarks/pretrain.py --device cuda \
+step pretrain-model "${PRETRAIN_MODEL_S:-100}" "$py" benchmarks/pretrain.py --device cuda \
     --batch-size "$b" --warmup 2 --rounds 4 --resume-steps 0 --compile-scope model \
     --json "$out/pretrain-model.json"
 exit $status

@@ -87,6 +87,7 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
 
     torch.set_num_threads(1)
     from orchard.config import RunConfig
+    from orchard.secure_agg.prg import available_cores
     from orchard.simulation import SimulationConfig, run_simulation
 
     run = RunConfig(task=task, task_params={"with_replacement": True, "samples_per_client": 20},
@@ -132,8 +133,9 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
     # Every process of the case (the engine and its workers) over the measured rounds: the
     # CPU a client costs, and the most clients per second that CPU allows on this many
     # cores if every core were busy all the time (a perfectly balanced engine and workers).
-    tree_cpu = cpu + (marks[-1] - marks[0] if backend == "process" and len(marks) > 1 else 0.0)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    # (In one process there are no children: the difference is 0.)
+    tree_cpu = cpu + (marks[-1] - marks[0] if len(marks) > 1 else 0.0)
+    cores = available_cores()
     # The engine's own account of where a measured round's wall time went (mean per round).
     phases: dict[str, float] = {}
     for r in measured:
