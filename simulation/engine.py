@@ -12,9 +12,10 @@ backend, many at a time).
 
 Per round (attempt), in simulated time:
 
-1. **Check-in.** Devices are drawn in a seeded random order; each one that is online
-   at this hour (its kind's availability) is materialised as the edge runtime's
-   :class:`SimulatedDevice`, brought up to the present, and checks in (``join``) at the
+1. **Check-in.** Devices are drawn in a seeded random order; the ones online at this
+   hour (their kind's availability) are brought up to the present a batch at a time
+   (``Population.catch_up``: the edge runtime's device model over columns), each is
+   made the edge runtime's :class:`SimulatedDevice`, and it checks in (``join``) at the
    lowest-tier coordinator it dials if the device-side policy
    (``edge_runtime.policy.check_eligibility``) lets it. Check-in stops once
    ``clients_per_round * over_selection * checkin_factor`` devices are in.
@@ -461,23 +462,31 @@ class Engine:
         live: dict[str, LiveDevice] = {}
         now = self.time.t
         wall = self.time.wall()
-        # Offer devices in a seeded order until enough are in (or everyone was asked).
+        # Offer devices in a seeded order until enough are in (or everyone was asked). The
+        # online ones are brought up to now a slice at a time (Population.catch_up), each
+        # slice no longer than the devices still wanted, so no device past the last one
+        # that checks in is touched; each then reads its state and decides, in order.
+        leaves = self.leaves
         for k, order in enumerate(self.pop.candidates(rnd, attempt, max(64, 2 * want))):
-            online = self.pop.online(order, now, rnd, attempt * 1_000_003 + k)
-            for i in order[online]:
-                if len(live) >= want:
-                    break
-                if busy and f"device-{int(i)}" in busy:
-                    continue  # still training (asynchronous mode): it is not polling
-                dev = self.pop.materialise(int(i), now)
-                state = Population.state_of(dev)
-                if not Population.eligible(state, cfg.eligibility, wall):
-                    self.pop.store(dev)
-                    continue
-                node = f"device-{int(i)}"
-                leaf = self.leaves[int(i) % len(self.leaves)]
-                leaf.coord.join(node, Role.CLIENT, _TOKEN, state)
-                live[node] = dev
+            online = order[self.pop.online(order, now, rnd, attempt * 1_000_003 + k)].tolist()
+            if busy:  # still training (asynchronous mode): not polling
+                online = [i for i in online if f"device-{i}" not in busy]
+            pos = 0
+            while pos < len(online) and len(live) < want:
+                ids = online[pos:pos + max(64, want - len(live))]
+                pos += len(ids)
+                cols = self.pop.catch_up(np.asarray(ids, dtype=np.int64), now)
+                for j, i in enumerate(ids):
+                    if len(live) >= want:
+                        break
+                    dev = self.pop.device(i, cols, j)
+                    state = Population.state_of(dev)
+                    if not Population.eligible(state, cfg.eligibility, wall):
+                        self.pop.store(dev)
+                        continue
+                    node = f"device-{i}"
+                    leaves[i % len(leaves)].coord.join(node, Role.CLIENT, _TOKEN, state)
+                    live[node] = dev
             if len(live) >= want:
                 break
         stats.checked_in = len(live)

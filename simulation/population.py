@@ -3,10 +3,12 @@
 Each device is one row of a handful of numpy arrays (its kind, a speed factor, its
 battery charge, temperature and the time they were last brought up to date): about 30
 bytes, so a million devices cost ~30 MB and nothing else grows with the population.
-A device becomes an object only while it takes part in a round: :meth:`Population.
-materialise` builds the edge runtime's :class:`SimulatedDevice` from its row, brings
-it up to the present (idle drain, charging on its daily schedule, cooling), and
-:meth:`Population.store` writes the result back when the round is over.
+A device becomes an object only while it takes part in a round. :meth:`Population.
+catch_up` brings a batch of rows up to the present at once, as columns (idle drain,
+charging on each kind's daily schedule, cooling: the edge runtime's device model,
+``integrate_many``); :meth:`Population.device` makes one row the edge runtime's
+:class:`SimulatedDevice`, and :meth:`Population.store` writes it back when the round
+is over.
 
 Availability is a per-kind hourly probability of being online (phones mostly at night,
 edge boxes always); whether a given device is online for a given round is a
@@ -24,21 +26,19 @@ import numpy as np
 
 from orchard.config import EligibilityConfig
 from orchard.edge_runtime.clock import VirtualClock
-from orchard.edge_runtime.device import SimulatedDevice, SimulatedDeviceParams, ThermalParams
+from orchard.edge_runtime.device import (
+    DeviceColumns,
+    SimulatedDevice,
+    SimulatedDeviceParams,
+    ThermalParams,
+    integrate_many,
+)
 from orchard.edge_runtime.policy import check_eligibility
 from orchard.errors import ConfigError
 from orchard.simulation.config import DeviceProfile
 from orchard.typing import DeviceState
 
 _DAY_S = 86400.0
-
-
-def _in_window(hour: float, start: float, end: float) -> bool:
-    if start == end:
-        return True
-    if start < end:
-        return start <= hour < end
-    return hour >= start or hour < end
 
 
 @dataclass
@@ -84,19 +84,27 @@ class Population:
         self.battery = np.where(has_battery, rng.uniform(30.0, 100.0, size), np.nan).astype(np.float32)
         self.temperature = np.array([p.ambient_c for p in self.profiles], dtype=np.float32)[self.kind]
         self.updated = np.zeros(size, dtype=np.float64)
-        # Per kind, what materialise needs of the profile (the thermal model is shared:
-        # it is frozen).
-        self._thermal = [ThermalParams(ambient_c=p.ambient_c, r_th_c_per_w=p.r_th_c_per_w, tau_s=p.tau_s)
-                         for p in self.profiles]
-        # Per kind, the device parameters (checked once, here); materialise sets each
-        # device's own battery, charger and temperature on a copy.
+        # Per kind, the device parameters (checked once, here): a device is made from its
+        # kind's and its row's state (SimulatedDevice.restore).
+        thermal = [ThermalParams(ambient_c=p.ambient_c, r_th_c_per_w=p.r_th_c_per_w, tau_s=p.tau_s)
+                   for p in self.profiles]
         self._params = [SimulatedDeviceParams(
             capacity_wh=p.capacity_wh, charge_power_w=p.charge_power_w, idle_power_w=p.idle_power_w,
             active_power_w=p.active_power_w,
             seconds_per_unit=1.0,  # work is counted in seconds at full speed (see LiveDevice)
             thermal=th, unmetered_network=p.unmetered_network, idle=True)
-            for p, th in zip(self.profiles, self._thermal, strict=True)]
+            for p, th in zip(self.profiles, thermal, strict=True)]
         self._flops_per_s = [p.gflops * 1e9 for p in self.profiles]
+        # What catch_up needs of each kind, as columns indexed by a device's kind.
+        self._has_battery = np.array([p.battery for p in self.profiles])
+        self._charge_start_h = np.array([float(p.charging_start_hour) for p in self.profiles])
+        self._charge_end_h = np.array([float(p.charging_end_hour) for p in self.profiles])
+        self._capacity_j = np.array([q.capacity_wh * 3600.0 for q in self._params])
+        self._idle_w = np.array([q.idle_power_w for q in self._params])
+        self._charge_w = np.array([q.charge_power_w for q in self._params])
+        self._ambient_c = np.array([q.thermal.ambient_c for q in self._params])
+        self._r_th = np.array([q.thermal.r_th_c_per_w for q in self._params])
+        self._tau_s = np.array([q.thermal.tau_s for q in self._params])
         self._by_kind = dict(zip(self.kinds, self._params, strict=True))
 
     # ------------------------------------------------------------------ who is around
@@ -128,53 +136,73 @@ class Population:
 
     # ------------------------------------------------------------------ one device
 
-    def plugged_at(self, i: int, t: float) -> bool:
-        p = self.profiles[self.kind[i]]
-        if not p.battery:
-            return True
-        return _in_window(self.hour_of(t), p.charging_start_hour, p.charging_end_hour)
+    def _plugged(self, k: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """Whether devices of kinds ``k`` are on their chargers at times ``t``: a mains box
+        always, a phone inside its kind's daily charging window."""
+        hour = ((t + self.day_offset_s) % _DAY_S) / 3600.0
+        start, end = self._charge_start_h[k], self._charge_end_h[k]
+        inside = np.where(start < end, (start <= hour) & (hour < end), (hour >= start) | (hour < end))
+        return ~self._has_battery[k] | (start == end) | inside
 
-    def _next_plug_change(self, i: int, t: float) -> float:
-        """The first time after ``t`` at which the device's charging state flips."""
-        p = self.profiles[self.kind[i]]
-        if not p.battery or p.charging_start_hour == p.charging_end_hour:
-            return math.inf
+    def _next_plug_change(self, k: np.ndarray, t: np.ndarray) -> np.ndarray:
+        """The first time after ``t`` at which each device's charging state flips (inf for
+        one that never flips)."""
+        start, end = self._charge_start_h[k], self._charge_end_h[k]
         day_t = (t + self.day_offset_s) % _DAY_S
-        best = math.inf
-        for h in (p.charging_start_hour, p.charging_end_hour):
+        best = np.full(len(t), math.inf)
+        for h in (start, end):
             d = h * 3600.0 - day_t
-            if d <= 0:
-                d += _DAY_S
-            best = min(best, d)
-        return t + best
+            d = np.where(d <= 0, d + _DAY_S, d)
+            best = np.where(d < best, d, best)
+        return np.where(~self._has_battery[k] | (start == end), math.inf, t + best)
 
     def kind_params(self) -> dict[str, SimulatedDeviceParams]:
         """Each kind's device parameters: what, with a device's snapshot, rebuilds the
         device (:meth:`SimulatedDevice.restore`) in another process."""
         return self._by_kind
 
-    def materialise(self, i: int, t: float) -> LiveDevice:
-        """Device ``i`` as a :class:`SimulatedDevice`, brought up to time ``t``."""
+    def catch_up(self, ids: np.ndarray, t: float) -> DeviceColumns:
+        """Devices ``ids`` as their :class:`SimulatedDevice` would be at time ``t``, built
+        from their rows, as columns: each one idles on battery or on its charger from its
+        row's time to ``t``, in pieces between its plug changes (several a day for a device
+        left alone for days). A row is what a device built from it alone and brought up
+        to ``t`` the same way would hold, bit for bit (``integrate_many``); :meth:`device`
+        makes it an object."""
+        k = self.kind[ids].astype(np.intp)
+        t0 = self.updated[ids]
+        # The charge a device starts from, in [0, 100] as the device's parameters require
+        # (written as min(max(b, 0), 100) computes it); a mains box is full.
+        b = self.battery[ids].astype(np.float64)
+        b = np.where(b < 0.0, 0.0, b)
+        b = np.where(b > 100.0, 100.0, b)
+        b = np.where(self._has_battery[k], b, 100.0)
+        temp = self.temperature[ids].astype(np.float64)
+        cols = DeviceColumns(battery_j=b / 100.0 * self._capacity_j[k], temperature_c=temp,
+                             energy_j=np.zeros(len(ids)), t=t0, plugged=self._plugged(k, t0),
+                             max_temperature_c=temp.copy(), min_battery_percent=b)
+        rows = np.flatnonzero(t0 < t)
+        while rows.size:
+            kr, now = k[rows], cols.t[rows]
+            nxt = self._next_plug_change(kr, now)
+            nxt = np.where(t < nxt, t, nxt)
+            moved = now + (nxt - now)  # the device's clock advanced by the difference
+            integrate_many(cols, rows, moved - now, self._idle_w[kr], capacity_j=self._capacity_j[kr],
+                           charge_power_w=self._charge_w[kr], ambient_c=self._ambient_c[kr],
+                           r_th_c_per_w=self._r_th[kr], tau_s=self._tau_s[kr])
+            cols.t[rows] = moved
+            cols.plugged[rows] = self._plugged(kr, moved)
+            rows = rows[moved < t]
+        return cols
+
+    def device(self, i: int, cols: DeviceColumns, j: int) -> LiveDevice:
+        """Device ``i`` as an object: its edge-runtime :class:`SimulatedDevice` in the state
+        of row ``j`` of ``cols`` (from :meth:`catch_up`), on its own virtual clock."""
         k = int(self.kind[i])
-        prof = self.profiles[k]
-        t0 = float(self.updated[i])
-        params = self._params[k].with_state(
-            battery_percent=min(max(float(self.battery[i]), 0.0), 100.0) if prof.battery else 100.0,
-            plugged=self.plugged_at(i, t0),
-            temperature_c=float(self.temperature[i]),
-        )
-        clock = VirtualClock(start=t0)
-        dev = SimulatedDevice(params, clock)
-        # Catch up piecewise: the device idles on battery or on the charger between its
-        # plug changes (several per day for a device left alone for days).
-        now = t0
-        while now < t:
-            nxt = min(self._next_plug_change(i, now), t)
-            clock.advance(nxt - now)
-            now = clock.monotonic()
-            dev.set_plugged(self.plugged_at(i, now))
+        clock = VirtualClock()
+        dev = SimulatedDevice(self._params[k], clock)
+        dev.restore(cols.snapshot(j))
         seconds = self.flops_per_example / (self._flops_per_s[k] * float(self.speed[i]))
-        return LiveDevice(int(i), self.kinds[k], prof, dev, clock, seconds)
+        return LiveDevice(i, self.kinds[k], self.profiles[k], dev, clock, seconds)
 
     def store(self, live: LiveDevice) -> None:
         """Write a device's state back to its row (it leaves the round)."""

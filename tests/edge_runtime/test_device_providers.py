@@ -7,10 +7,14 @@ import math
 from collections import namedtuple
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from orchard.edge_runtime.clock import ClockError, VirtualClock
 from orchard.edge_runtime.device import (
+    DeviceColumns,
     DeviceStateUnavailable,
     PsutilProvider,
     SimulatedDevice,
@@ -19,6 +23,7 @@ from orchard.edge_runtime.device import (
     SysfsProvider,
     ThermalParams,
     default_provider,
+    integrate_many,
     max_temperature,
     thermal_step,
 )
@@ -264,3 +269,64 @@ def test_levels_are_what_a_reading_reports() -> None:
     assert (battery, temperature) == (state.battery_percent, state.temperature_c)
     assert battery < 37.25 and temperature > kind.thermal.ambient_c
     assert a.snapshot() == b.snapshot()  # both caught up the same way
+
+
+_powers = st.floats(0.0, 20.0, allow_nan=False)
+
+
+@settings(max_examples=60, deadline=None)
+@given(devices=st.lists(st.tuples(
+    st.floats(0.5, 80.0),  # capacity_wh
+    st.floats(0.0, 100.0),  # battery_percent
+    _powers, _powers,  # charge_power_w, idle_power_w
+    st.floats(-10.0, 60.0), st.floats(0.0, 20.0), st.floats(0.5, 5000.0),  # ambient, r_th, tau
+    st.floats(-10.0, 90.0),  # temperature
+    st.booleans(),  # plugged
+    st.floats(0.0, 3 * 86400.0) | st.just(0.0),  # idle seconds
+), min_size=1, max_size=12))
+def test_integrate_many_is_each_device_integrated_alone(devices: list[tuple]) -> None:
+    """The columns come out bit for bit as each SimulatedDevice brought up alone: the
+    simulator's catch-up of thousands of devices at once changes no number."""
+    alone, params = [], []
+    for cap, b, charge, idle, amb, r_th, tau, temp, plugged, _dt in devices:
+        p = SimulatedDeviceParams(capacity_wh=cap, battery_percent=b, plugged=plugged, charge_power_w=charge,
+                                  idle_power_w=idle, temperature_c=temp,
+                                  thermal=ThermalParams(ambient_c=amb, r_th_c_per_w=r_th, tau_s=tau))
+        dev = SimulatedDevice(p, VirtualClock(start=100.0))
+        params.append(p)
+        alone.append(dev)
+    cols = DeviceColumns(
+        battery_j=np.array([d.snapshot()[0] for d in alone]), temperature_c=np.array([d.snapshot()[1] for d in alone]),
+        energy_j=np.zeros(len(alone)), t=np.full(len(alone), 100.0),
+        plugged=np.array([d.plugged for d in alone]),
+        max_temperature_c=np.array([d.max_temperature_c for d in alone]),
+        min_battery_percent=np.array([d.min_battery_percent for d in alone]))
+    for dev, row in zip(alone, devices, strict=True):
+        dev.clock.advance(row[-1])
+        dev.levels()  # brought up to its clock at idle power
+    # What each device integrated over: its clock's difference, as a simulator computes it.
+    dts = np.array([dev.clock.monotonic() for dev in alone]) - 100.0
+    col = {name: np.array([getattr(p, name) for p in params]) for name in ("charge_power_w", "idle_power_w")}
+    integrate_many(cols, np.arange(len(alone)), dts, col["idle_power_w"],
+                   capacity_j=np.array([p.capacity_wh * 3600.0 for p in params]),
+                   charge_power_w=col["charge_power_w"],
+                   ambient_c=np.array([p.thermal.ambient_c for p in params]),
+                   r_th_c_per_w=np.array([p.thermal.r_th_c_per_w for p in params]),
+                   tau_s=np.array([p.thermal.tau_s for p in params]))
+    for j, dev in enumerate(alone):
+        battery_j, temp, energy_j, _t, plugged, hot, low, _work, _clock = dev.snapshot()
+        got = (cols.battery_j[j], cols.temperature_c[j], cols.energy_j[j], cols.plugged[j],
+               cols.max_temperature_c[j], cols.min_battery_percent[j])
+        assert [float(v) for v in got] == [battery_j, temp, energy_j, float(plugged), hot, low]
+
+
+def test_a_device_rebuilt_from_its_columns_is_the_device() -> None:
+    kind = SimulatedDeviceParams(capacity_wh=4.0, battery_percent=90.0, active_power_w=7.5)
+    dev = SimulatedDevice(kind.with_state(37.25, True, 31.5), VirtualClock(start=12.5))
+    battery_j, temp, energy_j, t, plugged, hot, low, _work, _clock = dev.snapshot()
+    cols = DeviceColumns(np.array([battery_j]), np.array([temp]), np.array([energy_j]), np.array([t]),
+                         np.array([plugged]), np.array([hot]), np.array([low]))
+    copy = SimulatedDevice(kind, VirtualClock())
+    copy.restore(cols.snapshot(0))
+    assert copy.snapshot() == dev.snapshot()
+    assert copy.read() == dev.read()
