@@ -1099,9 +1099,7 @@ class Engine:
             # A simulated device that goes away goes at once (a real one would expire).
             for node in [n for n, c in leaf.coord.children.items() if c.role is Role.CLIENT]:
                 leaf.coord.leave(node)
-        for dev in live.values():
-            dev.clock.advance(max(0.0, self.time.t - dev.clock.monotonic()))
-            self.pop.store(dev)
+        self.pop.store_many(list(live.values()), self.time.t)
 
     def shutdown(self) -> None:
         for t in self.tiers():

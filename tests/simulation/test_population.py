@@ -87,3 +87,28 @@ def test_catch_up_is_each_device_brought_up_alone(seed: int, start_hour: float,
 def _as_live(pop: Population, i: int, dev: SimulatedDevice) -> LiveDevice:
     k = int(pop.kind[i])
     return LiveDevice(i, pop.kinds[k], pop.profiles[k], dev, dev.clock, 1.0)  # type: ignore[arg-type]
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**31), work=st.lists(st.floats(0.0, 3000.0), min_size=12, max_size=12),
+       rest=st.floats(0.0, 2 * _DAY))
+def test_store_many_writes_what_each_device_would(seed: int, work: list[float], rest: float) -> None:
+    """Devices that trained (some past the end time already) put back together leave the
+    rows store() leaves, one device at a time, bit for bit."""
+    cfg = SimulationConfig(clients=30, seed=seed)
+    a, b = (Population(30, cfg.all_profiles(), cfg.devices, seed, flops_per_example=1e6, day_offset_s=7200.0)
+            for _ in range(2))
+    ids = np.arange(0, 24, 2)
+    devs = {}
+    for pop in (a, b):
+        cols = pop.catch_up(ids, 50.0)
+        devs[id(pop)] = [pop.device(int(i), cols, j) for j, i in enumerate(ids.tolist())]
+        for live, w in zip(devs[id(pop)], work, strict=True):
+            live.device.work(w)
+    end = 50.0 + rest
+    a.store_many(devs[id(a)], end)
+    for live in devs[id(b)]:
+        live.clock.advance(max(0.0, end - live.clock.monotonic()))
+        b.store(live)
+    for name in ("battery", "temperature", "updated"):
+        assert np.array_equal(getattr(a, name), getattr(b, name), equal_nan=True), name
