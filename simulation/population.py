@@ -7,8 +7,8 @@ A device becomes an object only while it takes part in a round. :meth:`Populatio
 catch_up` brings a batch of rows up to the present at once, as columns (idle drain,
 charging on each kind's daily schedule, cooling: the edge runtime's device model,
 ``integrate_many``); :meth:`Population.device` makes one row the edge runtime's
-:class:`SimulatedDevice`, and :meth:`Population.store` writes it back when the round
-is over.
+:class:`SimulatedDevice`, and :meth:`Population.store_many` writes a round's devices
+back together when it is over (:meth:`Population.store` one).
 
 Availability is a per-kind hourly probability of being online (phones mostly at night,
 edge boxes always); whether a given device is online for a given round is a
@@ -109,7 +109,7 @@ class Population:
 
     # ------------------------------------------------------------------ who is around
 
-    def hour_of(self, t: float) -> float:
+    def hour_of(self, t: float | np.ndarray) -> float | np.ndarray:
         return ((t + self.day_offset_s) % _DAY_S) / 3600.0
 
     def online(self, ids: np.ndarray, t: float, rnd: int, attempt: int) -> np.ndarray:
@@ -134,12 +134,12 @@ class Population:
         rng.shuffle(rest)
         yield from np.array_split(rest, max(1, len(rest) // max(batch, 1)))
 
-    # ------------------------------------------------------------------ one device
+    # ------------------------------------------------------------------ devices, as rows and objects
 
     def _plugged(self, k: np.ndarray, t: np.ndarray) -> np.ndarray:
         """Whether devices of kinds ``k`` are on their chargers at times ``t``: a mains box
         always, a phone inside its kind's daily charging window."""
-        hour = ((t + self.day_offset_s) % _DAY_S) / 3600.0
+        hour = self.hour_of(t)
         start, end = self._charge_start_h[k], self._charge_end_h[k]
         inside = np.where(start < end, (start <= hour) & (hour < end), (hour >= start) | (hour < end))
         return ~self._has_battery[k] | (start == end) | inside
