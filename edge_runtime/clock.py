@@ -84,4 +84,5 @@ class VirtualClock:
 
     def restore(self, snap: tuple[float, float, float]) -> None:
         """Become the clock :meth:`snapshot` described (exactly: no arithmetic on the values)."""
-        self._t, self._wall_origin, self.slept_s = (float(v) for v in snap)
+        t, wall_origin, slept = snap
+        self._t, self._wall_origin, self.slept_s = float(t), float(wall_origin), float(slept)

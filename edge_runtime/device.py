@@ -469,6 +469,20 @@ class SimulatedDevice:
         return (self._battery_j, self._temp, self._energy_j, self._t, self.plugged, self.max_temperature_c,
                 self.min_battery_percent, self.work_done, self.clock.snapshot())
 
+    @classmethod
+    def from_snapshot(cls, params: SimulatedDeviceParams, snap: tuple[Any, ...]) -> SimulatedDevice:
+        """``SimulatedDevice(params, VirtualClock())`` that has taken ``snap`` (:meth:`restore`):
+        the device a snapshot describes, on a clock of its own, without first setting up the
+        state the snapshot replaces (a simulator makes thousands a round). ``params``: the
+        ones the snapshot's device was made with, or any that differ only in the initial
+        battery, charger and temperature."""
+        dev = object.__new__(cls)
+        dev.params = params
+        dev.clock = VirtualClock()
+        dev._capacity_j = params.capacity_wh * 3600.0
+        dev.restore(snap)
+        return dev
+
     def restore(self, snap: tuple[Any, ...]) -> None:
         """Take the state a :meth:`snapshot` holds (this device's clock included)."""
         (self._battery_j, self._temp, self._energy_j, self._t, self.plugged, self.max_temperature_c,

@@ -1131,8 +1131,7 @@ def run_devices(params: dict[str, SimulatedDeviceParams],
     (``params``): (seconds, steps, the device's new snapshot) for each."""
     out = []
     for kind, snap, policy, planned, per_step, spe in batch:
-        device = SimulatedDevice(params[kind], VirtualClock())
-        device.restore(snap)
+        device = SimulatedDevice.from_snapshot(params[kind], snap)
         secs, steps = device_training(device, device.clock, policy, planned, per_step, spe)
         out.append((secs, steps, device.snapshot()))
     return out

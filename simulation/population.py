@@ -85,7 +85,7 @@ class Population:
         self.temperature = np.array([p.ambient_c for p in self.profiles], dtype=np.float32)[self.kind]
         self.updated = np.zeros(size, dtype=np.float64)
         # Per kind, the device parameters (checked once, here): a device is made from its
-        # kind's and its row's state (SimulatedDevice.restore).
+        # kind's and its row's state (SimulatedDevice.from_snapshot).
         thermal = [ThermalParams(ambient_c=p.ambient_c, r_th_c_per_w=p.r_th_c_per_w, tau_s=p.tau_s)
                    for p in self.profiles]
         self._params = [SimulatedDeviceParams(
@@ -158,7 +158,7 @@ class Population:
 
     def kind_params(self) -> dict[str, SimulatedDeviceParams]:
         """Each kind's device parameters: what, with a device's snapshot, rebuilds the
-        device (:meth:`SimulatedDevice.restore`) in another process."""
+        device (:meth:`SimulatedDevice.from_snapshot`) in another process."""
         return self._by_kind
 
     def catch_up(self, ids: np.ndarray, t: float) -> DeviceColumns:
@@ -198,11 +198,9 @@ class Population:
         """Device ``i`` as an object: its edge-runtime :class:`SimulatedDevice` in the state
         of row ``j`` of ``cols`` (from :meth:`catch_up`), on its own virtual clock."""
         k = int(self.kind[i])
-        clock = VirtualClock()
-        dev = SimulatedDevice(self._params[k], clock)
-        dev.restore(cols.snapshot(j))
+        dev = SimulatedDevice.from_snapshot(self._params[k], cols.snapshot(j))
         seconds = self.flops_per_example / (self._flops_per_s[k] * float(self.speed[i]))
-        return LiveDevice(i, self.kinds[k], self.profiles[k], dev, clock, seconds)
+        return LiveDevice(i, self.kinds[k], self.profiles[k], dev, dev.clock, seconds)
 
     def store(self, live: LiveDevice) -> None:
         """Write a device's state back to its row (it leaves the round)."""

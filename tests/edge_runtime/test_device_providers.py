@@ -244,16 +244,19 @@ def test_a_restored_snapshot_behaves_as_the_device_it_was_taken_from() -> None:
     original.read()
     copy = SimulatedDevice(kind, VirtualClock())  # the kind's own initial state, then the snapshot
     copy.restore(original.snapshot())
-    assert copy.snapshot() == original.snapshot()
-    for dev in (original, copy):
+    made = SimulatedDevice.from_snapshot(kind, original.snapshot())  # the same in one step
+    assert vars(made).keys() == vars(copy).keys()  # every attribute a device has
+    assert copy.snapshot() == original.snapshot() == made.snapshot()
+    for dev in (original, copy, made):
         dev.work(2.0)
         dev.clock.advance(600.0)
         dev.set_plugged(True)
         dev.clock.advance(1234.5)
-    assert copy.read() == original.read()
-    assert copy.snapshot() == original.snapshot()
-    assert (copy.clock.monotonic(), copy.clock.wall(), copy.clock.slept_s) == (
-        original.clock.monotonic(), original.clock.wall(), original.clock.slept_s)
+    for dev in (copy, made):
+        assert dev.read() == original.read()
+        assert dev.snapshot() == original.snapshot()
+        assert (dev.clock.monotonic(), dev.clock.wall(), dev.clock.slept_s) == (
+            original.clock.monotonic(), original.clock.wall(), original.clock.slept_s)
 
 
 def test_levels_are_what_a_reading_reports() -> None:
