@@ -186,13 +186,18 @@ class Population:
             nxt = self._next_plug_change(kr, now)
             nxt = np.where(t < nxt, t, nxt)
             moved = now + (nxt - now)  # the device's clock advanced by the difference
-            integrate_many(cols, rows, moved - now, self._idle_w[kr], capacity_j=self._capacity_j[kr],
-                           charge_power_w=self._charge_w[kr], ambient_c=self._ambient_c[kr],
-                           r_th_c_per_w=self._r_th[kr], tau_s=self._tau_s[kr])
+            self._rest(cols, rows, moved - now, kr)
             cols.t[rows] = moved
             cols.plugged[rows] = self._plugged(kr, moved)
             rows = rows[moved < t]
         return cols
+
+    def _rest(self, cols: DeviceColumns, rows: np.ndarray, dt: np.ndarray, k: np.ndarray) -> None:
+        """Rows ``rows`` of ``cols``, devices of kinds ``k``, idle ``dt`` seconds each
+        (``integrate_many`` at each kind's idle power, with its charger and thermal model)."""
+        integrate_many(cols, rows, dt, self._idle_w[k], capacity_j=self._capacity_j[k],
+                       charge_power_w=self._charge_w[k], ambient_c=self._ambient_c[k],
+                       r_th_c_per_w=self._r_th[k], tau_s=self._tau_s[k])
 
     def device(self, i: int, cols: DeviceColumns, j: int) -> LiveDevice:
         """Device ``i`` as an object: its edge-runtime :class:`SimulatedDevice` in the state
@@ -228,9 +233,7 @@ class Population:
         cols = DeviceColumns(battery_j=b, temperature_c=temp, energy_j=e, t=since, plugged=plugged,
                              max_temperature_c=hot, min_battery_percent=low)
         k = self.kind[ids].astype(np.intp)
-        integrate_many(cols, np.arange(len(ids)), now - since, self._idle_w[k],
-                       capacity_j=self._capacity_j[k], charge_power_w=self._charge_w[k],
-                       ambient_c=self._ambient_c[k], r_th_c_per_w=self._r_th[k], tau_s=self._tau_s[k])
+        self._rest(cols, np.arange(len(ids)), now - since, k)
         has = self._has_battery[k]
         self.battery[ids[has]] = (100.0 * cols.battery_j / self._capacity_j[k])[has]
         self.temperature[ids] = cols.temperature_c
