@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from orchard.tasks.torch_trainer import TorchTrainer, _seed_from, load_arrays
+from orchard.tasks.torch_trainer import TorchTrainer, _seed_from, load_arrays, stack_rows
 from orchard.trainer import TrainConfig, TrainResult
 from orchard.typing import NDArrays
 
@@ -198,8 +198,8 @@ def train_group(trainers: Sequence[TorchTrainer], global_arrays: NDArrays,
             gen = torch.Generator().manual_seed(_seed_from(t.seed, tc.seed))
             for e in range(epochs):
                 torch.randperm(n, generator=gen, out=perms[e, i])
-    x_all = torch.stack([t.train_data.x for t in trainers]).to(dev)  # (C, n, ...)
-    y_all = torch.stack([t.train_data.y for t in trainers]).to(dev)
+    x_all, y_all = stack_rows([t.train_data for t in trainers])  # (C, n, ...), (C, n, ...)
+    x_all, y_all = x_all.to(dev), y_all.to(dev)
     perms = perms.to(dev)
     g = {k: torch.from_numpy(np.ascontiguousarray(global_arrays[k], dtype=np.float32)).to(dev) for k in names}
     anchors = {k: v.unsqueeze(0) for k, v in g.items()}

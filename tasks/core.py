@@ -21,6 +21,7 @@ from orchard.errors import ConfigError
 from orchard.tasks.partition import Partition
 from orchard.tasks.torch_trainer import (
     TensorData,
+    TensorRows,
     TorchTrainer,
     arrays_of,
     evaluate_model,
@@ -149,7 +150,8 @@ class SupervisedTask:
         if not 0 <= partition_id < num_partitions:
             raise ConfigError(f"partition_id must be in [0, {num_partitions}), got {partition_id}")
         part = self.partition(num_partitions, seed)
-        train = self.train_data.subset(part.indices[partition_id])
+        # The rows are gathered when first read, or with the rest of a vectorised group's.
+        train = TensorRows(self.train_data, part.indices[partition_id])
         fixed = self._fixed_seed
         return self._trainer_factory(
             lambda: self._model(fixed),

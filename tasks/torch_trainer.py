@@ -72,6 +72,59 @@ class TensorData:
         return TensorData(self.x[t], self.y[t])
 
 
+class TensorRows:
+    """Rows ``index`` of ``pool``, gathered when first read: a client's training data as
+    a task hands it out. It reads like a :class:`TensorData` (``x``, ``y``, ``len``,
+    ``subset``); the gather happens once, on first use of ``x`` or ``y``.
+
+    Thousands of simulated clients a round each get one, and the vectorised trainer
+    reads a group's rows from their common pool with one index (:func:`stack_rows`)
+    instead of gathering each client's rows and then stacking the copies."""
+
+    __slots__ = ("pool", "index", "_data")
+
+    def __init__(self, pool: TensorData, index: np.ndarray) -> None:
+        self.pool = pool
+        self.index = np.asarray(index, dtype=np.int64)
+        self._data: TensorData | None = None
+
+    @property
+    def data(self) -> TensorData:
+        if self._data is None:
+            self._data = self.pool.subset(self.index)
+        return self._data
+
+    @property
+    def x(self) -> torch.Tensor:
+        return self.data.x
+
+    @property
+    def y(self) -> torch.Tensor:
+        return self.data.y
+
+    def __len__(self) -> int:
+        return int(self.index.shape[0])
+
+    def subset(self, idx: np.ndarray) -> TensorData:
+        return self.data.subset(idx)
+
+
+def stack_rows(datas: Sequence[TensorData | TensorRows]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(torch.stack([d.x ...]), torch.stack([d.y ...]))`` for datasets of one length.
+    Rows of one CPU pool are read with one index over the pool (whether or not a
+    dataset gathered its own already: those are the same rows): the same values,
+    without a gather and a copy per dataset."""
+    first = datas[0]
+    if isinstance(first, TensorRows):
+        pool = first.pool
+        rows = [d for d in datas if isinstance(d, TensorRows) and d.pool is pool]
+        if (len(rows) == len(datas) and pool.x.device.type == "cpu" and pool.y.device.type == "cpu"
+                and not pool.x.requires_grad):
+            idx = np.stack([d.index for d in rows])
+            return torch.from_numpy(pool.x.numpy()[idx]), torch.from_numpy(pool.y.numpy()[idx])
+    return torch.stack([d.x for d in datas]), torch.stack([d.y for d in datas])
+
+
 def _loss_and_correct(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy over all targets, and the number of argmax hits."""
     flat = logits.reshape(-1, logits.shape[-1])
@@ -172,7 +225,7 @@ class TorchTrainer:
     def __init__(
         self,
         model_factory: ModelFactory,
-        train_data: TensorData,
+        train_data: TensorData | TensorRows,
         test_data: TensorData | Callable[[], TensorData],
         trainable: Sequence[str] | None = None,
         seed: int = 0,

@@ -4,7 +4,7 @@ import torch
 
 from orchard.errors import ConfigError
 from orchard.tasks import get_task
-from orchard.tasks.torch_trainer import TensorData, TorchTrainer
+from orchard.tasks.torch_trainer import TensorData, TensorRows, TorchTrainer, stack_rows
 from orchard.trainer import TrainConfig
 
 
@@ -122,3 +122,20 @@ def test_a_clients_trainer_holds_its_own_train_and_test_split(task) -> None:  # 
         assert torch.equal(trainer.test_data.x, test.x) and torch.equal(trainer.test_data.y, test.y)
     with pytest.raises(ConfigError, match="partition_id"):
         task.client_trainer(5, 5, seed=1)
+
+
+def test_rows_of_a_pool_read_and_stack_as_their_gathered_copies() -> None:
+    rng = np.random.default_rng(4)
+    pool = TensorData.from_numpy(rng.random((50, 3, 2), dtype=np.float32), rng.integers(0, 9, 50))
+    idx = [rng.integers(0, 50, 6) for _ in range(5)]
+    rows = [TensorRows(pool, i) for i in idx]
+    eager = [pool.subset(i) for i in idx]
+    assert len(rows[0]) == 6 and rows[0]._data is None  # nothing gathered yet
+    _ = rows[2].x  # one of them gathered on its own first: the same rows either way
+    for got in (stack_rows(rows), stack_rows(eager), stack_rows([rows[0], *eager[1:]])):
+        assert torch.equal(got[0], torch.stack([d.x for d in eager]))
+        assert torch.equal(got[1], torch.stack([d.y for d in eager]))
+    assert torch.equal(rows[1].subset(np.array([5, 0])).x, eager[1].x[[5, 0]])
+    other = TensorData.from_numpy(pool.x.numpy() + 1, pool.y.numpy())
+    mixed = stack_rows([rows[0], TensorRows(other, idx[1])])  # two pools: each read from its own
+    assert torch.equal(mixed[0][1], other.x[torch.from_numpy(idx[1])])
