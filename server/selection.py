@@ -34,7 +34,28 @@ def device_eligible(d: DeviceState, cfg: EligibilityConfig) -> tuple[bool, list[
 
 def allocate(target: int, capacities: dict[str, int]) -> dict[str, int]:
     """Split ``target`` updates among children in proportion to their capacity
-    (largest remainder), never giving a child more than its capacity."""
+    (largest remainder), never giving a child more than its capacity.
+
+    When every child has the same capacity (a leaf tier's clients: one update each)
+    every share is the same, so each child gets ``target // n`` and the remainder goes
+    one each to the first children by name, exactly as the largest-remainder loop
+    (whose ties go by name) hands it out, without sorting by a key in Python."""
+    caps = set(capacities.values())
+    if len(caps) == 1 and (cap := next(iter(caps))) > 0:
+        alloc = dict.fromkeys(capacities, 0)
+        remaining = min(target, cap * len(alloc))
+        if remaining <= 0:
+            return alloc
+        each, extra = divmod(remaining, len(alloc))
+        if each:
+            alloc = dict.fromkeys(capacities, each)
+        for k in sorted(alloc)[:extra]:
+            alloc[k] += 1
+        return alloc
+    return _largest_remainder(target, capacities)
+
+
+def _largest_remainder(target: int, capacities: dict[str, int]) -> dict[str, int]:
     alloc = {k: 0 for k in capacities}
     remaining = min(target, sum(max(c, 0) for c in capacities.values()))
     while remaining > 0:
