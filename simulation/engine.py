@@ -62,6 +62,7 @@ import itertools
 import math
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -110,7 +111,7 @@ _TOKEN = "simulated"  # every simulated node presents the same (unchecked) crede
 _AHEAD_BATCH = 320  # clients per job trained ahead, on an idle worker, while devices are dispatched
 _AHEAD_MAX = 4096  # at most this many clients trained ahead per round (their uploads wait in memory)
 _JOBS_PER_WORKER = 2  # jobs queued per worker: the next one waits while one runs, so a worker never idles between them
-_DEVICE_BATCH = 256  # device models per batch sent to a worker (see Engine._device_models)
+_DEVICE_BATCH = 256  # device models per batch sent to a worker (see _DeviceRuns)
 
 
 class VirtualTime:
@@ -221,7 +222,7 @@ class Engine:
         self._ahead: dict[int, ClientOutput] = {}
         self._ahead_parts: set[int] = set()
         self._policies: dict[tuple[int, float], DevicePolicy] = {}  # device policies by (steps, seconds)
-        self._device_seconds = 0.0  # the last dispatch's wall seconds in _device_models
+        self._device_seconds = 0.0  # the last dispatch's wall seconds waiting for its device models (_DeviceRuns.results)
 
     def _tier(self, name: str, parent: Tier | None, depth: int) -> Tier:
         h = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
@@ -546,10 +547,12 @@ class Engine:
             self._prune_held()
         t_open = self.time.t
         # First every selected device is handed its task and downloads; then their device
-        # models run (here, and on an idle worker: see _device_models); then, in the same
-        # order, each one's fate and arrival. No step reads what a later one of another
-        # device writes, so this is the order of doing each device whole.
+        # models run (on an idle worker from the first full batch on, the rest here and
+        # there: see _DeviceRuns); then, in the same order, each one's fate and arrival.
+        # No step reads what a later one of another device writes, so this is the order
+        # of doing each device whole.
         picked: list[tuple[Tier, str, TaskAssignment, LiveDevice, str, float, int, tuple[float, float]]] = []
+        runs = self._device_runs()
         for li, leaf in enumerate(self.leaves):
             if leaf.cr is None:
                 continue
@@ -579,11 +582,12 @@ class Engine:
                 stats.selected += 1
                 down_s = dev.profile.latency_s + down_bytes * 8 / (dev.profile.down_mbps * 1e6)
                 dev.clock.advance(max(0.0, t_open + down_s - dev.clock.monotonic()))
-                picked.append((leaf, node, a, dev, start, down_s, self._planned_steps(part), fates[drawn]))
+                planned = self._planned_steps(part)
+                picked.append((leaf, node, a, dev, start, down_s, planned, fates[drawn]))
                 drawn += 1
+                runs.add(dev, planned, a.deadline_unix - self.time.wall() - down_s)
         started = time.perf_counter()
-        trained = self._device_models([(dev, planned, a.deadline_unix - self.time.wall() - down_s)
-                                       for _, _, a, dev, _, down_s, planned, _ in picked])
+        trained = runs.results()
         self._device_seconds = time.perf_counter() - started  # (a round's phase_seconds)
         arrivals: list[Arrival] = []
         for (leaf, node, a, dev, start, down_s, planned, (fate, when)), (train_s, steps) in zip(
@@ -708,60 +712,18 @@ class Engine:
                 eligibility=self.run.eligibility, budget=RoundBudget(max_steps=key[0], time_s=key[1]))
         return policy
 
-    def _device_models(self, todo: list[tuple[LiveDevice, int, float]]) -> list[tuple[float, int]]:
-        """(seconds, steps done) of local training on each simulated device of ``todo``
-        (device, planned steps, seconds left before the deadline), each device's state
-        moved on by its training.
+    def _device_runs(self) -> _DeviceRuns:
+        """The device models of one dispatch (see :class:`_DeviceRuns`)."""
+        run_devices = getattr(self.backend, "run_devices", None) if self.governor else None
+        return _DeviceRuns(self, run_devices)
 
-        Under the governor, a device's model is thousands of small steps of Python a round.
-        With a backend that can run devices elsewhere (``run_devices``: worker processes,
-        idle while devices are dispatched) the list is cut into batches: this process
-        works from the front, the worker from the back, until they meet. A device's result
-        is a pure function of its state, policy and plan, so where it ran changes nothing;
-        a device run elsewhere comes back as a snapshot of its new state."""
-        tc = self.run.train
-        plans: list[tuple[LiveDevice, DevicePolicy | None, int, int]] = []
-        for dev, planned, time_left_s in todo:
-            n = int(self.sizes[dev.index])
-            per_step = min(tc.batch_size, max(n, 1))
-            plans.append((dev, self._policy(planned, time_left_s) if self.governor else None, planned, per_step))
-        out: list[tuple[float, int] | None] = [None] * len(plans)
-
-        def here(lo: int, hi: int) -> None:
-            for i in range(lo, hi):
-                dev, policy, planned, per_step = plans[i]
-                out[i] = device_training(dev.device, dev.clock, policy, planned, per_step, dev.seconds_per_example)
-
-        run_devices = getattr(self.backend, "run_devices", None)
-        front, back = 0, len(plans)
-        if run_devices is None or not self.governor or back < 2 * _DEVICE_BATCH:
-            here(front, back)
-            front = back
-        away: list[tuple[int, int, Future[list[tuple[float, int, tuple[Any, ...]]]]]] = []
-
-        def send() -> None:
-            nonlocal back
-            assert run_devices is not None  # only sent to a backend that runs devices
-            lo = max(front, back - _DEVICE_BATCH)
-            batch = [(dev.kind, dev.device.snapshot(), policy, planned, per_step, dev.seconds_per_example)
-                     for dev, policy, planned, per_step in plans[lo:back]]
-            away.append((lo, back, run_devices(self.pop.kind_params(), batch)))
-            back = lo
-
-        while front < back:
-            if sum(not f.done() for _, _, f in away) < 2 and back - front > _DEVICE_BATCH:
-                send()  # the worker keeps one batch running and one waiting
-                continue
-            hi = min(front + _DEVICE_BATCH // 4, back)
-            here(front, hi)
-            front = hi
-        for lo, hi, fut in away:
-            for i, (secs, steps, snap) in zip(range(lo, hi), fut.result(), strict=True):
-                plans[i][0].device.restore(snap)
-                out[i] = (secs, steps)
-        done = [r for r in out if r is not None]
-        assert len(done) == len(plans)  # every device ran, here or on the worker
-        return done
+    def _device_plan(self, dev: LiveDevice, planned: int, time_left_s: float
+                     ) -> tuple[LiveDevice, DevicePolicy | None, int, int]:
+        """(device, policy, planned steps, examples a step) for a device that trains
+        ``planned`` steps with ``time_left_s`` seconds before its deadline."""
+        n = int(self.sizes[dev.index])
+        per_step = min(self.run.train.batch_size, max(n, 1))
+        return dev, self._policy(planned, time_left_s) if self.governor else None, planned, per_step
 
     # ------------------------------------------------------------------ arrivals, in time order
 
@@ -1104,6 +1066,79 @@ class Engine:
     def shutdown(self) -> None:
         for t in self.tiers():
             t.coord.shutdown()
+
+
+class _DeviceRuns:
+    """The device models of one dispatch: (seconds, steps done) of local training on each
+    device added, each device's state moved on by its training.
+
+    Under the governor a device's model is thousands of small steps of Python a round.
+    With a backend that runs devices elsewhere (``run_devices``: a worker process, idle
+    while devices are handed their tasks) full batches go to the worker as soon as they
+    are added, while the rest of the cohort is handed out, as long as the worker has at
+    most one batch waiting behind the one it runs. :meth:`results` then runs the rest
+    here from the front while the worker takes batches from the back, until they meet. A
+    device's result is a pure function of its state, policy and plan, so where and when
+    it ran changes nothing; a device run elsewhere comes back as a snapshot of its new
+    state. Without such a backend (or without the governor) every device runs here."""
+
+    def __init__(self, engine: Engine, run_devices: Callable[..., Future[list[tuple[float, int, tuple[Any, ...]]]]] | None
+                 ) -> None:
+        self._engine = engine
+        self._run_devices = run_devices
+        self.plans: list[tuple[LiveDevice, DevicePolicy | None, int, int]] = []
+        self._away: list[tuple[int, int, Future[list[tuple[float, int, tuple[Any, ...]]]]]] = []
+        self._sent = 0  # plans[:_sent] were sent while devices were added (front to back)
+
+    def add(self, dev: LiveDevice, planned: int, time_left_s: float) -> None:
+        """A device that trains ``planned`` steps with ``time_left_s`` seconds before its
+        deadline (its state as it starts)."""
+        self.plans.append(self._engine._device_plan(dev, planned, time_left_s))
+        if (self._run_devices is not None and len(self.plans) - self._sent >= _DEVICE_BATCH
+                and self._worker_has_room()):
+            self._send(self._sent, self._sent + _DEVICE_BATCH)
+            self._sent += _DEVICE_BATCH
+
+    def _worker_has_room(self) -> bool:
+        # A worker runs its batches in order: if the last-but-one is done, so is every
+        # earlier one.
+        return sum(not f.done() for _, _, f in self._away[-2:]) < 2
+
+    def _send(self, lo: int, hi: int) -> None:
+        assert self._run_devices is not None  # only sent to a backend that runs devices
+        batch = [(dev.kind, dev.device.snapshot(), policy, planned, per_step, dev.seconds_per_example)
+                 for dev, policy, planned, per_step in self.plans[lo:hi]]
+        self._away.append((lo, hi, self._run_devices(self._engine.pop.kind_params(), batch)))
+
+    def _here(self, lo: int, hi: int, out: list[tuple[float, int] | None]) -> None:
+        for i in range(lo, hi):
+            dev, policy, planned, per_step = self.plans[i]
+            out[i] = device_training(dev.device, dev.clock, policy, planned, per_step, dev.seconds_per_example)
+
+    def results(self) -> list[tuple[float, int]]:
+        """(seconds, steps done) of every device added, in the order they were added."""
+        plans = self.plans
+        out: list[tuple[float, int] | None] = [None] * len(plans)
+        front, back = self._sent, len(plans)
+        if self._run_devices is None or back - front < 2 * _DEVICE_BATCH:
+            self._here(front, back, out)
+            front = back
+        while front < back:
+            if self._worker_has_room() and back - front > _DEVICE_BATCH:
+                lo = max(front, back - _DEVICE_BATCH)
+                self._send(lo, back)  # the worker keeps one batch running and one waiting
+                back = lo
+                continue
+            hi = min(front + _DEVICE_BATCH // 4, back)
+            self._here(front, hi, out)
+            front = hi
+        for lo, hi, fut in self._away:
+            for i, (secs, steps, snap) in zip(range(lo, hi), fut.result(), strict=True):
+                plans[i][0].device.restore(snap)
+                out[i] = (secs, steps)
+        done = [r for r in out if r is not None]
+        assert len(done) == len(plans)  # every device ran, here or on the worker
+        return done
 
 
 def device_training(device: SimulatedDevice, clock: VirtualClock, policy: DevicePolicy | None, planned: int,

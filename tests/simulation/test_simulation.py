@@ -539,24 +539,32 @@ def test_clients_trained_ahead_change_nothing(monkeypatch: pytest.MonkeyPatch) -
 
 def test_device_models_run_on_a_worker_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     # With worker processes, the engine sends batches of devices (as snapshots) to run
-    # their governors on the idle worker while it runs the others (small batches here,
-    # so it happens in a 40-client round). Every device's steps, time and state -- so
-    # the fates, the uploads and the model -- are those of running each one here.
+    # their governors on the idle worker, first while it hands the cohort its tasks,
+    # then while it runs the others (small batches here, so it happens in a 40-client
+    # round). Every device's steps, time and state -- so the fates, the uploads and the
+    # model -- are those of running each one here.
     import orchard.simulation.engine as engine
     from orchard.simulation.backends import ProcessBackend
 
     monkeypatch.setattr(engine, "_DEVICE_BATCH", 4)
     sent: list[int] = []
+    during_hand_out: list[int] = []
     real = ProcessBackend.run_devices
+    real_results = engine._DeviceRuns.results
 
     def counting(self: ProcessBackend, params: dict, batch: list) -> object:
         sent.append(len(batch))
         return real(self, params, batch)
 
+    def results(self: engine._DeviceRuns) -> list[tuple[float, int]]:
+        during_hand_out.append(self._sent)
+        return real_results(self)
+
     monkeypatch.setattr(ProcessBackend, "run_devices", counting)
+    monkeypatch.setattr(engine._DeviceRuns, "results", results)
     local = run_simulation(_sim(rounds=2, chunk_size=16))
     remote = run_simulation(_sim(rounds=2, chunk_size=16, backend="process", workers=1))
-    assert sum(sent) > 0
+    assert sum(sent) >= sum(during_hand_out) > 0  # some went while the cohort was handed out
     for key in ("participants", "trained", "bytes_up", "simulated_seconds", "stopped_by_governor", "stopped_early",
                 "vanished", "late"):
         assert [r[key] for r in remote.rounds] == [r[key] for r in local.rounds], key
