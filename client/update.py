@@ -2,7 +2,10 @@
 
 The one upload builder: the client runtime and the simulator both call
 :func:`build_upload`, so both send exactly the same bytes for the same inputs, under
-every weighting; nothing here touches the network. The delta is encoded as it is: its
+every weighting; nothing here touches the network. A simulator's batch of clients of
+one round may go through :func:`build_uploads` instead, which builds the same headers
+and bytes for many clients at once where it can (a cast codec, no per-client
+normalisation) and says when it cannot. The delta is encoded as it is: its
 weight travels in the header and is applied by the tier, whether it decodes the update
 or sums payloads in the compressed domain (secure aggregation pre-scales the values it
 masks itself: ``orchard.client.secure``).
@@ -19,6 +22,8 @@ mean ``tau_eff = sum p_i a_i``, and the root multiplies the two (eq. 6,
 from __future__ import annotations
 
 import dataclasses
+import math
+from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -26,7 +31,7 @@ import numpy as np
 from orchard import wire
 from orchard.aggregation import FEDNOVA_TAU
 from orchard.aggregation.privacy import clip_l2
-from orchard.compression import Codec, encode_packed
+from orchard.compression import Codec, encode_packed, encode_packed_many
 from orchard.config import RunConfig
 from orchard.edge_runtime.fednova import norm_a, normalise
 from orchard.errors import UpdateSchemaError
@@ -122,6 +127,64 @@ def delta_of(t: TaskAssignment, global_arrays: NDArrays, result: TrainResult) ->
     return out
 
 
+def deltas_of(t: TaskAssignment, global_arrays: NDArrays, results: Sequence[TrainResult]) -> NDArrays | None:
+    """:func:`delta_of` for many results of one task's schema at once, stacked: row ``i``
+    of each tensor is ``results[i]``'s delta, the same float32 values. None when a
+    result lacks a tensor or has another shape: then take :func:`delta_of` of each,
+    which says which and what is wrong."""
+    out: NDArrays = {}
+    for n in (s.name for s in t.schema):
+        shape = global_arrays[n].shape
+        stacked = np.empty((len(results), *shape), dtype=np.float32)
+        for row, r in enumerate(results):
+            v = r.arrays.get(n)
+            if v is None or v.shape != shape:
+                return None
+            stacked[row] = v  # as np.asarray(v, dtype=np.float32)
+        out[n] = np.subtract(stacked, global_arrays[n], out=stacked, dtype=np.float32)
+    return out
+
+
+def upload_header(t: TaskAssignment, cfg: RunConfig, node_id: str, payload: bytes, sizes: tuple[int, ...],
+                  result: TrainResult, weight: float) -> UploadHeader:
+    """A client update's header: its payload's sizes and hash, its weight, and the
+    result's counts and metrics (weighted by its examples)."""
+    metric_w = float(max(result.num_examples, 1))
+    metrics = {k: float(v) for k, v in result.metrics.items() if math.isfinite(v)}
+    return UploadHeader(
+        node_id=node_id, run_id=t.run_id, round=t.round, attempt=t.attempt, task_id=t.task_id,
+        kind=UploadKind.CLIENT_UPDATE, schema=t.schema, payload_sizes=sizes, codec=cfg.codec.name,
+        payload_sha256=wire.sha256_hex(payload), weight=weight, count=1, num_examples=result.num_examples,
+        num_steps=result.num_steps, metric_sums={k: v * metric_w for k, v in metrics.items()},
+        metric_weights={k: metric_w for k in metrics})
+
+
+def build_uploads(ts: Sequence[TaskAssignment], cfg: RunConfig, codec: Codec, node_ids: Sequence[str],
+                  deltas: NDArrays, results: Sequence[TrainResult]) -> list[tuple[UploadHeader, bytes]] | None:
+    """:func:`build_upload` for many clients of one round at once (a simulator's batch):
+    ``deltas[name][i]`` is client ``i``'s delta (see :func:`deltas_of`), ``ts[i]`` its
+    task. Only where nothing per client touches a delta before it is encoded and
+    nothing is kept between rounds: no FedNova (it normalises each delta by its own
+    steps), no clipping on the client, and a cast codec, which encodes every client's
+    rows at once (:func:`~orchard.compression.encode_packed_many`). None otherwise: then
+    build each upload with :func:`build_upload`. The same headers and bytes as
+    :func:`build_upload` gives client by client (a property test holds them together);
+    a cast keeps no state, so there are no new states."""
+    weighting = cfg.cohort.weighting
+    if weighting is Weighting.FEDNOVA or cfg.clips_on_client or not ts:
+        return None
+    first = ts[0]
+    if any(t.schema != first.schema or t.shared_seed != first.shared_seed for t in ts):
+        return None
+    names = [s.name for s in first.schema]
+    packed = encode_packed_many(codec, {n: deltas[n] for n in names}, names, first.shared_seed)
+    if packed is None:
+        return None
+    payloads, sizes = packed
+    return [(upload_header(t, cfg, node_id, payload, sizes, res, weight_of(res, weighting)), payload)
+            for t, node_id, payload, res in zip(ts, node_ids, payloads, results, strict=True)]
+
+
 def build_upload(t: TaskAssignment, cfg: RunConfig, train_cfg: TrainConfig, codec: Codec, node_id: str,
                  delta: NDArrays, result: TrainResult, seed: int,
                  states: dict[str, Any] | None) -> tuple[UploadHeader, bytes, dict[str, Any]]:
@@ -139,14 +202,7 @@ def build_upload(t: TaskAssignment, cfg: RunConfig, train_cfg: TrainConfig, code
     w = weight_of(result, weighting)
     payload, sizes, new_states = encode_packed(codec, delta, [s.name for s in t.schema], upload_rng(seed), states,
                                                t.shared_seed)
-    metric_w = float(max(result.num_examples, 1))
-    metrics = {k: float(v) for k, v in result.metrics.items() if np.isfinite(v)}
-    header = UploadHeader(
-        node_id=node_id, run_id=t.run_id, round=t.round, attempt=t.attempt, task_id=t.task_id,
-        kind=UploadKind.CLIENT_UPDATE, schema=t.schema, payload_sizes=sizes, codec=cfg.codec.name,
-        payload_sha256=wire.sha256_hex(payload), weight=w, count=1, num_examples=result.num_examples,
-        num_steps=result.num_steps, metric_sums={k: v * metric_w for k, v in metrics.items()},
-        metric_weights={k: metric_w for k in metrics})
+    header = upload_header(t, cfg, node_id, payload, sizes, result, w)
     if tau is not None:
         header = with_fednova_tau(header, tau)
     return header, payload, new_states

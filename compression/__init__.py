@@ -19,6 +19,7 @@ API
 
     encode_update(codec, arrays, rng, states=None, shared_seed=0) -> (payloads, new_states)
     encode_packed(codec, arrays, names, rng, ...)  # the same, joined: (payload, sizes, new_states)
+    encode_packed_many(codec, rows, names, ...)    # many updates' joined payloads at once (a cast)
     decode_update(codec, payloads, shapes, num_summands=1, shared_seed=0) -> arrays
     states_to_bytes(states) / states_from_bytes(blob)    # persist codec state on a device
     validate_codec_for_secure_aggregation(spec)          # ConfigError naming what works
@@ -121,6 +122,7 @@ from orchard.compression.registry import (
 from orchard.compression.update import (
     decode_update,
     encode_packed,
+    encode_packed_many,
     encode_update,
     states_from_bytes,
     states_to_bytes,
@@ -152,6 +154,7 @@ __all__ = [
     "decode_update",
     "encode_model_delta",
     "encode_packed",
+    "encode_packed_many",
     "encode_update",
     "parse_payload",
     "states_from_bytes",

@@ -24,7 +24,14 @@ from orchard.compression.base import (
     numel,
     peak,
 )
-from orchard.compression.wire import CODEC_IDS, EncodedTensor, Field, framed_values, raw_head
+from orchard.compression.wire import (
+    CODEC_IDS,
+    MAX_COUNT,
+    EncodedTensor,
+    Field,
+    framed_values,
+    raw_head,
+)
 from orchard.errors import CodecError
 
 FLOAT16_MAX = float(np.finfo(np.float16).max)
@@ -143,6 +150,24 @@ class CastCodec(BaseCodec):
         if values.dtype != self._wire:
             return None
         return self._frame(x32.shape)[1], memoryview(values).cast("B")  # type: ignore[arg-type]
+
+    def encode_framed_many(self, x: np.ndarray) -> tuple[bytes, np.ndarray] | None:
+        """:meth:`encode_framed` of every row of ``x`` (``x[i]`` one tensor, all of one
+        shape): the header, and every row's values as a C-contiguous (rows, count) array
+        of the wire dtype, whose row ``i`` holds the bytes of ``encode_framed(x[i])[1]``.
+        A cast is elementwise, so the rows are cast as one vector. None where
+        :meth:`encode_framed` would give None, or where a row would be refused (encode
+        the rows one by one: each one's error is its own)."""
+        if x.ndim < 1 or x.shape[0] == 0 or x[0].size > MAX_COUNT:
+            return None
+        try:
+            x32 = as_float32(x)
+            values = np.ascontiguousarray(self._to_wire(x32.reshape(-1)))
+        except CodecError:
+            return None
+        if values.dtype != self._wire:
+            return None
+        return self._frame(x32.shape[1:])[1], values.reshape(x32.shape[0], -1)
 
     def _frame(self, shape: tuple[int, ...]) -> tuple[tuple[int, ...], bytes, int]:
         """``shape`` checked (CodecError if it is not a shape), the header of every payload

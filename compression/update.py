@@ -85,6 +85,44 @@ def encode_packed(
     return b"".join(payloads[n] for n in names), tuple(len(payloads[n]) for n in names), new_states
 
 
+def encode_packed_many(
+    codec: Codec,
+    rows: Mapping[str, np.ndarray],
+    names: list[str],
+    shared_seed: int = 0,
+) -> tuple[list[bytes], tuple[int, ...]] | None:
+    """:func:`encode_packed` of many updates at once, for a cast codec: ``rows[name][i]``
+    is update ``i``'s tensor ``name`` (every update of the same shapes, ``rows`` in
+    ``names`` order). Returns each update's joined payload, in row order, and the
+    tensors' sizes (the same for every update): the same bytes as :func:`encode_packed`
+    gives update by update (a cast draws nothing and keeps no state). The payloads are
+    written into one (updates, bytes) buffer, tensor by tensor, each tensor's rows cast
+    at once. None for any other codec, or where a row would not take the cast's framed
+    path: then encode the updates one by one."""
+    if type(codec) is not CastCodec or list(rows) != names or not names:
+        return None
+    check_seed(shared_seed)
+    parts: list[tuple[bytes, np.ndarray]] = []
+    for name in names:
+        framed = codec.encode_framed_many(rows[name])
+        if framed is None:
+            return None
+        parts.append(framed)
+    count = parts[0][1].shape[0]
+    if any(values.shape[0] != count for _, values in parts):
+        return None
+    sizes = tuple(len(head) + values.shape[1] * values.itemsize for head, values in parts)
+    buf = np.empty((count, sum(sizes)), dtype=np.uint8)
+    at = 0
+    for head, values in parts:
+        buf[:, at:at + len(head)] = np.frombuffer(head, dtype=np.uint8)
+        at += len(head)
+        nbytes = values.shape[1] * values.itemsize
+        buf[:, at:at + nbytes] = values.view(np.uint8).reshape(count, nbytes)
+        at += nbytes
+    return [row.tobytes() for row in buf], sizes
+
+
 def decode_update(
     codec: Codec,
     payloads: Mapping[str, bytes],

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from orchard.client.update import build_upload, delta_of, train_seed
+from orchard.client.update import build_upload, build_uploads, delta_of, deltas_of, train_seed
 from orchard.compression import Codec
 from orchard.config import RunConfig
 from orchard.errors import OrchardError
@@ -138,13 +138,39 @@ def run_jobs(task: Task, population: int, cfg: RunConfig, codec: Codec, global_a
             except (OrchardError, ValueError, RuntimeError) as err:
                 results[i] = f"{type(err).__name__}: {err}"
     del trainers
+    # The uploads of the clients that start from one model, built together where they can
+    # be (build_uploads: the same bytes as build_upload, client by client).
+    built: dict[int, tuple[UploadHeader, bytes]] = {}
+    for idx in groups.values():
+        trained = [(i, r) for i in idx if isinstance(r := results[i], TrainResult) and r.num_examples > 0]
+        if len(trained) < 2:
+            continue
+        ok, done = [i for i, _ in trained], [r for _, r in trained]
+        deltas = deltas_of(jobs[ok[0]].assignment, models[ok[0]], done)
+        if deltas is None:
+            continue
+        for row, i in enumerate(ok):
+            if jobs[i].attack != 1.0:
+                for v in deltas.values():
+                    v[row] *= np.float32(jobs[i].attack)
+        try:
+            got = build_uploads([jobs[i].assignment for i in ok], cfg, codec, [jobs[i].node_id for i in ok], deltas,
+                                done)
+        except OrchardError:  # built one by one below, where each client's error is its own
+            got = None
+        if got is not None:
+            built.update(zip(ok, got, strict=True))
     out = []
-    for job, (seed, tc), start, res in zip(jobs, seeds_cfgs, models, results, strict=True):
+    for i, (job, (seed, tc), start, res) in enumerate(zip(jobs, seeds_cfgs, models, results, strict=True)):
         if not isinstance(res, TrainResult):
             out.append(ClientOutput(job.partition, job.node_id, None, error=str(res)))
             continue
         if res.num_examples == 0:
             out.append(ClientOutput(job.partition, job.node_id, None, error="no training data"))
+            continue
+        if i in built:
+            header, payload = built[i]
+            out.append(ClientOutput(job.partition, job.node_id, header, payload, None, metrics=dict(res.metrics)))
             continue
         try:
             delta = delta_of(job.assignment, start, res)

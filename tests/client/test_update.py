@@ -7,8 +7,17 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from orchard.client.update import build_upload, train_seed, upload_rng
+from orchard.client.update import (
+    build_upload,
+    build_uploads,
+    delta_of,
+    deltas_of,
+    train_seed,
+    upload_rng,
+)
 from orchard.compression import build_codec, decode_update, encode_update
 from orchard.config import CodecSpec, CohortConfig, RunConfig
 from orchard.messages import TaskAssignment
@@ -87,3 +96,59 @@ def test_an_upload_carries_the_plain_update_and_its_weight(weighting: str) -> No
     got = decode_update(c, dict(zip(SHAPES, split(payload, h.payload_sizes), strict=True)), SHAPES, 1, 99)
     for k in SHAPES:
         np.testing.assert_array_equal(got[k], delta[k])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    clients=st.integers(1, 5),
+    codec=st.sampled_from(["float32", "float16", "bfloat16", "qsgd", "topk"]),
+    weighting=st.sampled_from(["examples", "steps", "uniform", "fednova"]),
+    scale=st.sampled_from([0.01, 1.0, 3e4, 1e5]),  # float16 holds |x| < 65520: larger rows are refused
+    special=st.sampled_from([None, np.nan, np.inf]),
+    seed=st.integers(0, 2**16),
+)
+def test_uploads_built_together_are_those_built_one_by_one(clients: int, codec: str, weighting: str, scale: float,
+                                                           special: float | None, seed: int) -> None:
+    """build_uploads (a simulator's batch) gives each client the header and bytes that
+    build_upload gives it alone, from deltas taken together (deltas_of) as delta_of takes
+    them; where it cannot (a codec that draws or keeps state, FedNova, a row a cast
+    refuses) it says so with None."""
+    params = {"bits": 4} if codec == "qsgd" else {"fraction": 0.3} if codec == "topk" else {}
+    cfg = RunConfig(codec=CodecSpec(name=codec, params=params), cohort=CohortConfig(weighting=weighting))  # type: ignore[arg-type]
+    c = build_codec(cfg.codec)
+    rng = np.random.default_rng(seed)
+    start = {k: rng.standard_normal(s).astype(np.float32) for k, s in SHAPES.items()}
+    results = []
+    for i in range(clients):
+        arrays = {k: (v + scale * rng.standard_normal(v.shape)).astype(np.float32) for k, v in start.items()}
+        if special is not None and i == clients - 1:
+            arrays["b"][0] = special
+        n = int(rng.integers(1, 50))
+        results.append(TrainResult(arrays=arrays, weight=float(n), num_examples=n, num_steps=int(rng.integers(1, 9)),
+                                   metrics={"train_loss": float(rng.random()), "odd": float("nan")}))
+    t = _task(cfg)
+    deltas = deltas_of(t, start, results)
+    assert deltas is not None
+    for i, r in enumerate(results):
+        for k, v in delta_of(t, start, r).items():
+            np.testing.assert_array_equal(deltas[k][i], v)
+    got = build_uploads([t] * clients, cfg, c, [f"n{i}" for i in range(clients)], deltas, results)
+    if got is None:  # then every client goes through build_upload; nothing to compare
+        assert codec in ("qsgd", "topk") or weighting == "fednova" or (codec == "float16" and scale > 1e4)
+        return
+    assert codec in ("float32", "float16", "bfloat16") and weighting != "fednova"
+    for i, (r, (header, payload)) in enumerate(zip(results, got, strict=True)):
+        h1, p1, states = build_upload(t, cfg, cfg.train, c, f"n{i}", delta_of(t, start, r), r, seed=i, states=None)
+        assert payload == p1 and header == h1 and states == {}
+
+
+def test_deltas_of_says_none_for_a_result_of_another_shape() -> None:
+    cfg = RunConfig()
+    good = TrainResult(arrays=_delta(1), weight=1.0, num_examples=1, num_steps=1)
+    bad = TrainResult(arrays={"w": np.zeros((8, 20), np.float32), "b": np.zeros(8, np.float32)}, weight=1.0,
+                      num_examples=1, num_steps=1)
+    missing = TrainResult(arrays={"w": np.zeros((20, 8), np.float32)}, weight=1.0, num_examples=1, num_steps=1)
+    start = {k: np.zeros(s, np.float32) for k, s in SHAPES.items()}
+    assert deltas_of(_task(cfg), start, [good, bad]) is None
+    assert deltas_of(_task(cfg), start, [good, missing]) is None
+    assert deltas_of(_task(cfg), start, [good, good]) is not None

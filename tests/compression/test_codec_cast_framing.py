@@ -275,3 +275,34 @@ def test_an_update_encoded_packed_is_its_payloads_joined(name: str, xs: list[np.
     assert blob == b"".join(payloads[n] for n in names)
     assert sizes == tuple(len(payloads[n]) for n in names)
     assert got_states.keys() == states.keys()
+
+
+@given(
+    name=st.sampled_from([*CASTS, "qsgd"]),
+    rows=st.integers(1, 4),
+    shapes=st.lists(st.lists(st.integers(1, 5), min_size=0, max_size=2).map(tuple), min_size=1, max_size=3),
+    values=st.sampled_from([1.0, 7e4, math.nan, -math.inf]),
+    seed=st.integers(0, 2**16),
+)
+def test_many_updates_encode_as_each_alone(name: str, rows: int, shapes: list[tuple[int, ...]], values: float,
+                                          seed: int) -> None:
+    """encode_packed_many gives each row the bytes encode_packed gives it alone; None for
+    a codec that is not a cast, or when a cast refuses a row (float16 past its range)."""
+    from orchard.compression import encode_packed, encode_packed_many
+    from orchard.config import CodecSpec
+
+    codec = build_codec(CodecSpec(name=name, params={"bits": 4} if name == "qsgd" else {}))
+    rng = np.random.default_rng(seed)
+    names = [f"t{i}" for i in range(len(shapes))]
+    stacked = {n: rng.standard_normal((rows, *s)).astype(np.float32) for n, s in zip(names, shapes, strict=True)}
+    stacked[names[-1]].reshape(rows, -1)[-1, 0] = values  # one odd value in the last row
+    got = encode_packed_many(codec, stacked, names, shared_seed=3)
+    if got is None:
+        assert name == "qsgd" or (name == "float16" and values == 7e4)
+        return
+    payloads, sizes = got
+    assert len(payloads) == rows
+    for i, p in enumerate(payloads):
+        alone, alone_sizes, states = encode_packed(codec, {n: stacked[n][i] for n in names}, names,
+                                                   np.random.default_rng(0), None, 3)
+        assert p == alone and sizes == alone_sizes and states == {}
