@@ -187,17 +187,20 @@ def train_group(trainers: Sequence[TorchTrainer], global_arrays: NDArrays,
     c = len(trainers)
     n = len(first.train_data)
     plan = _plan(n, cfg)
-    # Each client's batch order from its own generator, exactly as TorchTrainer draws it:
-    # one (C, n) matrix of permutations per epoch.
+    # Each client's batch order from its own stream, exactly as TorchTrainer draws it from
+    # a generator seeded for it: one (C, n) matrix of permutations per epoch. One
+    # generator, reseeded for each client, is in the state a new one seeded alike is in
+    # (manual_seed resets the whole state), and costs less than a generator a client.
     epochs = (plan[-1][0] + 1) if plan else 0
-    perms = torch.empty((epochs, c, n), dtype=torch.int64)
-    if n <= 1:
-        perms.zero_()
+    if n <= 1 or epochs == 0:
+        perms = torch.zeros((epochs, c, n), dtype=torch.int64)
     else:
-        for i, (t, tc) in enumerate(zip(trainers, configs, strict=True)):
-            gen = torch.Generator().manual_seed(_seed_from(t.seed, tc.seed))
-            for e in range(epochs):
-                torch.randperm(n, generator=gen, out=perms[e, i])
+        gen = torch.Generator()
+        drawn = []
+        for t, tc in zip(trainers, configs, strict=True):
+            gen.manual_seed(_seed_from(t.seed, tc.seed))
+            drawn += [torch.randperm(n, generator=gen) for _ in range(epochs)]
+        perms = torch.stack(drawn).view(c, epochs, n).transpose(0, 1).contiguous()  # (epochs, C, n)
     x_all, y_all = stack_rows([t.train_data for t in trainers])  # (C, n, ...), (C, n, ...)
     x_all, y_all = x_all.to(dev), y_all.to(dev)
     perms = perms.to(dev)
