@@ -74,16 +74,18 @@ def add_weighted(acc: np.ndarray, x: np.ndarray, weight: float) -> None:
     buf = getattr(_scratch, "buf", None)
     if buf is None:
         buf = _scratch.buf = np.empty(_BLOCK, np.float64)
+    # (Outputs passed by position: a ufunc parses an out= keyword at about a microsecond a
+    # call, as much as the work on a small update.)
     if a.size <= _BLOCK:  # one block: the loop's slicing costs more than the work here
         t = buf[: a.size]
-        np.multiply(v, weight, out=t, dtype=np.float64)
-        np.add(a, t, out=a)
+        np.multiply(v, weight, t, dtype=np.float64)
+        np.add(a, t, a)
         return
     for i in range(0, a.size, _BLOCK):
         j = min(i + _BLOCK, a.size)
         t = buf[: j - i]
-        np.multiply(v[i:j], weight, out=t, dtype=np.float64)
-        np.add(a[i:j], t, out=a[i:j])
+        np.multiply(v[i:j], weight, t, dtype=np.float64)
+        np.add(a[i:j], t, a[i:j])
 
 
 def check_weight(weight: float) -> float:
