@@ -11,6 +11,7 @@ equal to the flat computation.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,9 +39,15 @@ class MetricSums:
             self.weights[k] = self.weights.get(k, 0.0) + weight
 
     def merge(self, other: MetricSums) -> None:
-        for k, v in other.sums.items():
-            self.sums[k] = self.sums.get(k, 0.0) + v
-            self.weights[k] = self.weights.get(k, 0.0) + other.weights.get(k, 0.0)
+        self.merge_sums(other.sums, other.weights)
+
+    def merge_sums(self, sums: Mapping[str, float], weights: Mapping[str, float]) -> None:
+        """:meth:`merge` of ``MetricSums(sums, weights)``, without building it (a tier
+        merges an upload header's two dicts this way; both are only read)."""
+        mine, mine_w = self.sums, self.weights
+        for k, v in sums.items():
+            mine[k] = mine.get(k, 0.0) + v
+            mine_w[k] = mine_w.get(k, 0.0) + weights.get(k, 0.0)
 
     def means(self) -> Metrics:
         return weighted_metric_means(self)

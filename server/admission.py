@@ -128,7 +128,7 @@ def admit_header(h: UploadHeader, caller: str, role: Role, task: RoundTask, slot
         check_schema(h.schema, task.schema)
     if len(h.payload_sizes) != len(task.schema):
         raise UpdateSchemaError(f"{len(h.payload_sizes)} payload sizes for {len(task.schema)} tensors")
-    if any(s < 0 for s in h.payload_sizes):
+    if min(h.payload_sizes, default=0) < 0:
         raise UpdateSchemaError(f"payload sizes must be >= 0, got {list(h.payload_sizes)[:5]}")
     if h.total_bytes > max_upload_bytes:
         raise PayloadTooLargeError(f"upload declares {h.total_bytes} bytes; the limit is {max_upload_bytes}")

@@ -130,7 +130,7 @@ class CompressedCohort:
                 raise UpdateSchemaError("this round clips updates; the upload was checked without its norm")
             self.sums.add(up.parts, h.weight, clip_factor(up.norm, self.clip))
             self.clip_stats.record(up.norm, self.clip)
-        self.metrics.merge(MetricSums(h.metric_sums, h.metric_weights))  # merge only reads them
+        self.metrics.merge_sums(h.metric_sums, h.metric_weights)
 
     def partial(self) -> Partial:
         """The decoded weighted sum (float64) with the weights' sum. Drains the compressed

@@ -40,7 +40,7 @@ import itertools
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -104,6 +104,31 @@ class UploadSlot:
     header: UploadHeader
     cohort: CohortRound
     assignment: Assignment
+
+
+class _Upload:
+    """:meth:`Coordinator.upload`'s context manager (a class: a tier takes one per upload,
+    and a generator-based one costs several times as much to enter and leave)."""
+
+    __slots__ = ("coord", "node_id", "header", "slot")
+
+    def __init__(self, coord: Coordinator, node_id: str, header: UploadHeader) -> None:
+        self.coord, self.node_id, self.header = coord, node_id, header
+        self.slot: UploadSlot | None = None
+
+    def __enter__(self) -> UploadSlot:
+        try:
+            self.slot = self.coord.begin_upload(self.node_id, self.header)
+        except OrchardError as err:
+            self.coord.reject(err)
+            raise
+        return self.slot
+
+    def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: Any) -> None:
+        if kind is None:
+            return
+        assert self.slot is not None  # entered: __exit__ runs only after __enter__ returned
+        self.coord.abort_upload(self.slot, type(err).__name__ if isinstance(err, OrchardError) else "stream broken")
 
 
 class _Ready:
@@ -692,24 +717,12 @@ class Coordinator:
         a.in_flight = True
         return UploadSlot(h, cr, a)
 
-    @contextlib.contextmanager
-    def upload(self, node_id: str, h: UploadHeader) -> Iterator[UploadSlot]:
-        """One upload, from its header to its fold: admits the header and reserves the
-        caller's slot on entry; if the body raises (a bad payload, a broken stream), the
-        slot is released and the refusal counted, so the node may try again."""
-        try:
-            slot = self.begin_upload(node_id, h)
-        except OrchardError as err:
-            self.reject(err)
-            raise
-        try:
-            yield slot
-        except OrchardError as err:
-            self.abort_upload(slot, type(err).__name__)
-            raise
-        except BaseException:
-            self.abort_upload(slot, "stream broken")
-            raise
+    def upload(self, node_id: str, h: UploadHeader) -> _Upload:
+        """One upload, from its header to its fold, as a context manager: admits the header
+        and reserves the caller's slot on entry (the slot is what ``with`` gives); if the
+        body raises (a bad payload, a broken stream), the slot is released and the refusal
+        counted, so the node may try again."""
+        return _Upload(self, node_id, h)
 
     def upload_now(self, node_id: str, h: UploadHeader, payload: bytes) -> None:
         """An in-process upload on an inline coordinator: the gRPC path's admission,

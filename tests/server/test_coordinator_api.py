@@ -74,6 +74,22 @@ def test_a_refused_header_reserves_nothing() -> None:
     assert cr.assignments["a"].delivered
 
 
+def test_an_upload_whose_body_fails_is_released_counted_and_may_be_retried() -> None:
+    # The upload context: a payload that fails its check (the named error) or a stream
+    # that breaks (any other exception) releases the slot and counts the refusal by reason.
+    coord, task = _tier()
+    cr = coord.open_round(task)
+    h, p = _upload(coord, task, "a", 1.0)
+    with pytest.raises(IntegrityError):
+        coord.upload_now("a", h, p[:-1] + bytes([p[-1] ^ 1]))  # one bit flipped: not the header's sha256
+    with pytest.raises(ConnectionResetError), coord.upload("a", h):
+        raise ConnectionResetError("peer went away")
+    assert not cr.assignments["a"].in_flight and coord.counters["uploads_rejected"] == 2
+    assert cr.rejected == {"IntegrityError": 1, "stream broken": 1}
+    coord.upload_now("a", h, p)
+    assert cr.assignments["a"].delivered
+
+
 def test_only_inline_coordinators_run_in_process() -> None:
     coord, task = _tier(inline=False)
     coord.open_round(task)
