@@ -24,7 +24,7 @@ from orchard.errors import ConfigError, OrchardError
 from orchard.simulation.clients import ClientJob, ClientOutput, PackedOutputs, run_jobs
 from orchard.simulation.heap import keep_freed_memory
 from orchard.tasks import Task, get_task
-from orchard.typing import NDArrays
+from orchard.typing import NDArrays, TensorSpec
 
 
 class BackendError(OrchardError):
@@ -101,9 +101,10 @@ def _process_devices(params: dict[str, Any], batch: list[tuple[Any, ...]]) -> li
 class _Unpacked(Future[list[ClientOutput]]):
     """The outputs of a worker's job: its :class:`PackedOutputs`, unpacked once they arrive."""
 
-    def __init__(self, inner: Future[PackedOutputs]) -> None:
+    def __init__(self, inner: Future[PackedOutputs], schemas: tuple[tuple[TensorSpec, ...], ...] = ()) -> None:
         super().__init__()
         self._inner: Future[PackedOutputs] | None = inner
+        self._schemas = schemas  # the jobs' schemas, for PackedOutputs.unpack
         inner.add_done_callback(self._arrived)
 
     def _arrived(self, inner: Future[PackedOutputs]) -> None:
@@ -119,7 +120,7 @@ class _Unpacked(Future[list[ClientOutput]]):
             elif (err := inner.exception()) is not None:
                 self.set_exception(err)
             else:
-                self.set_result(inner.result().unpack())
+                self.set_result(inner.result().unpack(self._schemas))
         except InvalidStateError:  # cancelled meanwhile by the engine: nobody waits for it
             pass
 
@@ -151,7 +152,8 @@ class ProcessBackend:
         # Only the reconstructions these jobs start from travel with them.
         need = {j.start for j in jobs if j.start}
         sent = {k: v for k, v in starts.items() if k in need} if starts and need else None
-        return _Unpacked(self._pool.submit(_process_run, jobs, global_arrays, sent))
+        schemas = tuple({id(j.assignment.schema): j.assignment.schema for j in jobs}.values())
+        return _Unpacked(self._pool.submit(_process_run, jobs, global_arrays, sent), schemas)
 
     def run_devices(self, params: dict[str, Any], batch: list[tuple[Any, ...]]
                     ) -> Future[list[tuple[float, int, tuple[Any, ...]]]]:

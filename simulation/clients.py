@@ -13,7 +13,7 @@ trainer allows it; the uploads are built one by one either way.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,7 @@ from orchard.messages import TaskAssignment, UploadHeader
 from orchard.simulation import vectorized
 from orchard.tasks import Task
 from orchard.trainer import TrainConfig, TrainResult
-from orchard.typing import NDArrays
+from orchard.typing import NDArrays, TensorSpec
 
 
 @dataclass
@@ -77,11 +77,20 @@ class PackedOutputs:
     def __setstate__(self, state: tuple[list[tuple[Any, ...]], bytes]) -> None:
         self.rows, self.blob = state
 
-    def unpack(self) -> list[ClientOutput]:
+    def unpack(self, schemas: Sequence[tuple[TensorSpec, ...]] = ()) -> list[ClientOutput]:
+        """The outputs. ``schemas``: the jobs' schemas as the engine holds them; a header
+        whose schema equals one of them takes that very object (the worker's copies arrive
+        as new objects, which a tier would otherwise compare spec by spec)."""
         view, off, out = memoryview(self.blob), 0, []
+        same: dict[int, tuple[TensorSpec, ...]] = {}  # id of an unpickled schema -> the one to use
         for partition, node_id, fields, size, codec_state, error, metrics in self.rows:
             header = None
             if fields is not None:
+                got = fields["schema"]
+                schema = same.get(id(got))
+                if schema is None:
+                    schema = same[id(got)] = next((s for s in schemas if s == got), got)
+                fields["schema"] = schema
                 header = object.__new__(UploadHeader)  # its fields, as the worker's instance held them
                 header.__dict__.update(fields)
             out.append(ClientOutput(partition, node_id, header, bytes(view[off:off + size]), codec_state, error,

@@ -638,6 +638,12 @@ def test_packed_outputs_round_trip() -> None:
     assert type(back[3].header) is UploadHeader and back[3].header.total_bytes == 4
     assert all(type(o.payload) is bytes for o in back)
     np.testing.assert_array_equal(back[1].codec_state["w"]["residual"], np.ones(2))
+    # Given the jobs' schemas, a header takes the engine's own schema object when equal.
+    assert back[3].header.schema is not header.schema
+    mine, other = (TensorSpec("w", (2,), "float32"),), (TensorSpec("v", (2,), "float32"),)
+    again = pickle.loads(pickle.dumps(PackedOutputs(outs))).unpack((other, mine))
+    assert again[3].header.schema is mine and again[3].header == header
+    assert pickle.loads(pickle.dumps(PackedOutputs(outs))).unpack((other,))[3].header.schema == header.schema
 
 
 def test_a_finished_worker_job_is_freed_without_the_garbage_collector() -> None:
