@@ -8,7 +8,10 @@ partition index when the job runs and dropped when it returns: memory follows th
 of a job, not of the population.
 
 Small models train many clients at once (:mod:`orchard.simulation.vectorized`) when the
-trainer allows it; the uploads are built one by one either way.
+trainer allows it. The uploads of the clients that start from one model are built
+together where the run allows it (``deltas_of`` and ``build_uploads``: a cast codec, no
+per-client normalisation; the same bytes and headers as ``build_upload``, client by
+client), else one by one.
 """
 
 from __future__ import annotations
