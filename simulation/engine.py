@@ -552,7 +552,8 @@ class Engine:
         # No step reads what a later one of another device writes, so this is the order
         # of doing each device whole.
         picked: list[tuple[Tier, str, TaskAssignment, LiveDevice, str, float, int, tuple[float, float]]] = []
-        runs = self._device_runs()
+        runs = _DeviceRuns(getattr(self.backend, "run_devices", None) if self.governor else None,
+                           self.pop.kind_params())
         for li, leaf in enumerate(self.leaves):
             if leaf.cr is None:
                 continue
@@ -585,7 +586,7 @@ class Engine:
                 planned = self._planned_steps(part)
                 picked.append((leaf, node, a, dev, start, down_s, planned, fates[drawn]))
                 drawn += 1
-                runs.add(dev, planned, a.deadline_unix - self.time.wall() - down_s)
+                runs.add(self._device_plan(dev, planned, a.deadline_unix - self.time.wall() - down_s))
         started = time.perf_counter()
         trained = runs.results()
         self._device_seconds = time.perf_counter() - started  # (a round's phase_seconds)
@@ -711,11 +712,6 @@ class Engine:
             policy = self._policies[key] = DevicePolicy(
                 eligibility=self.run.eligibility, budget=RoundBudget(max_steps=key[0], time_s=key[1]))
         return policy
-
-    def _device_runs(self) -> _DeviceRuns:
-        """The device models of one dispatch (see :class:`_DeviceRuns`)."""
-        run_devices = getattr(self.backend, "run_devices", None) if self.governor else None
-        return _DeviceRuns(self, run_devices)
 
     def _device_plan(self, dev: LiveDevice, planned: int, time_left_s: float
                      ) -> tuple[LiveDevice, DevicePolicy | None, int, int]:
@@ -1082,18 +1078,17 @@ class _DeviceRuns:
     it ran changes nothing; a device run elsewhere comes back as a snapshot of its new
     state. Without such a backend (or without the governor) every device runs here."""
 
-    def __init__(self, engine: Engine, run_devices: Callable[..., Future[list[tuple[float, int, tuple[Any, ...]]]]] | None
-                 ) -> None:
-        self._engine = engine
+    def __init__(self, run_devices: Callable[..., Future[list[tuple[float, int, tuple[Any, ...]]]]] | None,
+                 kind_params: dict[str, SimulatedDeviceParams]) -> None:
         self._run_devices = run_devices
+        self._kind_params = kind_params  # what rebuilds a device from its snapshot on the worker
         self.plans: list[tuple[LiveDevice, DevicePolicy | None, int, int]] = []
         self._away: list[tuple[int, int, Future[list[tuple[float, int, tuple[Any, ...]]]]]] = []
         self._sent = 0  # plans[:_sent] were sent while devices were added (front to back)
 
-    def add(self, dev: LiveDevice, planned: int, time_left_s: float) -> None:
-        """A device that trains ``planned`` steps with ``time_left_s`` seconds before its
-        deadline (its state as it starts)."""
-        self.plans.append(self._engine._device_plan(dev, planned, time_left_s))
+    def add(self, plan: tuple[LiveDevice, DevicePolicy | None, int, int]) -> None:
+        """A device's plan (``Engine._device_plan``), its state as it starts."""
+        self.plans.append(plan)
         if (self._run_devices is not None and len(self.plans) - self._sent >= _DEVICE_BATCH
                 and self._worker_has_room()):
             self._send(self._sent, self._sent + _DEVICE_BATCH)
@@ -1108,7 +1103,7 @@ class _DeviceRuns:
         assert self._run_devices is not None  # only sent to a backend that runs devices
         batch = [(dev.kind, dev.device.snapshot(), policy, planned, per_step, dev.seconds_per_example)
                  for dev, policy, planned, per_step in self.plans[lo:hi]]
-        self._away.append((lo, hi, self._run_devices(self._engine.pop.kind_params(), batch)))
+        self._away.append((lo, hi, self._run_devices(self._kind_params, batch)))
 
     def _here(self, lo: int, hi: int, out: list[tuple[float, int] | None]) -> None:
         for i in range(lo, hi):
