@@ -23,6 +23,13 @@ and then ``--rounds`` measured rounds, and reports:
   over every core with none idle -- the most this machine gives at this cost per client,
   however the work is split between the engine and the workers.
 
+With ``--profile DIR`` (py-spy must be installed: ``pip install py-spy``) py-spy samples
+the vectorised cases' engine and worker through the measured rounds without pausing
+them, keeps the stacks in DIR, and the table says where a round's CPU went: training,
+device models, building uploads, tier folds, check-in, hand-out and the rest, engine and
+workers apart. Sampling costs the processes some time, so a profiled run's clients per
+second are not the headline figure.
+
 The per-client path (one TorchTrainer per client, the way a device trains) runs in the
 same invocation as the baseline, on fewer clients per round, and the table prints the
 throughput ratio.
@@ -81,7 +88,7 @@ from typing import Any
 
 def _case(clients_per_round: int, population: int, aggregators: int, rounds: int, vectorize: bool,
           governor: bool, workers: int, backend: str, task: str = "digits", device: str = "cpu",
-          save: str | None = None, verbose: bool = False) -> dict[str, Any]:
+          save: str | None = None, verbose: bool = False, profile: str | None = None) -> dict[str, Any]:
     import psutil
     import torch
 
@@ -111,14 +118,20 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
     # The workers' CPU at the end of each round (progress runs right after a round, before
     # the next one starts): the difference over the measured rounds is theirs.
     marks: list[float] = []
+    samplers: dict[str, subprocess.Popen[bytes]] = {}
 
     def progress(r: dict[str, Any]) -> None:
         marks.append(children_cpu())
+        if profile and r["round"] == 1:  # the measured rounds only: from the end of the warm-up on
+            workers_now = [c for c in me.children() if _is_worker(c)]
+            pids = {"engine": me.pid, **{f"worker{i}": c.pid for i, c in enumerate(workers_now)}}
+            samplers.update(_start_sampling(pids, Path(profile)))
         if verbose:  # on stderr: a case that runs out of time still says how far it got
             print(f"    round {r['round']} ({'warm-up' if r['round'] == 1 else 'measured'}): {r['seconds']:.1f} s, "
                   f"{r['trained']} trained; {_phases(r.get('phase_seconds', {}))}", file=sys.stderr, flush=True)
 
     report = run_simulation(cfg, progress=progress)
+    profile_rows = _stop_sampling(samplers, Path(profile), rounds) if samplers and profile else None
     if save:
         import numpy as np
 
@@ -173,7 +186,111 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
                                 if backend == "process" else None),
         "total_seconds": round(time.perf_counter() - t0, 2),
         "final_accuracy": report.final_accuracy,
+        "profile": profile_rows,
     }
+
+
+# ---------------------------------------------------------------------------- --profile: where a round's CPU goes
+#
+# py-spy samples the engine and each worker through the measured rounds (not pausing
+# them); each sample is put in the first of these components, in this order, that one of
+# its frames belongs to (a frame's function name, or its last dotted parts). A sample in
+# none of them is "other" (the root's finalize, garbage collection...).
+_COMPONENTS: list[tuple[str, tuple[str, ...]]] = [
+    ("device models (governor)", ("device_training", "run_devices", "_DeviceRuns.results", "_DeviceRuns._send",
+                                  "_DeviceRuns._here", "SimulatedDevice.restore")),
+    ("training", ("train_many", "train_group", "client_trainer", "TorchTrainer.fit", "TorchTrainer.train")),
+    ("building uploads", ("build_uploads", "build_upload", "deltas_of", "delta_of", "encode_packed_many")),
+    ("client jobs, rest", ("run_jobs",)),
+    # Jobs out and outputs back: pickling, the pipe, the executor's threads.
+    ("job transfer", ("PackedOutputs.__init__", "PackedOutputs.unpack", "_Unpacked._arrived", "_sendback_result",
+                      "_ExecutorManagerThread.run", "Queue._feed", "Queue.get")),
+    ("tier folds", ("Coordinator.upload_now", "Coordinator.complete_upload")),
+    ("check-in", ("Engine._check_in",)),
+    ("opening tiers, selection", ("Engine._open_below", "Engine._report_pools")),
+    ("hand-out", ("Engine._dispatch",)),
+    ("arrivals, rest", ("Engine._process",)),
+    ("leaving", ("Engine._leave",)),
+]
+_SAMPLE_RATE = 100  # per second
+
+
+def _is_worker(proc: Any) -> bool:
+    """A worker process of the process backend (not multiprocessing's resource tracker)."""
+    try:
+        cmd = " ".join(proc.cmdline())
+    except Exception:  # exited meanwhile
+        return False
+    return "spawn_main" in cmd
+
+
+def _start_sampling(pids: dict[str, int], out: Path) -> dict[str, subprocess.Popen[bytes]]:
+    import shutil
+
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(exe).is_file():
+        print("--profile needs py-spy (pip install py-spy); not profiling", file=sys.stderr)
+        return {}
+    out.mkdir(parents=True, exist_ok=True)
+    return {name: subprocess.Popen([exe, "record", "--pid", str(pid), "--format", "raw", "--nonblocking",
+                                    "--rate", str(_SAMPLE_RATE), "--output", str(out / f"{name}.txt")],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, pid in pids.items()}
+
+
+def _component(frames: list[str]) -> str:
+    names = {f.split(" (", 1)[0] for f in frames}
+    for label, keys in _COMPONENTS:
+        if any(k in names for k in keys):
+            return label
+    return "other"
+
+
+def _stop_sampling(samplers: dict[str, subprocess.Popen[bytes]], out: Path, rounds: int) -> list[dict[str, Any]]:
+    """Stop the samplers (a worker's stops by itself when its process exits) and read their
+    stacks: CPU seconds per measured round by component, for the engine and the workers."""
+    for proc in samplers.values():
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # py-spy writes what it has and exits
+    seconds: dict[tuple[str, str], float] = {}
+    for name, proc in samplers.items():
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        path = out / f"{name}.txt"
+        if not path.is_file():
+            continue
+        side = "engine" if name == "engine" else "workers"
+        for line in path.read_text().splitlines():
+            stack, _, n = line.rpartition(" ")
+            if stack and n.isdigit():
+                key = (_component(stack.split(";")), side)
+                seconds[key] = seconds.get(key, 0.0) + int(n) / _SAMPLE_RATE / rounds
+    labels = [c for c, _ in _COMPONENTS] + ["other"]
+    total = sum(seconds.values()) or 1.0
+    return [{"component": c, "engine_s": round(seconds.get((c, "engine"), 0.0), 3),
+             "workers_s": round(seconds.get((c, "workers"), 0.0), 3),
+             "share": round((seconds.get((c, "engine"), 0.0) + seconds.get((c, "workers"), 0.0)) / total, 3)}
+            for c in labels]
+
+
+def _print_profile(r: dict[str, Any]) -> None:
+    rows = r.get("profile") or []
+    if not rows:
+        return
+    print(f"where a round's CPU went ({r['path']}, {r['clients_per_round']} per round; py-spy samples of the "
+          f"measured rounds, CPU s per round):")
+    print(f"  {'component':<32} {'engine':>7} {'workers':>8} {'share':>6}")
+    for row in sorted(rows, key=lambda x: -x["share"]):
+        print(f"  {row['component']:<32} {row['engine_s']:>7.2f} {row['workers_s']:>8.2f} {row['share']:>6.0%}")
+    eng = sum(x["engine_s"] for x in rows)
+    wrk = sum(x["workers_s"] for x in rows)
+    print(f"  {'sampled in all':<32} {eng:>7.2f} {wrk:>8.2f}")
+    cpu, tree = r["cpu_seconds_per_round"], r["tree_cpu_seconds_per_round"]
+    print(f"  {'CPU the OS counted':<32} {cpu:>7.2f} {tree - cpu:>8.2f}   (a profiled round took "
+          f"{r['seconds_per_round']:.2f} s; a thread waiting in a system call can be sampled as busy, "
+          "so the sampled seconds and the OS's differ a little)")
 
 
 # Flower's default size: 1,000 SuperNodes finish three rounds in a few minutes on the
@@ -427,6 +544,9 @@ def main() -> None:
     ap.add_argument("--check-per-round", type=int, default=None,
                     help="with --device: clients per round of the CPU baseline and the model check "
                          "(default: --per-round)")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="sample the vectorised cases' engine and workers with py-spy (if installed) through the "
+                         "measured rounds, keep the stacks in DIR and print where a round's CPU went")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.case:
@@ -451,7 +571,7 @@ def main() -> None:
         # cost grows with the square of its cohort).
         return _spawn(dict(clients_per_round=n, population=a.population, aggregators=max(1, n // 250),
                            rounds=rounds, vectorize=True, governor=governor, workers=a.workers,
-                           backend=a.backend))
+                           backend=a.backend, profile=str(Path(a.profile) / str(n)) if a.profile else None))
 
     rows = [vectorized_case(n) for n in per_round]
     base: dict[str, Any] = {}
@@ -539,6 +659,8 @@ def main() -> None:
               f"{c['flower_aggregated_per_second']:.0f}); process-tree RSS: Orchard <= "
               f"{c['orchard_tree_rss_upper_mib']:.0f} MiB (sum of per-process peaks), Flower "
               f"{c['flower_peak_rss_mib']:.0f} MiB (peak sampled sum)")
+    for r in rows:
+        _print_profile(r)
     load_after = os.getloadavg()
     print(f"population {a.population}, governor {'on' if governor else 'off'}, workers {a.workers} "
           f"({a.backend} backend); load average {load_before[0]:.2f} before, {load_after[0]:.2f} after")

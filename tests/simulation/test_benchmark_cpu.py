@@ -26,3 +26,52 @@ def test_the_benchmark_counts_the_workers_cpu_and_the_core_bound(tmp_path) -> No
     assert abs(case["tree_cpu_us_per_client"] / (1e6 * per_client) - 1) < 0.02
     assert abs(case["core_bound_clients_per_second"] * per_client / case["cores"] - 1) < 0.02
     assert "CPU-us a client" in proc.stdout and "clients/s on" in proc.stdout
+
+
+def _bench_module():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "simulation.py"
+    spec = importlib.util.spec_from_file_location("orchard_bench_simulation", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_profile_samples_are_put_in_their_components(tmp_path) -> None:
+    # --profile reads py-spy's raw stacks ("frame;frame;... count"): a sample goes to the
+    # first component, in the table's order, that one of its frames names, so device
+    # models inside the hand-out are device models, and training the engine does while it
+    # waits is training.
+    bench = _bench_module()
+    f = "{} (simulation/engine.py:1)"
+    engine = [
+        (";".join(f.format(n) for n in ["run_simulation", "Engine.round", "Engine._dispatch", "_DeviceRuns.results",
+                                        "device_training", "Governor.before_step"]), 30),
+        (";".join(f.format(n) for n in ["run_simulation", "Engine.round", "Engine._dispatch", "Coordinator.assign"]), 20),
+        (";".join(f.format(n) for n in ["Engine.round", "Engine._process", "Coordinator.upload_now",
+                                        "Coordinator._fold"]), 50),
+        (";".join(f.format(n) for n in ["Engine._process", "ProcessBackend.run_here", "run_jobs", "train_many"]), 10),
+        (";".join(f.format(n) for n in ["run_simulation", "Engine._finalize"]), 4),
+    ]
+    worker = [
+        (";".join(f.format(n) for n in ["_process_worker", "_process_run", "run_jobs", "build_uploads"]), 40),
+        (";".join(f.format(n) for n in ["_process_worker", "_sendback_result", "dumps"]), 6),
+    ]
+    for name, rows in (("engine", engine), ("worker0", worker)):
+        (tmp_path / f"{name}.txt").write_text("".join(f"{s} {n}\n" for s, n in rows))
+    done = {name: subprocess.Popen([sys.executable, "-c", "pass"]) for name in ("engine", "worker0")}
+    for p in done.values():
+        p.wait()
+    got = {r["component"]: r for r in bench._stop_sampling(done, tmp_path, rounds=2)}
+    rate = bench._SAMPLE_RATE
+    assert got["device models (governor)"]["engine_s"] == round(30 / rate / 2, 3)
+    assert got["hand-out"]["engine_s"] == round(20 / rate / 2, 3)
+    assert got["tier folds"]["engine_s"] == round(50 / rate / 2, 3)
+    assert got["training"]["engine_s"] == round(10 / rate / 2, 3)
+    assert got["building uploads"]["workers_s"] == round(40 / rate / 2, 3)
+    assert got["job transfer"]["workers_s"] == round(6 / rate / 2, 3)
+    assert got["other"]["engine_s"] == round(4 / rate / 2, 3)
+    assert abs(sum(r["share"] for r in got.values()) - 1) < 0.01
+    assert got["tier folds"]["share"] == round(50 / 160, 3)
