@@ -238,10 +238,19 @@ def _start_sampling(pids: dict[str, int], out: Path) -> dict[str, subprocess.Pop
             for name, pid in pids.items()}
 
 
+# A thread whose innermost frame is one of these is waiting (for a job, an event or a
+# free pipe) though the sampler, which does not pause the process, saw it as busy.
+_WAITS = {"_PollLikeSelector.select", "EpollSelector.select", "Condition.wait", "Queue.get"}
+_WAITING = "waiting (sampled as busy)"
+
+
 def _component(frames: list[str]) -> str:
-    names = {f.split(" (", 1)[0] for f in frames}
+    names = [f.split(" (", 1)[0] for f in frames]
+    if names and names[-1] in _WAITS:
+        return _WAITING
+    present = set(names)
     for label, keys in _COMPONENTS:
-        if any(k in names for k in keys):
+        if any(k in present for k in keys):
             return label
     return "other"
 
@@ -267,11 +276,12 @@ def _stop_sampling(samplers: dict[str, subprocess.Popen[bytes]], out: Path, roun
             if stack and n.isdigit():
                 key = (_component(stack.split(";")), side)
                 seconds[key] = seconds.get(key, 0.0) + int(n) / _SAMPLE_RATE / rounds
-    labels = [c for c, _ in _COMPONENTS] + ["other"]
-    total = sum(seconds.values()) or 1.0
+    labels = [c for c, _ in _COMPONENTS] + ["other", _WAITING]
+    total = sum(v for (c, _), v in seconds.items() if c != _WAITING) or 1.0
     return [{"component": c, "engine_s": round(seconds.get((c, "engine"), 0.0), 3),
              "workers_s": round(seconds.get((c, "workers"), 0.0), 3),
-             "share": round((seconds.get((c, "engine"), 0.0) + seconds.get((c, "workers"), 0.0)) / total, 3)}
+             "share": 0.0 if c == _WAITING else
+             round((seconds.get((c, "engine"), 0.0) + seconds.get((c, "workers"), 0.0)) / total, 3)}
             for c in labels]
 
 
@@ -282,15 +292,19 @@ def _print_profile(r: dict[str, Any]) -> None:
     print(f"where a round's CPU went ({r['path']}, {r['clients_per_round']} per round; py-spy samples of the "
           f"measured rounds, CPU s per round):")
     print(f"  {'component':<32} {'engine':>7} {'workers':>8} {'share':>6}")
-    for row in sorted(rows, key=lambda x: -x["share"]):
+    busy = [x for x in rows if x["component"] != _WAITING]
+    for row in sorted(busy, key=lambda x: -x["share"]):
         print(f"  {row['component']:<32} {row['engine_s']:>7.2f} {row['workers_s']:>8.2f} {row['share']:>6.0%}")
-    eng = sum(x["engine_s"] for x in rows)
-    wrk = sum(x["workers_s"] for x in rows)
-    print(f"  {'sampled in all':<32} {eng:>7.2f} {wrk:>8.2f}")
+    eng = sum(x["engine_s"] for x in busy)
+    wrk = sum(x["workers_s"] for x in busy)
+    print(f"  {'sampled busy in all':<32} {eng:>7.2f} {wrk:>8.2f}")
+    for row in rows:
+        if row["component"] == _WAITING:
+            print(f"  {row['component']:<32} {row['engine_s']:>7.2f} {row['workers_s']:>8.2f}   (not in the shares)")
     cpu, tree = r["cpu_seconds_per_round"], r["tree_cpu_seconds_per_round"]
     print(f"  {'CPU the OS counted':<32} {cpu:>7.2f} {tree - cpu:>8.2f}   (a profiled round took "
-          f"{r['seconds_per_round']:.2f} s; a thread waiting in a system call can be sampled as busy, "
-          "so the sampled seconds and the OS's differ a little)")
+          f"{r['seconds_per_round']:.2f} s; a thread blocked on the pipe between the processes is sampled "
+          "as busy too, so the sampled seconds and the OS's differ a little)")
 
 
 # Flower's default size: 1,000 SuperNodes finish three rounds in a few minutes on the

@@ -54,6 +54,8 @@ def test_profile_samples_are_put_in_their_components(tmp_path) -> None:
                                         "Coordinator._fold"]), 50),
         (";".join(f.format(n) for n in ["Engine._process", "ProcessBackend.run_here", "run_jobs", "train_many"]), 10),
         (";".join(f.format(n) for n in ["run_simulation", "Engine._finalize"]), 4),
+        # The executor's thread waiting for a result: sampled, but not work.
+        (";".join(f.format(n) for n in ["_ExecutorManagerThread.run", "wait", "_PollLikeSelector.select"]), 8),
     ]
     worker = [
         (";".join(f.format(n) for n in ["_process_worker", "_process_run", "run_jobs", "build_uploads"]), 40),
@@ -73,5 +75,7 @@ def test_profile_samples_are_put_in_their_components(tmp_path) -> None:
     assert got["building uploads"]["workers_s"] == round(40 / rate / 2, 3)
     assert got["job transfer"]["workers_s"] == round(6 / rate / 2, 3)
     assert got["other"]["engine_s"] == round(4 / rate / 2, 3)
-    assert abs(sum(r["share"] for r in got.values()) - 1) < 0.01
+    assert got["waiting (sampled as busy)"]["engine_s"] == round(8 / rate / 2, 3)
+    assert got["waiting (sampled as busy)"]["share"] == 0.0
+    assert abs(sum(r["share"] for r in got.values()) - 1) < 0.01  # of the busy samples only
     assert got["tier folds"]["share"] == round(50 / 160, 3)
