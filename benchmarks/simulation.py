@@ -194,7 +194,7 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
 #
 # py-spy samples the engine and each worker through the measured rounds (not pausing
 # them); each sample is put in the first of these components, in this order, that one of
-# its frames belongs to (a frame's function name, or its last dotted parts). A sample in
+# its frames names (py-spy's qualified function name, e.g. "Engine._dispatch"). A sample in
 # none of them is "other" (the root's finalize, garbage collection...).
 _COMPONENTS: list[tuple[str, tuple[str, ...]]] = [
     ("device models (governor)", ("device_training", "run_devices", "_DeviceRuns.results", "_DeviceRuns._send",
