@@ -151,3 +151,23 @@ def cpu_seconds(pid: int) -> float | None:
     except psutil.Error:
         return None
     return t.user + t.system
+
+
+def py_spy(pid: int, out: Path, *, rate: int, duration_s: float | None = None,
+           threads: bool = False) -> subprocess.Popen | None:
+    """py-spy (if installed) records ``pid``'s Python stacks without pausing it, as raw
+    collapsed stacks in ``out``, until ``duration_s`` or a SIGINT (it then writes what it
+    has); None, with a line on stderr, where py-spy is not installed."""
+    import shutil
+
+    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    if not Path(exe).is_file():
+        print("--profile needs py-spy (pip install py-spy); not profiling", file=sys.stderr)
+        return None
+    cmd = [exe, "record", "--pid", str(pid), "--format", "raw", "--nonblocking", "--rate", str(rate),
+           "--output", str(out)]
+    if threads:
+        cmd.append("--threads")
+    if duration_s is not None:
+        cmd += ["--duration", str(int(duration_s))]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -85,6 +85,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _procs  # noqa: E402  (a sibling helper module, not a package)
+
 
 def _case(clients_per_round: int, population: int, aggregators: int, rounds: int, vectorize: bool,
           governor: bool, workers: int, backend: str, task: str = "digits", device: str = "cpu",
@@ -225,17 +228,9 @@ def _is_worker(proc: Any) -> bool:
 
 
 def _start_sampling(pids: dict[str, int], out: Path) -> dict[str, subprocess.Popen[bytes]]:
-    import shutil
-
-    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    if not Path(exe).is_file():
-        print("--profile needs py-spy (pip install py-spy); not profiling", file=sys.stderr)
-        return {}
     out.mkdir(parents=True, exist_ok=True)
-    return {name: subprocess.Popen([exe, "record", "--pid", str(pid), "--format", "raw", "--nonblocking",
-                                    "--rate", str(_SAMPLE_RATE), "--output", str(out / f"{name}.txt")],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for name, pid in pids.items()}
+    procs = {name: _procs.py_spy(pid, out / f"{name}.txt", rate=_SAMPLE_RATE) for name, pid in pids.items()}
+    return {name: p for name, p in procs.items() if p is not None}
 
 
 # A thread whose innermost frame is one of these is waiting (for a job, an event or a

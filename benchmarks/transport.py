@@ -450,20 +450,6 @@ def _connections_to(pid: int, port: int) -> int:
     return sum(1 for c in conns if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)
 
 
-def _start_profiler(pid: int, out: Path, seconds: float):
-    """py-spy (if installed) samples ``pid``'s Python threads; collapsed stacks land in ``out``."""
-    import shutil
-    import subprocess
-
-    exe = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
-    if not Path(exe).is_file():
-        print("--profile needs py-spy (pip install py-spy); not profiling", file=sys.stderr)
-        return None
-    return subprocess.Popen([exe, "record", "--pid", str(pid), "--format", "raw", "--threads", "--nonblocking",
-                             "--rate", "200", "--duration", str(int(seconds)), "--output", str(out)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
 def _per_gb(cpu_s: float, nbytes: int) -> float:
     return cpu_s / (nbytes / GB) if nbytes else float("nan")
 
@@ -508,8 +494,8 @@ def run_scenario(n: int, connections: int, work: Path, verbose: bool, profile: b
             conns = _connections_to(lg.pid, int(agg_addr.rsplit(":", 1)[1]))
             t_connected = time.time()
 
-            profilers = [_start_profiler(p.pid, work / f"{name}.pyspy.txt", 60) for name, p in
-                         (("aggregator", agg), ("root", root), ("loadgen", lg))] if profile else []
+            profilers = [_procs.py_spy(p.pid, work / f"{name}.pyspy.txt", rate=200, duration_s=60, threads=True)
+                         for name, p in (("aggregator", agg), ("root", root), ("loadgen", lg))] if profile else []
             cpu0 = {name: _procs.cpu_seconds(p.pid) or 0.0 for name, p in (("root", root), ("aggregator", agg))}
             t0 = time.time()
             run_id = ctl.start_run(run_config(n), model_blob())
