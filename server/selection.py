@@ -42,13 +42,8 @@ def allocate(target: int, capacities: dict[str, int]) -> dict[str, int]:
     (whose ties go by name) hands it out, without sorting by a key in Python."""
     caps = set(capacities.values())
     if len(caps) == 1 and (cap := next(iter(caps))) > 0:
-        alloc = dict.fromkeys(capacities, 0)
-        remaining = min(target, cap * len(alloc))
-        if remaining <= 0:
-            return alloc
-        each, extra = divmod(remaining, len(alloc))
-        if each:
-            alloc = dict.fromkeys(capacities, each)
+        each, extra = divmod(max(0, min(target, cap * len(capacities))), len(capacities))
+        alloc = dict.fromkeys(capacities, each)
         for k in sorted(alloc)[:extra]:
             alloc[k] += 1
         return alloc
