@@ -97,12 +97,14 @@ def server_start(
     _logging(verbose)
     from orchard.config import ServerConfig, load_toml
     from orchard.server.app import start_root
+    from orchard.server.process import tune_server_process
 
     scfg = ServerConfig.model_validate(load_toml(config).get("server", {})) if config else ServerConfig()
 
     async def main() -> None:
         h = await start_root(data_dir, host=host, port=port, insecure=insecure, server_cfg=scfg, tls_dir=tls_dir,
                              metrics_port=metrics_port, base_model=base_model, dashboard_port=dashboard_port)
+        tune_server_process()
         console.print(f"[green]root listening on {h.address}[/] ({'INSECURE' if insecure else 'TLS'}); "
                       f"data in {data_dir}")
         if h.admin_token:
@@ -140,12 +142,14 @@ def aggregator_start(
     _logging(verbose)
     from orchard.config import ServerConfig, load_toml
     from orchard.server.app import start_aggregator
+    from orchard.server.process import tune_server_process
 
     scfg = ServerConfig.model_validate(load_toml(config).get("server", {})) if config else ServerConfig()
 
     async def main() -> None:
         h = await start_aggregator(upstream, host=host, port=port, insecure=insecure, token=token, ca_cert=ca_cert,
                                    tls_dir=tls_dir, node_id=node_id, metrics_port=metrics_port, server_cfg=scfg)
+        tune_server_process()
         if port_file is not None:
             port_file.write_text(str(h.port))
         console.print(f"[green]aggregator {h.coordinator.name} listening on {h.address}[/], upstream {upstream}")
