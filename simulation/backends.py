@@ -21,8 +21,8 @@ from typing import Any, Protocol
 from orchard.compression import build_codec
 from orchard.config import RunConfig
 from orchard.errors import ConfigError, OrchardError
+from orchard.heap import keep_freed_memory
 from orchard.simulation.clients import ClientJob, ClientOutput, PackedOutputs, run_jobs
-from orchard.simulation.heap import keep_freed_memory
 from orchard.tasks import Task, get_task
 from orchard.typing import NDArrays, TensorSpec
 

@@ -16,11 +16,11 @@ from orchard.aggregation import ServerOptimizer
 from orchard.aggregation.layer import CLIP_BELOW
 from orchard.aggregation.privacy import PrivacyLedger
 from orchard.errors import ConfigError, PrivacyBudgetExceeded
+from orchard.heap import keep_freed_memory
 from orchard.simulation.backends import make_backend
 from orchard.simulation.config import SimulationConfig, simulation_problems
 from orchard.simulation.engine import Engine
 from orchard.simulation.gcpause import cyclic_gc_paused
-from orchard.simulation.heap import keep_freed_memory
 from orchard.simulation.population import Population
 from orchard.simulation.report import SimulationReport, append_round, write_report
 from orchard.tasks import get_task
@@ -70,7 +70,7 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
     if problems:
         raise ConfigError(problems)
     run = cfg.run_config()
-    keep_freed_memory()  # this process and each worker reuse their freed blocks (simulation.heap)
+    keep_freed_memory()  # this process and each worker reuse their freed blocks (orchard.heap)
     task = get_task(run.task, **run.task_params)
     if cfg.runtime == "executorch":  # clients train through the task's ExecuTorch program
         from orchard.edge_runtime.et_task import ExecuTorchTask

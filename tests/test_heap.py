@@ -1,4 +1,4 @@
-"""simulation.heap: freed blocks stay in the process, so the next round's pickling does
+"""orchard.heap: freed blocks stay in the process, so the next round's pickling does
 not fault its memory in again."""
 
 import platform
@@ -7,13 +7,13 @@ import sys
 
 import pytest
 
-from orchard.simulation.heap import keep_freed_memory
+from orchard.heap import keep_freed_memory
 
 # A worker's round in small: pickle a batch of 160 uploads of 20 KB (a buffer grown by
 # realloc to 3 MB, then freed) over and over, and count the page faults it takes.
 _PROBE = """
 import os, pickle, resource, sys
-from orchard.simulation.heap import keep_freed_memory
+from orchard.heap import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 batch = [os.urandom(20_000) for _ in range(160)]
