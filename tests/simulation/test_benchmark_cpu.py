@@ -9,12 +9,13 @@ from pathlib import Path
 
 
 def test_the_benchmark_counts_the_workers_cpu_and_the_core_bound(tmp_path) -> None:
-    # One worker process trains the round's clients (its first job takes them all at this
-    # size), so the whole tree's CPU must exceed the engine's own, and the core bound is
-    # what that CPU per client allows on the cores this process may use.
+    # One worker process trains most of the round's clients, so the whole tree's CPU must
+    # exceed the engine's own, and the core bound is what that CPU per client allows on
+    # the cores this process may use. (At 60 clients a round a fast host's engine trains
+    # them all itself while it waits for the worker's first job, and the two are equal.)
     out = tmp_path / "sim.json"
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "simulation.py"
-    args = ["--per-round", "60", "--population", "300", "--rounds", "1", "--baseline-per-round", "0",
+    args = ["--per-round", "600", "--population", "3000", "--rounds", "1", "--baseline-per-round", "0",
             "--no-flower", "--backend", "process", "--json", str(out)]
     proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -22,9 +23,12 @@ def test_the_benchmark_counts_the_workers_cpu_and_the_core_bound(tmp_path) -> No
     assert case["tree_cpu_seconds_per_round"] > case["cpu_seconds_per_round"] > 0
     trained = case["trained_per_round"] * case["rounds"]
     per_client = case["tree_cpu_seconds_per_round"] * case["rounds"] / trained
-    # (the per-round CPU in the JSON is rounded to milliseconds: 2% covers it at this size)
-    assert abs(case["tree_cpu_us_per_client"] / (1e6 * per_client) - 1) < 0.02
-    assert abs(case["core_bound_clients_per_second"] * per_client / case["cores"] - 1) < 0.02
+    # The per-round CPU in the JSON is rounded to the millisecond, the figures derived from
+    # it are not: they may differ by that rounding (half a millisecond a round) and no more.
+    # At this size a round is about a tenth of a CPU-second: under 1%.
+    tol = 0.0005 / case["tree_cpu_seconds_per_round"] + 0.001
+    assert abs(case["tree_cpu_us_per_client"] / (1e6 * per_client) - 1) < tol
+    assert abs(case["core_bound_clients_per_second"] * per_client / case["cores"] - 1) < tol
     assert "CPU-us a client" in proc.stdout and "clients/s on" in proc.stdout
 
 
