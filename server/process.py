@@ -13,7 +13,7 @@ reads into new buffers, and Orchard checks, folds and frees it before the next o
 On the transport benchmark (1,000 clients × 1 MiB, alternating runs, the collector
 frozen in all of them) the kept heap took the aggregator's minor page faults from
 106,000-120,000 (two runs) to 62,000-67,000 (six, with a 16 MiB mmap threshold; 66,561
-in one run with this module's 32 MiB) and the servers' CPU from 3.20-3.30 to
+in one run with orchard.heap's 32 MiB) and the servers' CPU from 3.20-3.30 to
 2.88-3.06 s per GB, its peak resident set (273-294 MiB against 270-276) within the
 spread of earlier runs; the collector's share of the aggregator's CPU samples (perf)
 went from 4.0% to 1.0% with the freeze.
