@@ -20,7 +20,7 @@ from the heap and go back to it, and up to 64 MiB of free heap stays mapped for 
 next allocation. (Either setting alone is worse than neither: the other keeps its
 default and the heap is unmapped or trimmed at every turn.) The simulator calls it in
 its engine process and in each worker (README's simulation section has what it did
-to a 10,000-client round and to the processes' memory); ``orchard root start`` and
+to a 10,000-client round and to the processes' memory); ``orchard server start`` and
 ``orchard aggregator start`` call it through :func:`orchard.server.process.tune_server_process`.
 
 It changes the whole process for its lifetime (glibc has no call that restores the

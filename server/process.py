@@ -1,4 +1,4 @@
-"""Process-wide settings for a server process (``orchard root start``, ``orchard aggregator start``).
+"""Process-wide settings for a server process (``orchard server start``, ``orchard aggregator start``).
 
 A tier receives a stream of large messages: every upload is a megabyte or more that gRPC
 reads into new buffers, and Orchard checks, folds and frees it before the next one.
