@@ -14,6 +14,9 @@ its job and the engine folds uploads in simulated-time order, not completion ord
 from __future__ import annotations
 
 import gc
+import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from typing import Any, Protocol
@@ -84,12 +87,31 @@ def _process_init(task_name: str, task_params: dict[str, Any], cfg_json: str, po
     gc.disable()
 
 
-def _process_run(jobs: list[ClientJob], arrays: NDArrays,
-                 starts: Mapping[str, NDArrays] | None) -> PackedOutputs:
+def _process_run(jobs: list[ClientJob], arrays: NDArrays, starts: Mapping[str, NDArrays] | None,
+                 segment: str | None = None) -> PackedOutputs:
     w = _WORKER
     gc.collect(1)
-    return PackedOutputs(run_jobs(w["task"], w["population"], w["cfg"], w["codec"], arrays, jobs,
-                                  w["vectorize"], starts, w["device"]))
+    outputs = run_jobs(w["task"], w["population"], w["cfg"], w["codec"], arrays, jobs, w["vectorize"], starts,
+                       w["device"])
+    return PackedOutputs(outputs, _attached(segment) if segment is not None else None)
+
+
+_ATTACHED_MAX = 8  # segments a worker keeps mapped (the engine has about as many as jobs in flight)
+
+
+def _attached(name: str) -> memoryview:
+    """The buffer of the engine's shared segment ``name``, mapped once per worker."""
+    from multiprocessing.shared_memory import SharedMemory
+
+    held: OrderedDict[str, SharedMemory] = _WORKER.setdefault("segments", OrderedDict())
+    seg = held.get(name)
+    if seg is None:
+        seg = held[name] = SharedMemory(name)
+        while len(held) > _ATTACHED_MAX:  # one the engine replaced by a larger one
+            held.popitem(last=False)[1].close()
+    held.move_to_end(name)
+    assert seg.buf is not None  # open until closed here
+    return seg.buf
 
 
 def _process_devices(params: dict[str, Any], batch: list[tuple[Any, ...]]) -> list[tuple[float, int, tuple[Any, ...]]]:
@@ -98,13 +120,98 @@ def _process_devices(params: dict[str, Any], batch: list[tuple[Any, ...]]) -> li
     return run_devices(params, batch)
 
 
-class _Unpacked(Future[list[ClientOutput]]):
-    """The outputs of a worker's job: its :class:`PackedOutputs`, unpacked once they arrive."""
+class _Segments:
+    """Shared-memory segments that carry jobs' payloads from the workers to the engine
+    (``PackedOutputs(into=...)``). A job takes one when it is submitted and gives it back
+    once its outputs are copied out, so there are about as many as jobs in flight, all
+    of one size: the largest job's payloads so far, rounded up to a MiB. Until a job has
+    come back (the payload size is not known yet), for a job that would not fit, and
+    where no segment can be made (no room in ``/dev/shm``), payloads go through the pipe."""
 
-    def __init__(self, inner: Future[PackedOutputs], schemas: tuple[tuple[TensorSpec, ...], ...] = ()) -> None:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[Any] = []  # SharedMemory
+        self._all: dict[str, Any] = {}
+        self._per_client = 0  # the largest payload seen, bytes
+        self._size = 0  # bytes of each segment
+        self._broken = False  # a segment could not be made: pipe only from then on
+
+    def take(self, clients: int) -> Any:
+        """A free segment for ``clients`` payloads, or None (the pipe)."""
+        with self._lock:
+            need = clients * self._per_client
+            if self._broken or need == 0:
+                return None
+            if need > self._size:  # every free one is too small: replace them
+                self._size = -(-need // (1 << 20)) << 20
+                for seg in self._free:
+                    self._drop(seg)
+                self._free = []
+            if self._free:
+                return self._free.pop()
+            try:
+                seg = _new_segment(self._size)
+            except OSError:
+                self._broken = True
+                return None
+            self._all[seg.name] = seg
+            return seg
+
+    def give(self, seg: Any, largest_payload: int) -> None:
+        """A segment whose payloads were copied out; the largest of them, in bytes."""
+        with self._lock:
+            self._per_client = max(self._per_client, largest_payload)
+            if seg is None:
+                return
+            if seg.size < self._size:
+                self._drop(seg)
+            else:
+                self._free.append(seg)
+
+    def _drop(self, seg: Any) -> None:
+        del self._all[seg.name]
+        seg.close()
+        seg.unlink()
+
+    def close(self) -> None:
+        with self._lock:
+            for seg in list(self._all.values()):
+                self._drop(seg)
+            self._free = []
+
+
+def _new_segment(size: int) -> Any:
+    """A shared-memory segment of ``size`` bytes whose memory is there: in ``/dev/shm`` (a
+    tmpfs) it is allocated now, so a full ``/dev/shm`` is an OSError here, not a SIGBUS
+    in a worker writing to it."""
+    from multiprocessing.shared_memory import SharedMemory
+
+    seg = SharedMemory(create=True, size=size)
+    path = f"/dev/shm/{seg.name.lstrip('/')}"
+    if os.path.exists(path):
+        try:
+            fd = os.open(path, os.O_RDWR)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            finally:
+                os.close(fd)
+        except OSError:
+            seg.close()
+            seg.unlink()
+            raise
+    return seg
+
+
+class _Unpacked(Future[list[ClientOutput]]):
+    """The outputs of a worker's job: its :class:`PackedOutputs`, unpacked once they arrive
+    (its payloads copied out of ``segment``, which then goes back to ``segments``)."""
+
+    def __init__(self, inner: Future[PackedOutputs], schemas: tuple[tuple[TensorSpec, ...], ...] = (),
+                 segments: _Segments | None = None, segment: Any = None) -> None:
         super().__init__()
         self._inner: Future[PackedOutputs] | None = inner
         self._schemas = schemas  # the jobs' schemas, for PackedOutputs.unpack
+        self._segments, self._segment = segments, segment
         inner.add_done_callback(self._arrived)
 
     def _arrived(self, inner: Future[PackedOutputs]) -> None:
@@ -112,17 +219,24 @@ class _Unpacked(Future[list[ClientOutput]]):
         # back, or the pair is a reference cycle holding both copies of a job's outputs
         # (~40 MB a job for the digits MLP) until a full garbage collection.
         self._inner = None
-        if self.cancelled():
-            return
+        seg, self._segment = self._segment, None
+        largest = 0
         try:
+            if self.cancelled():
+                return
             if inner.cancelled():
                 self.cancel()
             elif (err := inner.exception()) is not None:
                 self.set_exception(err)
             else:
-                self.set_result(inner.result().unpack(self._schemas))
+                outputs = inner.result().unpack(self._schemas, seg.buf if seg is not None else None)
+                largest = max((len(o.payload) for o in outputs), default=0)
+                self.set_result(outputs)
         except InvalidStateError:  # cancelled meanwhile by the engine: nobody waits for it
             pass
+        finally:
+            if self._segments is not None:  # the worker is done with it, whatever happened
+                self._segments.give(seg, largest)
 
     def cancel(self) -> bool:
         inner = self._inner
@@ -142,6 +256,7 @@ class ProcessBackend:
         from concurrent.futures import ProcessPoolExecutor
 
         self._here = (task, population, cfg, build_codec(cfg.codec), vectorize) if task is not None else None
+        self._segments = _Segments()
         self._device = device
         self._pool = ProcessPoolExecutor(
             max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_process_init,
@@ -153,7 +268,13 @@ class ProcessBackend:
         need = {j.start for j in jobs if j.start}
         sent = {k: v for k, v in starts.items() if k in need} if starts and need else None
         schemas = tuple({id(j.assignment.schema): j.assignment.schema for j in jobs}.values())
-        return _Unpacked(self._pool.submit(_process_run, jobs, global_arrays, sent), schemas)
+        seg = self._segments.take(len(jobs))
+        try:
+            inner = self._pool.submit(_process_run, jobs, global_arrays, sent, None if seg is None else seg.name)
+        except BaseException:
+            self._segments.give(seg, 0)
+            raise
+        return _Unpacked(inner, schemas, self._segments, seg)
 
     def run_devices(self, params: dict[str, Any], batch: list[tuple[Any, ...]]
                     ) -> Future[list[tuple[float, int, tuple[Any, ...]]]]:
@@ -179,6 +300,7 @@ class ProcessBackend:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._segments.close()
 
 
 class RayBackend:

@@ -646,6 +646,93 @@ def test_packed_outputs_round_trip() -> None:
     assert pickle.loads(pickle.dumps(PackedOutputs(outs))).unpack((other,))[3].header.schema == header.schema
 
 
+def test_packed_outputs_write_payloads_into_a_shared_buffer_when_they_fit() -> None:
+    import pickle
+
+    from orchard.simulation.clients import ClientOutput, PackedOutputs
+
+    outs = [ClientOutput(1, "device-1", None, b"abc"), ClientOutput(2, "device-2", None, b""),
+            ClientOutput(3, "device-3", None, bytes(range(200)))]
+    seg = memoryview(bytearray(256))
+    packed = pickle.loads(pickle.dumps(PackedOutputs(outs, seg)))
+    assert packed.in_segment and packed.blob == b""
+    with pytest.raises(ValueError, match="shared segment"):
+        packed.unpack()
+    back = packed.unpack((), seg)
+    assert [(o.partition, o.payload) for o in back] == [(o.partition, o.payload) for o in outs]
+    assert all(type(o.payload) is bytes for o in back)
+    seg[:] = bytes(256)  # copied out: the segment can take the next job's
+    assert back[2].payload == bytes(range(200))
+    # Too little room: the payloads travel in the pickle, as without a segment.
+    small = pickle.loads(pickle.dumps(PackedOutputs(outs, memoryview(bytearray(100)))))
+    assert not small.in_segment
+    assert [o.payload for o in small.unpack()] == [o.payload for o in outs]
+
+
+def test_worker_payloads_come_back_through_shared_segments(monkeypatch: pytest.MonkeyPatch) -> None:
+    # After the first job (the payload size is not known before it), a worker writes its
+    # jobs' payloads into the engine's shared segments; the round is the same as in this
+    # process, and closing the backend removes every segment.
+    from multiprocessing.shared_memory import SharedMemory
+
+    import orchard.simulation.backends as backends
+    from orchard.simulation.clients import PackedOutputs
+
+    seen: list[bool] = []
+    made: list[str] = []
+    unpack, new_segment = PackedOutputs.unpack, backends._new_segment
+
+    def recording_unpack(self, schemas=(), segment=None):  # type: ignore[no-untyped-def]
+        seen.append(self.in_segment)
+        return unpack(self, schemas, segment)
+
+    def recording_new(size: int):  # type: ignore[no-untyped-def]
+        seg = new_segment(size)
+        made.append(seg.name)
+        return seg
+
+    monkeypatch.setattr(PackedOutputs, "unpack", recording_unpack)
+    monkeypatch.setattr(backends, "_new_segment", recording_new)
+    local = run_simulation(_sim(rounds=2, chunk_size=8))
+    remote = run_simulation(_sim(rounds=2, chunk_size=8, backend="process", workers=1))
+    assert seen[0] is False and any(seen), seen
+    assert 0 < len(made) <= 8  # about as many as jobs in flight, reused from job to job
+    for k, v in local.final_arrays.items():
+        np.testing.assert_array_equal(remote.final_arrays[k], v)
+    for name in made:
+        with pytest.raises(FileNotFoundError):
+            SharedMemory(name)
+
+
+def test_a_segment_goes_back_whatever_becomes_of_its_job() -> None:
+    from concurrent.futures import Future
+
+    from orchard.simulation.backends import _Segments, _Unpacked
+    from orchard.simulation.clients import ClientOutput, PackedOutputs
+
+    segments = _Segments()
+    segments.give(None, 1000)  # a first job came back through the pipe: 1,000-byte payloads
+    try:
+        seg = segments.take(3)
+        assert seg is not None and seg.size >= 3000
+        failed: Future = Future()
+        _Unpacked(failed, (), segments, seg)
+        failed.set_exception(RuntimeError("worker died"))
+        assert segments.take(3) is seg  # back in the pool, and reused
+        done: Future = Future()
+        outer = _Unpacked(done, (), segments, seg)
+        assert done.set_running_or_notify_cancel()  # the worker took it
+        outer.cancel()  # the engine no longer waits for it; the worker still writes to it
+        assert segments.take(3) is not seg
+        done.set_result(PackedOutputs([ClientOutput(1, "device-1", None, b"x" * 10)], seg.buf))
+        assert segments.take(3) is seg
+        queued: Future = Future()
+        _Unpacked(queued, (), segments, seg).cancel()  # cancelled before a worker took it
+        assert queued.cancelled() and segments.take(3) is seg
+    finally:
+        segments.close()
+
+
 def test_a_finished_worker_job_is_freed_without_the_garbage_collector() -> None:
     # The packed outputs must not be kept alive by a reference cycle between the
     # worker's future and the unpacking one (~40 MB a job until a full collection).
