@@ -205,9 +205,9 @@ _COMPONENTS: list[tuple[str, tuple[str, ...]]] = [
     ("training", ("train_many", "train_group", "client_trainer", "TorchTrainer.fit", "TorchTrainer.train")),
     ("building uploads", ("build_uploads", "build_upload", "deltas_of", "delta_of", "encode_packed_many")),
     ("client jobs, rest", ("run_jobs",)),
-    # Jobs out and outputs back: pickling, the pipe, the executor's threads.
-    ("job transfer", ("PackedOutputs.__init__", "PackedOutputs.unpack", "_Unpacked._arrived", "_sendback_result",
-                      "_ExecutorManagerThread.run", "Queue._feed", "Queue.get")),
+    # Jobs out and outputs back: pickling, the pipes, the shared segments.
+    ("job transfer", ("PackedOutputs.__init__", "PackedOutputs.unpack", "_Unpacked._arrived", "WorkerPool.pump",
+                      "_Worker.send", "_serve.<locals>.reply", "_serve.<locals>.take", "_attached")),
     ("tier folds", ("Coordinator.upload_now", "Coordinator.complete_upload")),
     ("check-in", ("Engine._check_in",)),
     ("opening tiers, selection", ("Engine._open_below", "Engine._report_pools")),
@@ -235,7 +235,7 @@ def _start_sampling(pids: dict[str, int], out: Path) -> dict[str, subprocess.Pop
 
 # A thread whose innermost frame is one of these is waiting (for a job, an event or a
 # free pipe) though the sampler, which does not pause the process, saw it as busy.
-_WAITS = {"_PollLikeSelector.select", "EpollSelector.select", "Condition.wait", "Queue.get"}
+_WAITS = {"_wait_ready", "_PollLikeSelector.select", "EpollSelector.select", "Condition.wait", "Queue.get"}
 _WAITING = "waiting (sampled as busy)"
 
 

@@ -13,6 +13,7 @@ its job and the engine folds uploads in simulated-time order, not completion ord
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import threading
@@ -26,6 +27,7 @@ from orchard.config import RunConfig
 from orchard.errors import ConfigError, OrchardError
 from orchard.heap import keep_freed_memory
 from orchard.simulation.clients import ClientJob, ClientOutput, PackedOutputs, run_jobs
+from orchard.simulation.workers import WorkerPool
 from orchard.tasks import Task, get_task
 from orchard.typing import NDArrays, TensorSpec
 
@@ -238,6 +240,19 @@ class _Unpacked(Future[list[ClientOutput]]):
             if self._segments is not None:  # the worker is done with it, whatever happened
                 self._segments.give(seg, largest)
 
+    def done(self) -> bool:
+        inner = self._inner
+        if inner is not None:
+            inner.done()  # a worker pool's call moves on when it is looked at
+        return super().done()
+
+    def result(self, timeout: float | None = None) -> list[ClientOutput]:
+        inner = self._inner
+        if inner is not None:
+            with contextlib.suppress(BaseException):  # what it raised, this future raises
+                inner.exception()  # waits for it (and settles this future)
+        return super().result(timeout)
+
     def cancel(self) -> bool:
         inner = self._inner
         if inner is not None:
@@ -252,15 +267,11 @@ class ProcessBackend:
 
     def __init__(self, task_name: str, task_params: dict[str, Any], population: int, cfg: RunConfig,
                  workers: int, vectorize: bool, task: Task | None = None, device: str = "cpu") -> None:
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-
         self._here = (task, population, cfg, build_codec(cfg.codec), vectorize) if task is not None else None
         self._segments = _Segments()
         self._device = device
-        self._pool = ProcessPoolExecutor(
-            max_workers=workers, mp_context=mp.get_context("spawn"), initializer=_process_init,
-            initargs=(task_name, dict(task_params), cfg.model_dump_json(), population, vectorize, device))
+        self._pool = WorkerPool(workers, _process_init,
+                                (task_name, dict(task_params), cfg.model_dump_json(), population, vectorize, device))
 
     def submit(self, jobs: list[ClientJob], global_arrays: NDArrays,
                starts: Mapping[str, NDArrays] | None = None) -> Future[list[ClientOutput]]:
@@ -299,7 +310,7 @@ class ProcessBackend:
             torch.set_num_threads(threads)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.close()
         self._segments.close()
 
 

@@ -58,12 +58,12 @@ def test_profile_samples_are_put_in_their_components(tmp_path) -> None:
                                         "Coordinator._fold"]), 50),
         (";".join(f.format(n) for n in ["Engine._process", "ProcessBackend.run_here", "run_jobs", "train_many"]), 10),
         (";".join(f.format(n) for n in ["run_simulation", "Engine._finalize"]), 4),
-        # The executor's thread waiting for a result: sampled, but not work.
-        (";".join(f.format(n) for n in ["_ExecutorManagerThread.run", "wait", "_PollLikeSelector.select"]), 8),
+        # The engine waiting for a worker's result: sampled, but not work.
+        (";".join(f.format(n) for n in ["Engine._process", "Call.result", "WorkerPool.pump", "_wait_ready"]), 8),
     ]
     worker = [
-        (";".join(f.format(n) for n in ["_process_worker", "_process_run", "run_jobs", "build_uploads"]), 40),
-        (";".join(f.format(n) for n in ["_process_worker", "_sendback_result", "dumps"]), 6),
+        (";".join(f.format(n) for n in ["_serve", "_process_run", "run_jobs", "build_uploads"]), 40),
+        (";".join(f.format(n) for n in ["_serve", "_serve.<locals>.reply"]), 6),
     ]
     for name, rows in (("engine", engine), ("worker0", worker)):
         (tmp_path / f"{name}.txt").write_text("".join(f"{s} {n}\n" for s, n in rows))
