@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import pickle
 import select
@@ -34,6 +35,7 @@ from orchard.errors import OrchardError
 
 _LEN = struct.Struct("<Q")  # a message's length, before it
 _PIPE_BYTES = 1 << 20  # pipe capacity asked for (Linux; the default is 64 KiB)
+_PUMP_EVERY_S = 100e-6  # the engine reads its pipes at most this often unless it waits
 
 
 class WorkerError(OrchardError):
@@ -130,6 +132,8 @@ class _Worker:
                 self.gone = True
                 break
             self.inbox += chunk
+            if len(chunk) < 1 << 20:  # the pipe is empty now
+                break
         return _messages(self.inbox)
 
     def close(self) -> None:
@@ -147,6 +151,10 @@ class WorkerPool:
 
         ctx = mp.get_context("spawn")  # no torch state shared by fork
         self._workers = [_Worker(ctx, initializer, initargs) for _ in range(workers)]
+        self._poll = select.poll()
+        for w in self._workers:
+            self._poll.register(w.results_fd, select.POLLIN)  # (hang-up and errors are always reported)
+        self._pumped = -math.inf
         self._ids = itertools.count()
         self._closed = False
 
@@ -165,12 +173,23 @@ class WorkerPool:
 
     def pump(self, wait: bool = False) -> None:
         """Write what waits in the outboxes and settle the calls whose results arrived;
-        with ``wait``, first block until a pipe is ready (a caller waits on a result)."""
+        with ``wait``, first block until a pipe is ready (a caller waits on a result).
+
+        Without ``wait`` the engine asks often (each time it looks at a call): one
+        ``poll`` says which pipes have bytes, and it is asked at most every
+        ``_PUMP_EVERY_S`` unless something waits to be written."""
         live = [w for w in self._workers if not w.gone]
+        now = time.perf_counter()
         if wait and live:
             _wait_ready([w.results_fd for w in live], [w.calls_fd for w in live if w.outbox])
+        elif now - self._pumped < _PUMP_EVERY_S and not any(w.outbox for w in live):
+            return
+        self._pumped = now
+        ready = {fd for fd, _ in self._poll.poll(0)}
         for w in live:
             w.flush()
+            if w.results_fd not in ready:
+                continue
             for message in w.read():
                 _settle(w, message)
             if w.gone:
