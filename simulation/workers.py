@@ -167,8 +167,8 @@ class WorkerPool:
         self.pump()
         worker = min((w for w in self._workers if not w.gone), key=lambda w: len(w.calls), default=None)
         if worker is None:
-            raise WorkerError("every worker process has stopped (see the log above for why); "
-                              "start the simulation again")
+            raise WorkerError("every simulation worker process has stopped ("
+                              + "; ".join(_why_stopped(w.proc.exitcode) for w in self._workers) + ")" + _AGAIN)
         call = Call(self, worker, next(self._ids))
         worker.calls[call.call_id] = call
         worker.send(("call", call.call_id, fn, args))
@@ -197,8 +197,8 @@ class WorkerPool:
                 _settle(w, message)
             if w.gone:
                 w.proc.join(timeout=1.0)
-                err = WorkerError(f"a simulation worker process stopped (exit code {w.proc.exitcode}) "
-                                  f"with {len(w.calls)} calls unfinished; start the simulation again")
+                err = WorkerError(f"a simulation worker process stopped ({_why_stopped(w.proc.exitcode)}) "
+                                  f"with {len(w.calls)} calls unfinished" + _AGAIN)
                 for call in list(w.calls.values()):
                     _settle(w, ("error", call.call_id, err))
 
@@ -223,6 +223,18 @@ class WorkerPool:
             for call in list(w.calls.values()):
                 _settle(w, ("error", call.call_id, WorkerError("the worker pool closed before this call ran")))
             w.close()
+
+
+_AGAIN = ("; start the simulation again (if the machine ran short of memory: fewer workers, "
+          "a smaller chunk_size, or backend = 'local')")
+
+
+def _why_stopped(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "its pipe closed"
+    if exitcode < 0:
+        return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
 
 
 def _wait_ready(readable: list[int], writable: list[int]) -> None:

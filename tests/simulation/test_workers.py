@@ -61,7 +61,7 @@ def test_a_worker_that_dies_fails_its_calls_by_name() -> None:
             dying.result()
         with pytest.raises(WorkerError):
             after.result()
-        with pytest.raises(WorkerError, match="every worker process has stopped"):
+        with pytest.raises(WorkerError, match="every simulation worker process has stopped .exit code 3"):
             p.submit(operator.add, 1, 2)
     finally:
         p.close()
