@@ -152,6 +152,9 @@ class WorkerPool:
     def __init__(self, workers: int, initializer: Callable[..., None], initargs: tuple[Any, ...]) -> None:
         import multiprocessing as mp
 
+        if os.name != "posix" or not hasattr(select, "poll"):
+            raise WorkerError("worker processes need a POSIX system (non-blocking pipes and poll); "
+                              "use backend = 'local' here")
         ctx = mp.get_context("spawn")  # no torch state shared by fork
         self._workers = [_Worker(ctx, initializer, initargs) for _ in range(workers)]
         self._poll = select.poll()
