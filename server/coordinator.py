@@ -50,7 +50,7 @@ import numpy as np
 from orchard.aggregation import MetricSums, Partial
 from orchard.aggregation.staleness import staleness_weight
 from orchard.compression import sums_compressed
-from orchard.config import RunConfig, ServerConfig
+from orchard.config import EligibilityConfig, RunConfig, ServerConfig
 from orchard.errors import (
     JOIN_FIRST,
     OrchardError,
@@ -97,6 +97,18 @@ class Child:
     last_seen: float = 0.0  # monotonic seconds
     pool_size: int = 1
     pool_eligible: int = 1
+    # device_eligible's verdict, for the state and rules it was given (a round asks twice:
+    # the pool report, then selection; the state only changes when the node reports one).
+    _verdict: tuple[DeviceState, EligibilityConfig, bool] | None = field(default=None, repr=False, compare=False)
+
+    def eligible(self, rules: EligibilityConfig) -> bool:
+        """Whether this node's last reported state passes ``rules`` (``device_eligible``)."""
+        v = self._verdict
+        if v is not None and v[0] is self.device and v[1] is rules:
+            return v[2]
+        ok = device_eligible(self.device, rules)[0]
+        self._verdict = (self.device, rules, ok)
+        return ok
 
 
 @dataclass
@@ -270,7 +282,7 @@ class Coordinator:
                 elig += c.pool_eligible
             else:
                 size += 1
-                elig += int(cfg is None or device_eligible(c.device, cfg.eligibility)[0])
+                elig += int(cfg is None or c.eligible(cfg.eligibility))
         return size, elig
 
     def expire_children(self) -> None:
@@ -555,7 +567,7 @@ class Coordinator:
             if c.role is Role.AGGREGATOR:
                 if c.pool_eligible > 0:
                     caps[c.node_id] = c.pool_eligible
-            elif device_eligible(c.device, cfg.eligibility)[0]:
+            elif c.eligible(cfg.eligibility):
                 caps[c.node_id] = 1
         alloc = allocate(cr.task.target, caps)
         client_ids = [k for k in caps if self.children[k].role is Role.CLIENT]

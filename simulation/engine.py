@@ -202,6 +202,7 @@ class Engine:
             level = nxt
         self.leaves = level
         self.sizes = np.asarray(task.partition(num_partitions, seed).sizes, dtype=np.int64)
+        self._size_of: list[int] = self.sizes.tolist()  # the same, read per device as Python ints
         self.codec_states: dict[int, dict[str, Any]] = {}
         # Downlink deltas (run.downlink_delta): the model each device holds (sha256) and
         # those models' blobs, pruned every round to what its tier can still delta from.
@@ -522,7 +523,7 @@ class Engine:
         tc = self.run.train
         if tc.steps is not None:
             return tc.steps
-        n = int(self.sizes[partition])
+        n = self._size_of[partition]
         return tc.epochs * max(1, -(-n // tc.batch_size))
 
     def _payload_estimate(self, schema: tuple, shared_seed: int) -> int:
@@ -717,7 +718,7 @@ class Engine:
                      ) -> tuple[LiveDevice, DevicePolicy | None, int, int]:
         """(device, policy, planned steps, examples a step) for a device that trains
         ``planned`` steps with ``time_left_s`` seconds before its deadline."""
-        n = int(self.sizes[dev.index])
+        n = self._size_of[dev.index]
         per_step = min(self.run.train.batch_size, max(n, 1))
         return dev, self._policy(planned, time_left_s) if self.governor else None, planned, per_step
 

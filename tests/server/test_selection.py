@@ -29,3 +29,24 @@ def test_equal_capacities_hand_the_remainder_out_by_name() -> None:
     assert allocate(9, dict.fromkeys(["b", "a"], 3)) == {"b": 3, "a": 3}
     assert allocate(5, dict.fromkeys(["b", "a"], 3)) == {"b": 2, "a": 3}
     assert allocate(0, caps) == dict.fromkeys(caps, 0)
+
+
+def test_a_childs_eligibility_follows_its_state_and_the_rules() -> None:
+    # A tier asks twice a round (its pool report, then selection); the verdict is kept for
+    # the state and rules it was given, and asked again when either changes.
+    from orchard.config import EligibilityConfig
+    from orchard.server.coordinator import Child
+    from orchard.server.selection import device_eligible
+    from orchard.typing import DeviceState, Role
+
+    rules = EligibilityConfig(allow_on_battery=True, min_battery_percent=50.0)
+    c = Child("device-1", Role.CLIENT, "t", DeviceState(battery_percent=80.0, charging=False))
+    assert c.eligible(rules) is True
+    c.device = DeviceState(battery_percent=20.0, charging=False)  # a new report
+    assert c.eligible(rules) is False
+    strict = EligibilityConfig(allow_on_battery=False)
+    c.device = DeviceState(battery_percent=80.0, charging=False)
+    assert c.eligible(rules) is True and c.eligible(strict) is False
+    for state in (DeviceState(), DeviceState(charging=True, temperature_c=50.0)):
+        c.device = state
+        assert c.eligible(rules) == device_eligible(state, rules)[0]
