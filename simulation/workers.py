@@ -13,7 +13,9 @@ goes out as results are read, so neither side can block the other for good.
 
 Calls to one worker run in order. A call cancelled before its worker starts it is
 skipped there (the cancel travels behind it, and a worker reads everything waiting
-before it starts a call); one it already runs finishes and its result is dropped.
+before it starts a call); one it already runs finishes, and settles with its result.
+``result`` and ``exception`` wait for the call whatever their ``timeout`` (the engine
+only ever waits for one it needs).
 """
 
 from __future__ import annotations
