@@ -163,7 +163,7 @@ class _Segments:
         """A segment whose payloads were copied out; the largest of them, in bytes."""
         with self._lock:
             self._per_client = max(self._per_client, largest_payload)
-            if seg is None:
+            if seg is None or seg.name not in self._all:  # (none lent, or the backend closed)
                 return
             if seg.size < self._size:
                 self._drop(seg)
