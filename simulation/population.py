@@ -124,13 +124,18 @@ class Population:
         device was offered once. Draws cost O(batch), not O(population), until most of
         the population has been offered (then the rest come as one shuffled block)."""
         rng = np.random.default_rng([self.seed, rnd, attempt, 0xC4EC])
-        seen: set[int] = set()
-        while len(seen) < self.size // 2:
-            ids = [int(i) for i in rng.integers(0, self.size, size=batch) if int(i) not in seen]
-            ids = list(dict.fromkeys(ids))  # in order, without repeats within the batch
-            seen.update(ids)
-            yield np.asarray(ids, dtype=np.int64)
-        rest = np.setdiff1d(np.arange(self.size, dtype=np.int64), np.fromiter(seen, np.int64, len(seen)))
+        seen = np.zeros(self.size, dtype=bool)
+        offered = 0
+        while offered < self.size // 2:
+            draws = rng.integers(0, self.size, size=batch)
+            # Each id's first draw in the batch, in draw order, unless offered before.
+            first = np.zeros(len(draws), dtype=bool)
+            first[np.unique(draws, return_index=True)[1]] = True
+            ids = draws[first & ~seen[draws]]
+            seen[ids] = True
+            offered += len(ids)
+            yield ids.astype(np.int64, copy=False)
+        rest = np.flatnonzero(~seen).astype(np.int64)
         rng.shuffle(rest)
         yield from np.array_split(rest, max(1, len(rest) // max(batch, 1)))
 

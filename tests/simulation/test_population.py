@@ -112,3 +112,31 @@ def test_store_many_writes_what_each_device_would(seed: int, work: list[float], 
         b.store(live)
     for name in ("battery", "temperature", "updated"):
         assert np.array_equal(getattr(a, name), getattr(b, name), equal_nan=True), name
+
+
+def _candidates_plainly(pop: Population, rnd: int, attempt: int, batch: int) -> list[list[int]]:
+    """Population.candidates written with a set and a loop: the reference."""
+    rng = np.random.default_rng([pop.seed, rnd, attempt, 0xC4EC])
+    seen: set[int] = set()
+    out = []
+    while len(seen) < pop.size // 2:
+        ids = [int(i) for i in rng.integers(0, pop.size, size=batch) if int(i) not in seen]
+        ids = list(dict.fromkeys(ids))  # in order, without repeats within the batch
+        seen.update(ids)
+        out.append(ids)
+    rest = np.setdiff1d(np.arange(pop.size, dtype=np.int64), np.fromiter(seen, np.int64, len(seen)))
+    rng.shuffle(rest)
+    out.extend(r.tolist() for r in np.array_split(rest, max(1, len(rest) // max(batch, 1))))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 300), st.integers(0, 2**31), st.integers(0, 5), st.integers(0, 3), st.integers(1, 200))
+def test_candidates_are_the_plain_draw(size: int, seed: int, rnd: int, attempt: int, batch: int) -> None:
+    # Every device offered once, in the seeded order the plain loop gives, batch by batch.
+    cfg = SimulationConfig(clients=size, clients_per_round=1, progress=False)
+    pop = Population(size, cfg.all_profiles(), cfg.devices, seed, flops_per_example=1e6, day_offset_s=0.0)
+    got = [c.tolist() for c in pop.candidates(rnd, attempt, batch)]
+    assert all(c.dtype == np.int64 for c in pop.candidates(rnd, attempt, batch))
+    assert got == _candidates_plainly(pop, rnd, attempt, batch)
+    assert sorted(i for c in got for i in c) == list(range(size))
