@@ -33,7 +33,7 @@ from orchard.server.auth import (
 from orchard.server.coordinator import Coordinator
 from orchard.server.decoding import ClientUpdateDecoder
 from orchard.server.servicer import FleetServicer, add_fleet_servicer
-from orchard.server.store import SQLiteStore, Store, hash_token
+from orchard.server.store import SQLiteStore, Store, atomic_write, hash_token
 from orchard.server.tls import TlsPaths, init_certs, server_credentials
 from orchard.typing import Role
 from orchard.v1 import orchard_pb2_grpc as pbg
@@ -191,10 +191,12 @@ async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int
     h.tasks.append(asyncio.create_task(_sweeper(coord, runner._wake)))
     await asyncio.get_running_loop().run_in_executor(None, warm_up)
     await runner.resume()
-    (data_dir / "server.json").write_text(json.dumps({
+    # Replaced whole, never written in place: tools and scripts poll for this file to know
+    # the root is up, and must never read it half written.
+    atomic_write(data_dir / "server.json", json.dumps({
         "host": host, "port": bound, "pid": os.getpid(), "tls": not insecure,
         "ca_cert": str(ca) if ca else None, "metrics_port": h.metrics_port,
-        "dashboard": f"{h.dashboard.scheme}://{host}:{h.dashboard.port}/" if h.dashboard else None}))
+        "dashboard": f"{h.dashboard.scheme}://{host}:{h.dashboard.port}/" if h.dashboard else None}).encode())
     return h
 
 
