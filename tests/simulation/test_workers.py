@@ -22,9 +22,12 @@ def pool():  # type: ignore[no-untyped-def]
 def test_calls_return_their_results_in_order(pool: WorkerPool) -> None:
     calls = [pool.submit(math.sqrt, float(i * i)) for i in range(20)]
     assert [c.result() for c in calls] == [float(i) for i in range(20)]
-    # A large result comes back whole (more than the pipe holds at once).
+    # A large result comes back whole (more than the pipe holds at once), and large
+    # arguments go out whole: what does not fit waits in the engine's outbox.
     big = pool.submit(bytes, 5_000_000)
     assert big.result() == bytes(5_000_000)
+    sizes = [pool.submit(len, bytes(3_000_000 + i)) for i in range(3)]
+    assert [c.result() for c in sizes] == [3_000_000, 3_000_001, 3_000_002]
 
 
 def test_an_error_in_a_call_is_raised_by_its_result(pool: WorkerPool) -> None:
@@ -83,5 +86,15 @@ def test_calls_go_to_the_least_busy_worker() -> None:
     try:
         pids = [p.submit(os.getpid) for _ in range(4)]
         assert len({c.result() for c in pids}) == 2
+    finally:
+        p.close()
+
+
+def test_a_worker_that_cannot_start_fails_its_calls_instead_of_hanging() -> None:
+    p = WorkerPool(1, operator.truediv, (1, 0))  # its set-up raises ZeroDivisionError
+    try:
+        call = p.submit(operator.add, 1, 2)
+        with pytest.raises(WorkerError, match="exit code 1"):
+            call.result()
     finally:
         p.close()
