@@ -659,7 +659,7 @@ class Coordinator:
             if (c.role is Role.CLIENT and not cr.task.config.secure_aggregation.enabled
                     and cr.clients_selected < cr.client_quota
                     and cr.received < cr.task.target
-                    and device_eligible(c.device, cr.task.config.eligibility)[0]):
+                    and c.eligible(cr.task.config.eligibility)):
                 a = self._assign(cr, node_id, 1)
             else:
                 return None

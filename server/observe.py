@@ -58,10 +58,8 @@ def tree(runner: RootRunner) -> dict[str, Any]:
         if c.role is Role.AGGREGATOR:
             size, elig = (c.pool_size, c.pool_eligible) if live else (0, 0)
         else:
-            from orchard.server.selection import device_eligible
-
             size = int(live)
-            elig = int(live and (cfg is None or device_eligible(c.device, cfg.eligibility)[0]))
+            elig = int(live and (cfg is None or c.eligible(cfg.eligibility)))
         children.append({"node_id": c.node_id, "role": c.role.value, "live": live, "clients": size,
                          "eligible": elig})
     children.sort(key=lambda n: (n["role"] != "aggregator", n["node_id"]))

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
@@ -128,10 +127,10 @@ class _Segments:
     once its outputs are copied out, so there are about as many as jobs in flight, all
     of one size: the largest job's payloads so far, rounded up to a MiB. Until a job has
     come back (the payload size is not known yet), for a job that would not fit, and
-    where no segment can be made (no room in ``/dev/shm``), payloads go through the pipe."""
+    where no segment can be made (no room in ``/dev/shm``), payloads go through the pipe.
+    Used from the engine's thread only (the worker pool settles calls there)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._free: list[Any] = []  # SharedMemory
         self._all: dict[str, Any] = {}
         self._per_client = 0  # the largest payload seen, bytes
@@ -140,35 +139,33 @@ class _Segments:
 
     def take(self, clients: int) -> Any:
         """A free segment for ``clients`` payloads, or None (the pipe)."""
-        with self._lock:
-            need = clients * self._per_client
-            if self._broken or need == 0:
-                return None
-            if need > self._size:  # every free one is too small: replace them
-                self._size = -(-need // (1 << 20)) << 20
-                for seg in self._free:
-                    self._drop(seg)
-                self._free = []
-            if self._free:
-                return self._free.pop()
-            try:
-                seg = _new_segment(self._size)
-            except OSError:
-                self._broken = True
-                return None
-            self._all[seg.name] = seg
-            return seg
+        need = clients * self._per_client
+        if self._broken or need == 0:
+            return None
+        if need > self._size:  # every free one is too small: replace them
+            self._size = -(-need // (1 << 20)) << 20
+            for seg in self._free:
+                self._drop(seg)
+            self._free = []
+        if self._free:
+            return self._free.pop()
+        try:
+            seg = _new_segment(self._size)
+        except OSError:
+            self._broken = True
+            return None
+        self._all[seg.name] = seg
+        return seg
 
     def give(self, seg: Any, largest_payload: int) -> None:
         """A segment whose payloads were copied out; the largest of them, in bytes."""
-        with self._lock:
-            self._per_client = max(self._per_client, largest_payload)
-            if seg is None or seg.name not in self._all:  # (none lent, or the backend closed)
-                return
-            if seg.size < self._size:
-                self._drop(seg)
-            else:
-                self._free.append(seg)
+        self._per_client = max(self._per_client, largest_payload)
+        if seg is None or seg.name not in self._all:  # (none lent, or the backend closed)
+            return
+        if seg.size < self._size:
+            self._drop(seg)
+        else:
+            self._free.append(seg)
 
     def _drop(self, seg: Any) -> None:
         del self._all[seg.name]
@@ -176,10 +173,9 @@ class _Segments:
         seg.unlink()
 
     def close(self) -> None:
-        with self._lock:
-            for seg in list(self._all.values()):
-                self._drop(seg)
-            self._free = []
+        for seg in list(self._all.values()):
+            self._drop(seg)
+        self._free = []
 
 
 def _new_segment(size: int) -> Any:

@@ -201,8 +201,8 @@ class Engine:
                     nxt.append(t)
             level = nxt
         self.leaves = level
-        self.sizes = np.asarray(task.partition(num_partitions, seed).sizes, dtype=np.int64)
-        self._size_of: list[int] = self.sizes.tolist()  # the same, read per device as Python ints
+        # Each partition's example count, read per device as a Python int.
+        self._size_of: list[int] = [int(n) for n in task.partition(num_partitions, seed).sizes]
         self.codec_states: dict[int, dict[str, Any]] = {}
         # Downlink deltas (run.downlink_delta): the model each device holds (sha256) and
         # those models' blobs, pruned every round to what its tier can still delta from.

@@ -202,10 +202,8 @@ class WorkerPool:
                 _settle(w, message)
             if w.gone:
                 w.proc.join(timeout=1.0)
-                err = WorkerError(f"a simulation worker process stopped ({_why_stopped(w.proc.exitcode)}) "
-                                  f"with {len(w.calls)} calls unfinished" + _AGAIN)
-                for call in list(w.calls.values()):
-                    _settle(w, ("error", call.call_id, err))
+                _fail(w, WorkerError(f"a simulation worker process stopped ({_why_stopped(w.proc.exitcode)}) "
+                                     f"with {len(w.calls)} calls unfinished" + _AGAIN))
 
     def close(self) -> None:
         """Stop the workers and wait for them; calls still waiting are skipped, and every
@@ -225,8 +223,7 @@ class WorkerPool:
                 w.proc.terminate()
             w.proc.join()
             w.gone = True
-            for call in list(w.calls.values()):
-                _settle(w, ("error", call.call_id, WorkerError("the worker pool closed before this call ran")))
+            _fail(w, WorkerError("the worker pool closed before this call ran"))
             w.close()
 
 
@@ -258,6 +255,12 @@ def _messages(buf: bytearray) -> list[tuple[Any, ...]]:
             out.append(pickle.loads(view[_LEN.size:_LEN.size + size]))
         del buf[:_LEN.size + size]
     return out
+
+
+def _fail(w: _Worker, err: WorkerError) -> None:
+    """Settle every call still on ``w`` with ``err``."""
+    for call_id in list(w.calls):
+        _settle(w, ("error", call_id, err))
 
 
 def _settle(w: _Worker, message: tuple[Any, ...]) -> None:
