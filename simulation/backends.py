@@ -121,6 +121,34 @@ def _process_devices(params: dict[str, Any], batch: list[tuple[Any, ...]]) -> li
     return run_devices(params, batch)
 
 
+def _shard_start(population: Any, fanout: list[int], tops: list[str], opts: dict[str, Any]) -> None:
+    """Make this worker a shard of the round engine: an engine over the same tree that
+    runs the subtrees under ``tops`` (``Engine(tops=...)``), training here."""
+    from orchard.simulation.engine import Engine  # (the engine imports this module)
+
+    w = _WORKER
+    here = LocalBackend(w["task"], w["population"], w["cfg"], 1, w["vectorize"], w["device"])
+    w["shard"] = Engine(w["task"], population, w["cfg"], fanout, here, tops=tops, **opts)
+
+
+def _shard_call(method: str, args: tuple[Any, ...]) -> Any:
+    """One of the shard's steps of a round (``Engine.shard_check_in``, ``shard_run``,
+    ``shard_finish``). The collector runs on the young generations first, as before a job."""
+    gc.collect(1)
+    return getattr(_WORKER["shard"], method)(*args)
+
+
+class _Shard:
+    """The engine's handle on a shard in worker ``index``: the root's children it runs
+    (``tops``), and its steps (``call``), which the worker runs in order."""
+
+    def __init__(self, pool: WorkerPool, index: int, tops: list[str]) -> None:
+        self._pool, self.index, self.tops = pool, index, tops
+
+    def call(self, method: str, *args: Any) -> Future[Any]:
+        return self._pool.submit_to(self.index, _shard_call, method, args)
+
+
 class _Segments:
     """Shared-memory segments that carry jobs' payloads from the workers to the engine
     (``PackedOutputs(into=...)``). A job takes one when it is submitted and gives it back
@@ -266,6 +294,7 @@ class ProcessBackend:
         self._here = (task, population, cfg, build_codec(cfg.codec), vectorize) if task is not None else None
         self._segments = _Segments()
         self._device = device
+        self._workers = workers
         self._pool = WorkerPool(workers, _process_init,
                                 (task_name, dict(task_params), cfg.model_dump_json(), population, vectorize, device))
 
@@ -289,6 +318,18 @@ class ProcessBackend:
         (``engine.run_devices``): the engine hands a worker part of a dispatch while the
         worker would otherwise wait for jobs."""
         return self._pool.submit(_process_devices, params, batch)
+
+    def start_shards(self, population: Any, fanout: list[int], groups: list[list[str]],
+                     opts: dict[str, Any]) -> list[_Shard]:
+        """Make workers shards of the round engine, one for each group of the root's
+        children (at most one per worker), each with its own copy of ``population`` (it
+        only ever touches its own subtrees' devices). Waits until they are built."""
+        if len(groups) > self._workers:
+            raise BackendError(f"{len(groups)} shards for {self._workers} workers")
+        calls = [self._pool.submit_to(i, _shard_start, population, fanout, tops, opts) for i, tops in enumerate(groups)]
+        for call in calls:
+            call.result()
+        return [_Shard(self._pool, i, tops) for i, tops in enumerate(groups)]
 
     def run_here(self, jobs: list[ClientJob], global_arrays: NDArrays,
                  starts: Mapping[str, NDArrays] | None = None) -> list[ClientOutput]:

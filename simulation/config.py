@@ -123,6 +123,11 @@ class SimulationConfig(_Strict):
     # machine (client work runs beside the engine, past the GIL); ray: Ray actors.
     backend: Literal["local", "process", "ray"] = "local"
     workers: int = Field(1, ge=1)  # concurrent training jobs
+    # With the process backend, a synchronous run over a tree without secure aggregation
+    # splits the root's subtrees between this process and the workers: each runs its
+    # own (check-ins, devices, training, folds), the engine also the root. The model is
+    # the same either way; false keeps every tier in the engine (workers only train).
+    shard: bool = True
     vectorize: bool = True  # train small models many clients at a time (torch.func.vmap)
     # Where the vectorised path trains: "cpu", or "cuda" (a GPU; local or process backend).
     device: Literal["cpu", "cuda"] = "cpu"

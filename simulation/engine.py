@@ -112,6 +112,8 @@ _AHEAD_BATCH = 320  # clients per job trained ahead, on an idle worker, while de
 _AHEAD_MAX = 4096  # at most this many clients trained ahead per round (their uploads wait in memory)
 _JOBS_PER_WORKER = 2  # jobs queued per worker: the next one waits while one runs, so a worker never idles between them
 _DEVICE_BATCH = 256  # device models per batch sent to a worker (see _DeviceRuns)
+_ENGINE_SHARE = 0.9  # the engine's share of the root's subtrees, against a worker's 1 (it also runs the root)
+_FOLDED, _FAILED, _LATE = "", "failed", "late"  # what became of an upload (Engine._tally), else an error's name
 
 
 class VirtualTime:
@@ -171,7 +173,11 @@ class Engine:
     def __init__(self, task: Task, population: Population, run: RunConfig, fanout: list[int], backend: Backend,
                  *, chunk_size: int, workers: int, governor: bool, checkin_factor: float, node_timeout_s: float,
                  aggregator_mbps: float, wall_origin: float, num_partitions: int, seed: int,
-                 attack: AttackConfig | None = None) -> None:
+                 attack: AttackConfig | None = None, sharded: bool = False, tops: list[str] | None = None) -> None:
+        """``sharded``: with a backend of worker processes (``start_shards``), a synchronous
+        run over a tree without secure aggregation runs the root's subtrees in the workers
+        and here, each process its own (see :meth:`shard_check_in`). ``tops``: this engine
+        is such a shard, in a worker: it runs the subtrees of these children of the root."""
         self.task = task
         self.pop = population
         self.run = run
@@ -224,6 +230,27 @@ class Engine:
         self._ahead_parts: set[int] = set()
         self._policies: dict[tuple[int, float], DevicePolicy] = {}  # device policies by (steps, seconds)
         self._device_seconds = 0.0  # the last dispatch's wall seconds waiting for its device models (_DeviceRuns.results)
+        # Sharding: each tier's place in the tree's order; the lowest tiers whose devices
+        # check in here; the root's subtrees run here (None: the whole tree, with the root);
+        # the shards in workers (engine only), and this round's devices, log and partials.
+        self._order = {t.name: i for i, t in enumerate(self.tiers())}
+        self._by_name = {t.name: t for t in self.tiers()}
+        self._mine = [True] * len(self.leaves)
+        self._tops: list[Tier] | None = None
+        self._remotes: list[Any] = []
+        self._finishing: list[Future[Any]] = []
+        self._live: dict[str, LiveDevice] = {}
+        self._log: list[tuple[float, bool, str, int, dict[str, Any] | None]] | None = None
+        self._partials: list[tuple[float, str, UploadHeader, bytes]] | None = None
+        self._kept: list[tuple[float, int, dict[str, Any]]] = []
+        self._shard_seconds = (0.0, 0.0)  # the last shard_run's dispatch and arrivals, wall seconds
+        if tops is not None:
+            self._serve(tops)
+        elif sharded and self._can_shard(backend, fanout):
+            self._start_shards(backend, fanout, dict(
+                chunk_size=chunk_size, workers=1, governor=governor, checkin_factor=checkin_factor,
+                node_timeout_s=node_timeout_s, aggregator_mbps=aggregator_mbps, wall_origin=wall_origin,
+                num_partitions=num_partitions, seed=seed, attack=attack))
 
     def _tier(self, name: str, parent: Tier | None, depth: int) -> Tier:
         h = int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
@@ -235,8 +262,9 @@ class Engine:
                             noise_rng=np.random.default_rng([self.seed, depth, h, 0xD9]))
         return Tier(name, coord, parent)
 
-    def tiers(self) -> list[Tier]:
-        out, queue = [], deque([self.root])
+    def tiers(self, tops: list[Tier] | None = None) -> list[Tier]:
+        """The tree's tiers in breadth-first order (from ``tops`` down, if given)."""
+        out, queue = [], deque([self.root] if tops is None else tops)
         while queue:
             t = queue.popleft()
             out.append(t)
@@ -254,6 +282,8 @@ class Engine:
         root's central DP noise."""
         cfg = config if config is not None else self.run
         self.round_cfg = cfg
+        if self._remotes:
+            return self._round_sharded(rnd, attempt, arrays, optimizer, cfg, config, noise_stddev)
         stats = SimulatedCounts()
         t_open = self.time.t
         clock = time.perf_counter
@@ -299,6 +329,200 @@ class Engine:
             return {**rec.as_dict(), "ok": False}
         new_arrays, rec.metrics = server_step(out.partial, cfg, optimizer)
         return {**rec.as_dict(), "ok": True, "new_arrays": new_arrays}
+
+
+    # ------------------------------------------------------------------ shards
+
+    def _can_shard(self, backend: Backend, fanout: list[int]) -> bool:
+        """Whether the root's subtrees can run in separate processes: a synchronous run
+        over a tree (their devices, clients and folds never meet below the root) without
+        secure aggregation (whose sessions can span the tree), on a backend with workers."""
+        return (getattr(backend, "start_shards", None) is not None and bool(fanout) and len(self.root.children) >= 2
+                and not self.run.mode.is_async and not self.run.secure_aggregation.enabled)
+
+    def _serve(self, tops: list[str]) -> None:
+        """Run only the subtrees under the root's children ``tops``: check devices in at
+        their lowest tiers only, and train and fold only their clients."""
+        self._tops = [self._by_name[n] for n in tops]
+        below = {id(t) for t in self.tiers(self._tops)}
+        self._mine = [id(leaf) in below for leaf in self.leaves]
+
+    def _start_shards(self, backend: Any, fanout: list[int], opts: dict[str, Any]) -> None:
+        """Split the root's children into contiguous groups, one for this process (a little
+        smaller: it also runs the root) and one for each worker, and start the workers'."""
+        tops = self.root.children
+        n = min(len(tops), 1 + self.workers)
+        weights = [_ENGINE_SHARE] + [1.0] * (n - 1)
+        bounds = [round(len(tops) * sum(weights[:k]) / sum(weights)) for k in range(n + 1)]
+        if any(lo >= hi for lo, hi in itertools.pairwise(bounds)):
+            bounds = [len(tops) * k // n for k in range(n + 1)]
+        groups = [[t.name for t in tops[lo:hi]] for lo, hi in itertools.pairwise(bounds)]
+        self._remotes = backend.start_shards(self.pop, fanout, groups[1:], opts)
+        self._serve(groups[0])
+        self.backend = _Here(backend.run_here)  # this process trains its own clients; each worker is a shard
+
+    def shard_check_in(self, rnd: int, attempt: int, t: float) -> tuple[dict[str, tuple[int, int]], int]:
+        """A shard's check-in at virtual time ``t``: devices check in at its lowest tiers
+        (each its share, so the shards together check in what one process would), and
+        its tops' pool reports for the root come back, with how many checked in.
+
+        A round over a sharded tree: every shard checks in (:meth:`shard_check_in`); the
+        root takes the tops' reports, opens and assigns them; every shard opens its
+        subtrees, hands out tasks, runs its devices and trains and folds its clients in
+        time order (:meth:`shard_run`), all at once in their processes; then the root
+        takes the tops' partials in time order (:meth:`_root_phase`) until it closes,
+        and every shard ends the round at that time (:meth:`shard_finish`). The tiers,
+        the order of every fold and the model are those of one process running the
+        round; only what happened after the root closed (in one process: never) is
+        undone from the counts and the devices' codec states."""
+        self.time.t = t
+        self._live = self._check_in(rnd, attempt, SimulatedCounts())
+        return self._report_pools(self._tops), len(self._live)
+
+    def shard_run(self, assignments: dict[str, TaskAssignment], blob: bytes, schema: tuple, shared_seed: int,
+                  config_json: str | None, arrays: NDArrays | None = None
+                  ) -> tuple[list[tuple[float, str, UploadHeader, bytes]], list[tuple[float, bool, str]],
+                             SimulatedCounts]:
+        """A shard's round once the root assigned its tops (``assignments``, by name): the
+        tops' partials for the root as (time, top, header, payload), the fates of its
+        uploads as (time, client?, what), and its counts of devices."""
+        assert self._tops is not None  # a shard
+        self.round_cfg = self.run if config_json is None else RunConfig.model_validate_json(config_json)
+        if arrays is None:
+            arrays = wire.blob_to_arrays(blob)
+        clock = time.perf_counter
+        t0 = clock()
+        for t in self.tiers(self._tops):
+            t.reset()
+        for t in self._tops:
+            a = assignments.get(t.name)
+            if a is not None:
+                self._open_tier(t, a, blob)
+        stats = SimulatedCounts()
+        starts: dict[str, tuple[bytes, NDArrays]] = {}
+        arrivals = self._dispatch(self._live, blob, schema, shared_seed, stats, starts)
+        t1 = clock()
+        self._log, self._partials = [], []
+        try:
+            self._process(arrivals, arrays, stats, {k: v[1] for k, v in starts.items()}, tops=self._tops)
+            log, partials = self._log, self._partials
+        finally:
+            self._log = self._partials = None
+        self._shard_seconds = (t1 - t0, clock() - t1)
+        self._kept = [(when, part, state) for when, _, _, part, state in log if state]
+        return partials, [(when, client, what) for when, client, what, _, _ in log], stats
+
+    def shard_finish(self, closed_at: float) -> None:
+        """The round ended when the root closed at ``closed_at``: keep the codec states of
+        the clients folded before it, and let the round's devices go at that time."""
+        for when, part, state in self._kept:
+            if when < closed_at:
+                self.codec_states[part] = state
+        self._kept = []
+        self.time.t = closed_at
+        for t in self.tiers(self._tops):
+            if t.cr is not None and not t.cr.closed:
+                t.coord.close_round(t.cr, "simulation round over")
+        self._leave(self._live)
+        self._live = {}
+
+    def _round_sharded(self, rnd: int, attempt: int, arrays: NDArrays, optimizer: ServerOptimizer, cfg: RunConfig,
+                       config: RunConfig | None, noise_stddev: float) -> dict[str, Any]:
+        """:meth:`round` over a sharded tree (see :meth:`shard_check_in`)."""
+        stats = SimulatedCounts()
+        t_open = self.time.t
+        clock = time.perf_counter
+        t0 = clock()
+        blob = wire.arrays_to_blob(arrays)
+        for fut in self._finishing:  # the last round's ends (errors surface here)
+            fut.result()
+        self._finishing = []
+        calls = [r.call("shard_check_in", rnd, attempt, t_open) for r in self._remotes]
+        pools, stats.checked_in = self.shard_check_in(rnd, attempt, t_open)
+        for call in calls:
+            more, n = call.result()
+            pools.update(more)
+            stats.checked_in += n
+        root = self.root
+        for t in reversed(root.children):  # as _report_pools, bottom-up
+            if t.name in pools:
+                size, elig = pools[t.name]
+                root.coord.touch(t.name, pool_size=size, pool_eligible=elig)
+        t1 = clock()
+        task = root_task(self.run_id, rnd, attempt, cfg, self.config_json if config is None else cfg.model_dump_json(),
+                         arrays, blob, sha256_hex(blob), self.time.wall(), noise_stddev)
+        for t in self.tiers():
+            t.reset()
+        root.cr = root.coord.open_round(task)
+        assignments: dict[str, TaskAssignment] = {}
+        for t in root.children:
+            a = root.coord.assign(t.name)
+            if a is not None:
+                root.coord.count_bytes_down(len(blob))
+                assignments[t.name] = a
+        config_json = None if config is None else cfg.model_dump_json()
+        calls = [r.call("shard_run", {n: assignments[n] for n in r.tops if n in assignments}, blob, task.schema,
+                        task.shared_seed, config_json) for r in self._remotes]
+        t2 = clock()
+        partials, log, counts = self.shard_run(assignments, blob, task.schema, task.shared_seed, config_json, arrays)
+        _add_counts(stats, counts)
+        t3 = clock()
+        for call in calls:
+            more, more_log, counts = call.result()
+            partials += more
+            log += more_log
+            _add_counts(stats, counts)
+        t4 = clock()
+        closed_at = self._root_phase(partials, stats, t_open)
+        _count_log(stats, log, closed_at)
+        self._finishing = [r.call("shard_finish", closed_at) for r in self._remotes]
+        assert root.cr is not None
+        if not root.cr.closed:
+            root.coord.close_round(root.cr, "simulation round over")
+        out = root.coord.outcome(root.cr)
+        t5 = clock()
+        self.shard_finish(closed_at)
+        dispatch_s, arrivals_s = self._shard_seconds
+        stats.phase_seconds = {
+            "check_in": round(t1 - t0, 4),  # every shard's devices polled, caught up, checked and joined
+            "open": round(t2 - t1, 4),  # the root's task, its children assigned
+            "dispatch": round(dispatch_s, 4),  # this process's subtrees opened, their devices' models run
+            "device_models": round(self._device_seconds, 4),  # of dispatch: the governors' runs
+            "arrivals": round(arrivals_s, 4),  # this process's clients trained and folded, in time order
+            "waiting_for_shards": round(t4 - t3, 4),  # the workers' subtrees, after this process's were done
+            "root": round(t5 - t4, 4),  # the partials folded at the root, in time order
+            "leave": round(clock() - t5, 4),  # devices back into the population
+        }
+        need = math.ceil(cfg.cohort.target * cfg.cohort.min_fraction)
+        ok = out.partial.count >= need and out.partial.weight > 0
+        rec = RoundRecord.from_outcome(out, RoundStatus.COMPLETED if ok else RoundStatus.FAILED)
+        stats.simulated_seconds = round(self.time.t - t_open, 3)
+        rec.simulated = stats
+        if not ok:
+            rec.reason = f"{out.partial.count} of the {need} updates needed arrived"
+            return {**rec.as_dict(), "ok": False}
+        new_arrays, rec.metrics = server_step(out.partial, cfg, optimizer)
+        return {**rec.as_dict(), "ok": True, "new_arrays": new_arrays}
+
+    def _root_phase(self, partials: list[tuple[float, str, UploadHeader, bytes]], stats: SimulatedCounts,
+                    t_open: float) -> float:
+        """The root takes the shards' partials in time order (ties in tree order, as one
+        process pushes them) from the round's open, with its deadline, until it closes;
+        returns the virtual time it closed at."""
+        root = self.root
+        assert root.cr is not None
+        self.time.t = t_open
+        events: list[tuple[float, int, str, Any]] = [
+            (root.cr.task.deadline_unix - self.time.origin, -1, "deadline", root)]
+        events += [(at, self._order[name], "partial", (self._by_name[name], header, payload))
+                   for at, name, header, payload in partials]
+        heapq.heapify(events)
+        seq = itertools.count(len(self._order))
+        while events and not root.cr.closed:
+            when, _, kind, obj = heapq.heappop(events)
+            self.time.advance_to(when)
+            self._event(kind, obj, events, seq, stats)
+        return self.time.t
 
     # ------------------------------------------------------------------ asynchronous mode
 
@@ -459,47 +683,71 @@ class Engine:
 
     def _check_in(self, rnd: int, attempt: int, stats: SimulatedCounts,
                   busy: dict[str, LiveDevice] | None = None) -> dict[str, LiveDevice]:
+        """Devices check in at their lowest-tier nodes until each node has its share of
+        ``clients_per_round * over_selection * checkin_factor`` (or everyone was asked):
+        the lowest tiers fill independently, as aggregators' pools do, so a process that
+        runs only some of them (a shard) checks in exactly the devices they would get."""
         cfg = self.run
         want = math.ceil(cfg.cohort.target * cfg.cohort.over_selection * self.checkin_factor)
+        n_leaves = len(self.leaves)
+        # Each lowest tier's share, in tree order; a tier this process does not run wants none.
+        left = [want // n_leaves + (li < want % n_leaves) if self._mine[li] else 0 for li in range(n_leaves)]
+        need = sum(left)
         live: dict[str, LiveDevice] = {}
         now = self.time.t
         wall = self.time.wall()
         # Offer devices in a seeded order until enough are in (or everyone was asked). The
-        # online ones are brought up to now a slice at a time (Population.catch_up), each
-        # slice no longer than the devices still wanted, so no device past the last one
-        # that checks in is touched; each then reads its state and decides, in order.
+        # online ones whose tier still wants devices are brought up to now a slice at a
+        # time (Population.catch_up, which writes nothing), each slice no longer than the
+        # devices still wanted; each then reads its state and decides, in order, and only
+        # a device that was asked (its tier still wanted one) is written back.
         leaves = self.leaves
         for k, order in enumerate(self.pop.candidates(rnd, attempt, max(64, 2 * want))):
-            online = order[self.pop.online(order, now, rnd, attempt * 1_000_003 + k)].tolist()
+            online = order[self.pop.online(order, now, rnd, attempt * 1_000_003 + k)]
+            if n_leaves > 1:
+                online = online[np.asarray(left)[online % n_leaves] > 0]
+            ids_online = online.tolist()
             if busy:  # still training (asynchronous mode): not polling
-                online = [i for i in online if f"device-{i}" not in busy]
+                ids_online = [i for i in ids_online if f"device-{i}" not in busy]
             pos = 0
-            while pos < len(online) and len(live) < want:
-                ids = online[pos:pos + max(64, want - len(live))]
+            while pos < len(ids_online) and need > 0:
+                ids = ids_online[pos:pos + max(64, need)]
                 pos += len(ids)
                 cols = self.pop.catch_up(np.asarray(ids, dtype=np.int64), now)
                 for j, i in enumerate(ids):
-                    if len(live) >= want:
-                        break
+                    li = i % n_leaves
+                    if not left[li]:
+                        continue
                     dev = self.pop.device(i, cols, j)
                     state = Population.state_of(dev)
                     if not Population.eligible(state, cfg.eligibility, wall):
                         self.pop.store(dev)
                         continue
                     node = f"device-{i}"
-                    leaves[i % len(leaves)].coord.join(node, Role.CLIENT, _TOKEN, state)
+                    leaves[li].coord.join(node, Role.CLIENT, _TOKEN, state)
                     live[node] = dev
-            if len(live) >= want:
+                    left[li] -= 1
+                    need -= 1
+                    if not need:
+                        break
+            if not need:
                 break
         stats.checked_in = len(live)
         return live
 
-    def _report_pools(self) -> None:
-        # Bottom-up: each aggregator tells its parent how many clients it can reach.
-        for t in reversed(self.tiers()):
+    def _report_pools(self, tops: list[Tier] | None = None) -> dict[str, tuple[int, int]]:
+        """Bottom-up: each aggregator tells its parent how many clients it can reach. With
+        ``tops`` (a shard's subtrees), the tops' own reports are returned, by name, for
+        the root (in another process) instead."""
+        out: dict[str, tuple[int, int]] = {}
+        for t in reversed(self.tiers(tops)):
             if t.parent is not None:
                 size, elig = t.coord.capacity(self.run)
-                t.parent.coord.touch(t.name, pool_size=size, pool_eligible=elig)
+                if tops is not None and t.parent is self.root:
+                    out[t.name] = (size, elig)
+                else:
+                    t.parent.coord.touch(t.name, pool_size=size, pool_eligible=elig)
+        return out
 
     def _open_below(self, parent: Tier, blob: bytes) -> None:
         for t in parent.children:
@@ -507,15 +755,20 @@ class Engine:
             if a is None:
                 continue
             parent.coord.count_bytes_down(len(blob))
-            # As server.aggregator's UpstreamLink._serve: the parent's task, this tier's cohort.
-            task = task_from_assignment(a, blob, self.round_cfg)
-            t.assignment = a
-            # Secure aggregation over the whole tree: the tier relays to its parent's session
-            # and reports its roster once its own children have (server.coordinator).
-            tree = task.config.secure_aggregation.over_tree
-            t.cr = t.coord.open_round(task, upstream=ParentUpstream(parent.coord, t.name, a) if tree else None)
-            self._open_below(t, blob)
-            run_inline(t.coord.send_roster(t.cr))
+            self._open_tier(t, a, blob)
+
+    def _open_tier(self, t: Tier, a: TaskAssignment, blob: bytes) -> None:
+        """Tier ``t`` opens its parent's assignment ``a``, and the tiers below it theirs."""
+        assert t.parent is not None
+        # As server.aggregator's UpstreamLink._serve: the parent's task, this tier's cohort.
+        task = task_from_assignment(a, blob, self.round_cfg)
+        t.assignment = a
+        # Secure aggregation over the whole tree: the tier relays to its parent's session
+        # and reports its roster once its own children have (server.coordinator).
+        tree = task.config.secure_aggregation.over_tree
+        t.cr = t.coord.open_round(task, upstream=ParentUpstream(t.parent.coord, t.name, a) if tree else None)
+        self._open_below(t, blob)
+        run_inline(t.coord.send_roster(t.cr))
 
     # ------------------------------------------------------------------ devices
 
@@ -725,10 +978,15 @@ class Engine:
     # ------------------------------------------------------------------ arrivals, in time order
 
     def _process(self, arrivals: list[Arrival], arrays: NDArrays, stats: SimulatedCounts,
-                 starts: dict[str, NDArrays]) -> None:
+                 starts: dict[str, NDArrays], tops: list[Tier] | None = None) -> None:
+        """Training, uploads and folds in simulated-time order, until the root closes; or,
+        with ``tops`` (a shard's subtrees, the root elsewhere), until nothing of theirs is
+        left to happen: their partials for the root are collected (``self._partials``)
+        and what counts in ``stats`` is logged with its time (``self._log``), since only
+        the root says when the round ended (see :meth:`shard_run`)."""
         events: list[tuple[float, int, str, Any]] = []  # (time, seq, kind, payload)
         seq = itertools.count()
-        for t in self.tiers():
+        for t in self.tiers(tops):
             if t.cr is not None:
                 heapq.heappush(events, (t.cr.task.deadline_unix - self.time.origin, next(seq), "deadline", t))
                 if t.cr.secure is not None and t.cr.upstream is None:  # the masked-input stage ends for whoever is missing
@@ -794,7 +1052,7 @@ class Engine:
                 unfolded += len(jobs)
 
         def root_done() -> bool:
-            return self.root.cr is not None and self.root.cr.closed
+            return tops is None and self.root.cr is not None and self.root.cr.closed
 
         refill()
         while not root_done():
@@ -886,21 +1144,20 @@ class Engine:
         leaf = a.leaf
         leaf.waiting -= 1
         leaf.working.discard(a.node_id)
-        stats.trained += 1
         if o.header is None:
-            stats.failed_clients += 1
+            what = _FAILED
         elif leaf.cr is None or leaf.cr.closed:
-            stats.late += 1
+            what = _LATE
         else:
+            what = _FOLDED
             try:
                 if a.node_id in leaf.secure:
                     self._secure_input(leaf, a, o)
                 else:
                     leaf.coord.upload_now(a.node_id, o.header, o.payload)
-                self._keep_state(a.partition, o)
             except OrchardError as err:
-                name = type(err).__name__
-                stats.rejected[name] = stats.rejected.get(name, 0) + 1
+                what = type(err).__name__
+        self._tally(stats, a.finish, True, what, a.partition, o.codec_state if what == _FOLDED else None)
         if leaf.cr is not None and not leaf.cr.closed and leaf.waiting == 0:
             self._schedule_quiet_close(leaf, events, seq)
         self._after(leaf, events, seq)
@@ -908,6 +1165,20 @@ class Engine:
     def _keep_state(self, partition: int, o: ClientOutput) -> None:
         if o.codec_state:
             self.codec_states[partition] = o.codec_state
+
+    def _tally(self, stats: SimulatedCounts, when: float, client: bool, what: str, partition: int = -1,
+               codec_state: dict[str, Any] | None = None) -> None:
+        """Count what became of a client's upload (``client``) or of a partial: folded
+        (``_FOLDED``, and the client's codec state is kept), ``_FAILED``, ``_LATE``, or
+        refused with the error named ``what``. In a shard (``self._log`` is a list) it is
+        logged with its time ``when`` instead, and counted once the root's close is
+        known (:func:`_count_log`)."""
+        if self._log is not None:
+            self._log.append((when, client, what, partition, codec_state))
+            return
+        _count(stats, client, what)
+        if codec_state:
+            self.codec_states[partition] = codec_state
 
     def _schedule_quiet_close(self, leaf: Tier, events: list, seq: Any) -> None:
         """Nobody else will upload: the tier closes once it has dropped the silent ones."""
@@ -922,8 +1193,7 @@ class Engine:
             try:
                 parent.coord.upload_now(below.name, header, payload)
             except OrchardError as err:
-                name = type(err).__name__
-                stats.rejected[name] = stats.rejected.get(name, 0) + 1
+                self._tally(stats, self.time.t, False, type(err).__name__)
             self._after(parent, events, seq)
             return
         tier: Tier = obj
@@ -1048,6 +1318,9 @@ class Engine:
         assert tier.assignment is not None  # every tier below the root got one before it opened
         header, payload = partial_upload(tier.assignment, tier.name, tier.coord.outcome(tier.cr))
         at = self.time.t + len(payload) * 8 / (self.aggregator_mbps * 1e6)
+        if self._partials is not None and tier.parent is self.root:  # a shard's top: the root is elsewhere
+            self._partials.append((at, tier.name, header, payload))
+            return
         heapq.heappush(events, (at, next(seq), "partial", (tier, header, payload)))
 
     # ------------------------------------------------------------------ after the round
@@ -1166,6 +1439,56 @@ def run_devices(params: dict[str, SimulatedDeviceParams],
         secs, steps = device_training(device, device.clock, policy, planned, per_step, spe)
         out.append((secs, steps, device.snapshot()))
     return out
+
+
+def _count(stats: SimulatedCounts, client: bool, what: str) -> None:
+    """Count one upload's fate (see :meth:`Engine._tally`)."""
+    if client:
+        stats.trained += 1
+        if what == _FAILED:
+            stats.failed_clients += 1
+            return
+        if what == _LATE:
+            stats.late += 1
+            return
+    if what != _FOLDED:
+        stats.rejected[what] = stats.rejected.get(what, 0) + 1
+
+
+def _count_log(stats: SimulatedCounts, log: list[tuple[float, bool, str]], closed_at: float) -> None:
+    """Count a shard's logged fates for a round whose root closed at ``closed_at``: what
+    happened before counts as it happened; a client that arrived from then on is late,
+    as it is when the root is in the same loop (it stops there), and a partial that
+    would have gone up since is not counted at all."""
+    for when, client, what in log:
+        if when < closed_at:
+            _count(stats, client, what)
+        elif client:
+            stats.late += 1
+
+
+def _add_counts(into: SimulatedCounts, other: SimulatedCounts) -> None:
+    """Add a shard's counts of devices (``other``) to the round's."""
+    for f in ("checked_in", "selected", "trained", "late", "vanished", "stopped_by_governor", "stopped_early",
+              "failed_clients"):
+        setattr(into, f, getattr(into, f) + getattr(other, f))
+    for name, n in other.rejected.items():
+        into.rejected[name] = into.rejected.get(name, 0) + n
+
+
+class _Here:
+    """A backend that trains on the caller's thread with ``run_here``: the engine's own
+    clients when the workers are shards."""
+
+    def __init__(self, run_here: Callable[..., list[ClientOutput]]) -> None:
+        self._run_here = run_here
+
+    def submit(self, jobs: list[ClientJob], global_arrays: NDArrays,
+               starts: dict[str, NDArrays] | None = None) -> Future[list[ClientOutput]]:
+        return _done(self._run_here(jobs, global_arrays, starts))
+
+    def close(self) -> None:
+        pass
 
 
 def _done(outputs: list[ClientOutput]) -> Future[list[ClientOutput]]:

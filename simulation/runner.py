@@ -94,7 +94,7 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
     engine = Engine(task, population, run, cfg.fanout(), backend, chunk_size=cfg.chunk_size, workers=cfg.workers,
                     governor=cfg.governor, checkin_factor=cfg.checkin_factor, node_timeout_s=cfg.node_timeout_s,
                     aggregator_mbps=cfg.aggregator_mbps, wall_origin=_WALL_ORIGIN, num_partitions=cfg.clients,
-                    seed=cfg.seed, attack=cfg.attack)
+                    seed=cfg.seed, attack=cfg.attack, sharded=cfg.shard)
     optimizer = ServerOptimizer(run.server_optimizer, arrays)
     # The same ledger as the root's: noise from the target epsilon for the planned rounds
     # at this population's sampling rate; every attempt charged; the run stops at the budget.

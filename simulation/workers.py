@@ -167,10 +167,22 @@ class WorkerPool:
         self._closed = False
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Call:
+        return self.submit_to(None, fn, *args)
+
+    def submit_to(self, index: int | None, fn: Callable[..., Any], *args: Any) -> Call:
+        """``submit`` to worker ``index`` (one that keeps state for the caller), or with
+        None to the worker with the fewest calls unsettled."""
         if self._closed:
             raise RuntimeError("this worker pool is closed")
         self.pump()
-        worker = min((w for w in self._workers if not w.gone), key=lambda w: len(w.calls), default=None)
+        if index is not None:
+            worker: _Worker | None = self._workers[index]
+            assert worker is not None
+            if worker.gone:
+                raise WorkerError(f"simulation worker {index} has stopped ({_why_stopped(worker.proc.exitcode)})"
+                                  + _AGAIN)
+        else:
+            worker = min((w for w in self._workers if not w.gone), key=lambda w: len(w.calls), default=None)
         if worker is None:
             raise WorkerError("every simulation worker process has stopped ("
                               + "; ".join(_why_stopped(w.proc.exitcode) for w in self._workers) + ")" + _AGAIN)

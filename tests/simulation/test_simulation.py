@@ -510,6 +510,75 @@ def test_process_backend_matches_local() -> None:
         np.testing.assert_array_equal(remote.final_arrays[k], v)
 
 
+_ROUND_KEYS = ("participants", "selected", "dropped", "weight", "bytes_up", "bytes_down", "closed_because",
+               "tier_participants", "rejected", "checked_in", "trained", "late", "vanished", "stopped_by_governor",
+               "stopped_early", "failed_clients", "simulated_seconds")
+
+
+def _same_rounds(a: list[dict], b: list[dict]) -> None:
+    assert len(a) == len(b)
+    for ra, rb in zip(a, b, strict=True):
+        for key in _ROUND_KEYS:
+            assert ra.get(key) == rb.get(key), (ra["round"], key, ra.get(key), rb.get(key))
+
+
+@pytest.mark.parametrize("aggregators", [3, [2, 2]])
+def test_a_sharded_tree_runs_the_round_of_one_process(aggregators: object) -> None:
+    # With worker processes, the root's subtrees are split between the engine and the
+    # workers (shards), each checking in, training and folding its own. Some rounds here
+    # are cut by the tiers' deadlines (slow devices that never make it, and devices that
+    # vanish), so clients arrive late; codec states carry from round to round (error
+    # feedback). Every count, every byte, the simulated time
+    # and the model are those of one process running the whole tree, and of workers
+    # that only train.
+    import orchard.simulation.engine as engine
+
+    slow = DeviceProfile(gflops=1e-6, battery=False, availability=[1.0] * 24, dropout=0.1, latency_s=0.05)
+    run = _run(cohort=CohortConfig(target=24, over_selection=1.5, min_fraction=0.1, deadline_s=60.0),
+               codec={"name": "error_feedback", "params": {"codec": {"name": "topk", "params": {"fraction": 0.1}}}})
+    kw: dict[str, object] = dict(clients=300, clients_per_round=24, rounds=3, aggregators=aggregators, run=run,
+                                 profiles={"box": ALWAYS_ON, "slow": slow}, devices={"box": 0.6, "slow": 0.4},
+                                 chunk_size=8)
+    runs: list[int] = []
+    real = engine.Engine.shard_run
+
+    def counting(self: engine.Engine, *a: object) -> object:
+        runs.append(len(self._tops or []))
+        return real(self, *a)  # type: ignore[arg-type]
+
+    local = run_simulation(_sim(**kw))
+    whole = run_simulation(_sim(**kw, backend="process", workers=1, shard=False))
+    assert not runs
+    engine.Engine.shard_run = counting  # type: ignore[method-assign]
+    try:
+        sharded = run_simulation(_sim(**kw, backend="process", workers=2))
+    finally:
+        engine.Engine.shard_run = real  # type: ignore[method-assign]
+    assert runs and all(0 < n < (3 if aggregators == 3 else 2) for n in runs)  # the engine ran part of the tree
+    assert any(r["closed_because"] != "target reached" for r in local.rounds)
+    assert any(r["late"] > 0 for r in local.rounds)
+    _same_rounds(local.rounds, whole.rounds)
+    _same_rounds(local.rounds, sharded.rounds)
+    for k, v in local.final_arrays.items():
+        np.testing.assert_array_equal(whole.final_arrays[k], v)
+        np.testing.assert_array_equal(sharded.final_arrays[k], v)
+
+
+def test_a_shard_counts_only_what_happened_before_the_root_closed() -> None:
+    # A shard runs its subtrees to the end; the root, in the engine, says when the round
+    # ended. What the shard logged from then on is late (clients) or not counted at all
+    # (partials), as when one loop stops at the root's close.
+    from orchard.server.round import SimulatedCounts
+    from orchard.simulation.engine import _count_log
+
+    log = [(1.0, True, ""), (2.0, True, "failed"), (2.5, False, "LateRoundError"), (3.0, True, "StaleUpdateError"),
+           (4.0, True, ""), (4.0, False, "LateRoundError"), (5.0, True, "late")]
+    stats = SimulatedCounts()
+    _count_log(stats, log, 4.0)
+    assert (stats.trained, stats.failed_clients, stats.late) == (3, 1, 2)
+    assert stats.rejected == {"LateRoundError": 1, "StaleUpdateError": 1}
+
+
 def test_clients_trained_ahead_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     # With worker processes, the engine hands the idle worker jobs of clients while it is
     # still dispatching devices (small jobs here, so it happens in a 40-client round):
@@ -529,7 +598,7 @@ def test_clients_trained_ahead_change_nothing(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(engine.Engine, "_train_ahead", counting)
     local = run_simulation(_sim(rounds=2, chunk_size=16))
     assert not ahead  # in-process backends train nothing ahead
-    remote = run_simulation(_sim(rounds=2, chunk_size=16, backend="process", workers=1))
+    remote = run_simulation(_sim(rounds=2, chunk_size=16, backend="process", workers=1, shard=False))
     assert ahead and max(ahead) > 0
     assert [r["participants"] for r in remote.rounds] == [r["participants"] for r in local.rounds]
     assert [r["trained"] for r in remote.rounds] == [r["trained"] for r in local.rounds]
@@ -564,7 +633,7 @@ def test_device_models_run_on_a_worker_change_nothing(monkeypatch: pytest.Monkey
     monkeypatch.setattr(ProcessBackend, "run_devices", counting)
     monkeypatch.setattr(engine._DeviceRuns, "results", results)
     local = run_simulation(_sim(rounds=2, chunk_size=16))
-    remote = run_simulation(_sim(rounds=2, chunk_size=16, backend="process", workers=1))
+    remote = run_simulation(_sim(rounds=2, chunk_size=16, backend="process", workers=1, shard=False))
     assert sum(sent) >= sum(during_hand_out) > 0  # some went while the cohort was handed out
     for key in ("participants", "trained", "bytes_up", "simulated_seconds", "stopped_by_governor", "stopped_early",
                 "vanished", "late"):
@@ -694,7 +763,7 @@ def test_worker_payloads_come_back_through_shared_segments(monkeypatch: pytest.M
     monkeypatch.setattr(PackedOutputs, "unpack", recording_unpack)
     monkeypatch.setattr(backends, "_new_segment", recording_new)
     local = run_simulation(_sim(rounds=2, chunk_size=8))
-    remote = run_simulation(_sim(rounds=2, chunk_size=8, backend="process", workers=1))
+    remote = run_simulation(_sim(rounds=2, chunk_size=8, backend="process", workers=1, shard=False))
     assert seen[0] is False and any(seen), seen
     assert 0 < len(made) <= 8  # about as many as jobs in flight, reused from job to job
     for k, v in local.final_arrays.items():
