@@ -210,7 +210,7 @@ _COMPONENTS: list[tuple[str, tuple[str, ...]]] = [
                       "_Worker.send", "_serve.<locals>.reply", "_serve.<locals>.take", "_attached")),
     ("tier folds", ("Coordinator.upload_now", "Coordinator.complete_upload")),
     ("check-in", ("Engine._check_in",)),
-    ("opening tiers, selection", ("Engine._open_below", "Engine._report_pools")),
+    ("opening tiers, selection", ("Engine._open_below", "Engine._open_tier", "Engine._report_pools")),
     ("hand-out", ("Engine._dispatch",)),
     ("arrivals, rest", ("Engine._process",)),
     ("leaving", ("Engine._leave",)),

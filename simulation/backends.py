@@ -133,9 +133,12 @@ def _shard_start(population: Any, fanout: list[int], tops: list[str], opts: dict
 
 def _shard_call(method: str, args: tuple[Any, ...]) -> Any:
     """One of the shard's steps of a round (``Engine.shard_check_in``, ``shard_run``,
-    ``shard_finish``). The collector runs on the young generations first, as before a job."""
-    gc.collect(1)
-    return getattr(_WORKER["shard"], method)(*args)
+    ``shard_finish``). The collector (off in a worker) runs on the young generations once
+    a round, when the round is over: the engine does not wait for that step's answer."""
+    out = getattr(_WORKER["shard"], method)(*args)
+    if method == "shard_finish":
+        gc.collect(1)
+    return out
 
 
 class _Shard:

@@ -112,7 +112,7 @@ _AHEAD_BATCH = 320  # clients per job trained ahead, on an idle worker, while de
 _AHEAD_MAX = 4096  # at most this many clients trained ahead per round (their uploads wait in memory)
 _JOBS_PER_WORKER = 2  # jobs queued per worker: the next one waits while one runs, so a worker never idles between them
 _DEVICE_BATCH = 256  # device models per batch sent to a worker (see _DeviceRuns)
-_ENGINE_SHARE = 0.9  # the engine's share of the root's subtrees, against a worker's 1 (it also runs the root)
+_ENGINE_SHARE = 1.0  # the engine's share of the root's subtrees, against a worker's 1 (it also runs the root)
 _FOLDED, _FAILED, _LATE = "", "failed", "late"  # what became of an upload (Engine._tally), else an error's name
 
 
