@@ -17,8 +17,9 @@ Per round (attempt), in simulated time:
    (``Population.catch_up``: the edge runtime's device model over columns), each is
    made the edge runtime's :class:`SimulatedDevice`, and it checks in (``join``) at the
    lowest-tier coordinator it dials if the device-side policy
-   (``edge_runtime.policy.check_eligibility``) lets it. Check-in stops once
-   ``clients_per_round * over_selection * checkin_factor`` devices are in.
+   (``edge_runtime.policy.check_eligibility``) lets it. Each lowest-tier coordinator
+   takes its share of ``clients_per_round * over_selection * checkin_factor`` devices
+   (they fill independently, as aggregators' pools do); check-in stops once all have.
 2. **Selection.** Aggregators report their pools upward (``touch``), the root opens the
    round, and each tier takes its assignment from its parent (``assign``) and opens its
    own round (``task_from_assignment``), exactly as ``server.aggregator`` does over
@@ -42,6 +43,10 @@ Per round (attempt), in simulated time:
    transfer time.
 5. **Root.** When the root closes: ``server_step``, as ``server.root`` does; too few
    updates fail the round and it is retried.
+
+With worker processes, a synchronous round over a tree without secure aggregation is
+sharded: each worker runs a group of the root's subtrees with an engine of its own over
+the same tree, and this one runs a group and the root (see :meth:`Engine.shard_check_in`).
 
 Client training runs in a backend (threads, processes or Ray) in chunks of
 ``chunk_size`` clients taken in finish-time order, and only for clients expected to

@@ -522,8 +522,14 @@ def _same_rounds(a: list[dict], b: list[dict]) -> None:
             assert ra.get(key) == rb.get(key), (ra["round"], key, ra.get(key), rb.get(key))
 
 
-@pytest.mark.parametrize("aggregators", [3, [2, 2]])
-def test_a_sharded_tree_runs_the_round_of_one_process(aggregators: object) -> None:
+@pytest.mark.parametrize(("aggregators", "extra"), [
+    (3, {}),
+    ([2, 2], {}),
+    # Central DP (each round's config carries the clip, the root adds the noise) and
+    # downlink deltas (each shard's devices hold their models, its tiers reply deltas).
+    (3, {"downlink_delta": True, "privacy": {"mode": "central", "target_epsilon": 8.0, "clip_norm": 1.0}}),
+])
+def test_a_sharded_tree_runs_the_round_of_one_process(aggregators: object, extra: dict) -> None:
     # With worker processes, the root's subtrees are split between the engine and the
     # workers (shards), each checking in, training and folding its own. Some rounds here
     # are cut by the tiers' deadlines (slow devices that never make it, and devices that
@@ -534,8 +540,11 @@ def test_a_sharded_tree_runs_the_round_of_one_process(aggregators: object) -> No
     import orchard.simulation.engine as engine
 
     slow = DeviceProfile(gflops=1e-6, battery=False, availability=[1.0] * 24, dropout=0.1, latency_s=0.05)
-    run = _run(cohort=CohortConfig(target=24, over_selection=1.5, min_fraction=0.1, deadline_s=60.0),
-               codec={"name": "error_feedback", "params": {"codec": {"name": "topk", "params": {"fraction": 0.1}}}})
+    weighting = "uniform" if "privacy" in extra else "examples"  # (central DP bounds each client's share)
+    run = _run(cohort=CohortConfig(target=24, over_selection=1.5, min_fraction=0.1, deadline_s=60.0,
+                                   weighting=weighting),
+               codec={"name": "error_feedback", "params": {"codec": {"name": "topk", "params": {"fraction": 0.1}}}},
+               **extra)
     kw: dict[str, object] = dict(clients=300, clients_per_round=24, rounds=3, aggregators=aggregators, run=run,
                                  profiles={"box": ALWAYS_ON, "slow": slow}, devices={"box": 0.6, "slow": 0.4},
                                  chunk_size=8)
