@@ -98,3 +98,38 @@ def test_a_worker_that_cannot_start_fails_its_calls_instead_of_hanging() -> None
             call.result()
     finally:
         p.close()
+
+
+def test_a_call_can_go_to_a_chosen_worker() -> None:
+    # A shard keeps state in its worker: its calls go there, whoever is less busy.
+    p = WorkerPool(2, int, ())
+    try:
+        pids = {p.submit_to(1, os.getpid).result() for _ in range(3)}
+        assert len(pids) == 1
+        assert pids != {p.submit_to(0, os.getpid).result()}
+    finally:
+        p.close()
+
+
+def test_a_sharded_simulation_whose_worker_dies_stops_with_a_named_error() -> None:
+    # A worker that holds a shard dies between rounds: the next round fails with the
+    # pool's error, saying how the worker stopped, instead of hanging or going on
+    # without that part of the tree.
+    import multiprocessing
+    import signal
+
+    from orchard.config import RunConfig
+    from orchard.simulation import SimulationConfig, run_simulation
+
+    run = RunConfig.model_validate(dict(task="digits", task_params={"with_replacement": True, "samples_per_client": 20},
+                                        train={"epochs": 1, "batch_size": 10, "learning_rate": 0.1}))
+    cfg = SimulationConfig(clients=200, clients_per_round=20, rounds=3, aggregators=2, backend="process", workers=1,
+                           progress=False, run=run)
+
+    def kill_worker(row: dict) -> bool:
+        for child in multiprocessing.active_children():
+            os.kill(child.pid, signal.SIGKILL)
+        return False
+
+    with pytest.raises(WorkerError, match="killed by signal 9"):
+        run_simulation(cfg, stop=kill_worker)
