@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
@@ -136,9 +137,13 @@ def _shard_call(method: str, args: tuple[Any, ...]) -> Any:
     """One of the shard's steps of a round (``Engine.shard_check_in``, ``shard_run``,
     ``shard_finish``). The collector (off in a worker) runs on the young generations once
     a round, when the round is over: the engine does not wait for that step's answer."""
-    out = getattr(_WORKER["shard"], method)(*args)
+    shard = _WORKER["shard"]
+    out = getattr(shard, method)(*args)
     if method == "shard_finish":
+        started = time.perf_counter()
         gc.collect(1)
+        check_in, finish = shard._shard_steps
+        shard._shard_steps = (check_in, finish + time.perf_counter() - started)
     return out
 
 

@@ -27,6 +27,9 @@ def simulate(
     codec: Annotated[str | None, typer.Option("--codec")] = None,
     backend: Annotated[str | None, typer.Option("--backend", help="local, process or ray")] = None,
     workers: Annotated[int | None, typer.Option("--workers")] = None,
+    shard: Annotated[bool | None, typer.Option(
+        "--shard/--no-shard", help="process backend, synchronous tree: the workers run part of the tree "
+        "(default), or only train")] = None,
     device: Annotated[str | None, typer.Option(
         "--device", help="cpu, or cuda: where the vectorised path trains many clients at once")] = None,
     runtime: Annotated[str | None, typer.Option(
@@ -52,7 +55,7 @@ def simulate(
     overrides: dict[str, Any] = {
         "run.task": task, "clients": clients, "clients_per_round": clients_per_round, "rounds": rounds,
         "aggregators": aggregators, "run.secure_aggregation.enabled": secure_aggregation, "run.codec.name": codec,
-        "backend": backend, "workers": workers, "device": device, "runtime": runtime, "seed": seed, "out": str(out) if out is not None else None,
+        "backend": backend, "workers": workers, "shard": shard, "device": device, "runtime": runtime, "seed": seed, "out": str(out) if out is not None else None,
     }
     try:
         from orchard.simulation.defaults import fit_population, parse_task_params

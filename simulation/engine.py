@@ -249,6 +249,7 @@ class Engine:
         self._partials: list[tuple[float, str, UploadHeader, bytes]] | None = None
         self._kept: list[tuple[float, int, dict[str, Any]]] = []
         self._shard_seconds = (0.0, 0.0)  # the last shard_run's dispatch and arrivals, wall seconds
+        self._shard_steps = (0.0, 0.0)  # the last shard_check_in's and shard_finish's wall seconds
         if tops is not None:
             self._serve(tops)
         elif sharded and self._can_shard(backend, fanout):
@@ -380,9 +381,12 @@ class Engine:
         the order of every fold and the model are those of one process running the
         round; only what happened after the root closed (in one process: never) is
         undone from the counts and the devices' codec states."""
+        started = time.perf_counter()
         self.time.t = t
         self._live = self._check_in(rnd, attempt, SimulatedCounts())
-        return self._report_pools(self._tops), len(self._live)
+        out = self._report_pools(self._tops), len(self._live)
+        self._shard_steps = (time.perf_counter() - started, self._shard_steps[1])
+        return out
 
     def shard_run(self, assignments: dict[str, TaskAssignment], blob: bytes, schema: tuple, shared_seed: int,
                   config_json: str | None, arrays: NDArrays | None = None
@@ -414,12 +418,16 @@ class Engine:
         finally:
             self._log = self._partials = None
         self._shard_seconds = (t1 - t0, clock() - t1)
+        # Where this shard's time went (the engine reports its workers' slowest).
+        stats.phase_seconds = {"check_in": self._shard_steps[0], "dispatch": t1 - t0, "arrivals": clock() - t1,
+                               "finish": self._shard_steps[1]}
         self._kept = [(when, part, state) for when, _, _, part, state in log if state]
         return partials, [(when, client, what) for when, client, what, _, _ in log], stats
 
     def shard_finish(self, closed_at: float) -> None:
         """The round ended when the root closed at ``closed_at``: keep the codec states of
         the clients folded before it, and let the round's devices go at that time."""
+        started = time.perf_counter()
         for when, part, state in self._kept:
             if when < closed_at:
                 self.codec_states[part] = state
@@ -430,6 +438,7 @@ class Engine:
                 t.coord.close_round(t.cr, "simulation round over")
         self._leave(self._live)
         self._live = {}
+        self._shard_steps = (self._shard_steps[0], time.perf_counter() - started)
 
     def _round_sharded(self, rnd: int, attempt: int, arrays: NDArrays, optimizer: ServerOptimizer, cfg: RunConfig,
                        config: RunConfig | None, noise_stddev: float) -> dict[str, Any]:
@@ -472,11 +481,14 @@ class Engine:
         partials, log, counts = self.shard_run(assignments, blob, task.schema, task.shared_seed, config_json, arrays)
         _add_counts(stats, counts)
         t3 = clock()
+        workers: dict[str, float] = {}  # the slowest worker shard's steps
         for call in calls:
             more, more_log, counts = call.result()
             partials += more
             log += more_log
             _add_counts(stats, counts)
+            for k, v in counts.phase_seconds.items():
+                workers[k] = max(workers.get(k, 0.0), v)
         t4 = clock()
         closed_at = self._root_phase(partials, stats, t_open)
         _count_log(stats, log, closed_at)
@@ -497,6 +509,9 @@ class Engine:
             "waiting_for_shards": round(t4 - t3, 4),  # the workers' subtrees, after this process's were done
             "root": round(t5 - t4, 4),  # the partials folded at the root, in time order
             "leave": round(clock() - t5, 4),  # devices back into the population
+            # The slowest worker shard: its check-in, dispatch and arrivals this round, and
+            # its last round's end (devices let go, garbage collected) before this one.
+            **{f"worker_{k}": round(v, 4) for k, v in workers.items()},
         }
         need = math.ceil(cfg.cohort.target * cfg.cohort.min_fraction)
         ok = out.partial.count >= need and out.partial.weight > 0

@@ -56,3 +56,17 @@ def test_the_issue_command_runs(tmp_path) -> None:
     assert res.exit_code == 0, res.output
     assert "with replacement" in res.output
     assert json.loads((tmp_path / "report.json").read_text())["population"] == 10_000
+
+
+@pytest.mark.parametrize("flag", ["--shard", "--no-shard"])
+def test_simulate_shards_a_tree_on_worker_processes_or_not(flag: str, tmp_path) -> None:
+    # The process backend over a tree: sharded (the workers run part of the tree) by
+    # default, or with the workers only training; the same report either way.
+    args = ["simulate", "--task", "digits", "--rounds", "1", "--clients-per-round", "10", "--aggregators", "2",
+            "--backend", "process", "--workers", "1", flag, "--out", str(tmp_path)]
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 0, res.output
+    report = json.loads((tmp_path / "report.json").read_text())
+    phases = report["rounds"][0]["phase_seconds"]
+    assert ("worker_arrivals" in phases) == (flag == "--shard")
+    assert report["status"] == "completed" and report["rounds"][0]["participants"] == 10
