@@ -117,7 +117,7 @@ _AHEAD_BATCH = 320  # clients per job trained ahead, on an idle worker, while de
 _AHEAD_MAX = 4096  # at most this many clients trained ahead per round (their uploads wait in memory)
 _JOBS_PER_WORKER = 2  # jobs queued per worker: the next one waits while one runs, so a worker never idles between them
 _DEVICE_BATCH = 256  # device models per batch sent to a worker (see _DeviceRuns)
-_ENGINE_SHARE = 1.0  # the engine's share of the root's subtrees, against a worker's 1 (it also runs the root)
+_ENGINE_SHARE = 1.0  # the engine's share of the root's subtrees against a worker's 1 (the root itself costs ms)
 _FOLDED, _FAILED, _LATE = "", "failed", "late"  # what became of an upload (Engine._tally), else an error's name
 
 
@@ -336,7 +336,6 @@ class Engine:
         new_arrays, rec.metrics = server_step(out.partial, cfg, optimizer)
         return {**rec.as_dict(), "ok": True, "new_arrays": new_arrays}
 
-
     # ------------------------------------------------------------------ shards
 
     def _can_shard(self, backend: Backend, fanout: list[int]) -> bool:
@@ -354,8 +353,9 @@ class Engine:
         self._mine = [id(leaf) in below for leaf in self.leaves]
 
     def _start_shards(self, backend: Any, fanout: list[int], opts: dict[str, Any]) -> None:
-        """Split the root's children into contiguous groups, one for this process (a little
-        smaller: it also runs the root) and one for each worker, and start the workers'."""
+        """Split the root's children into contiguous groups, one for this process and one
+        for each worker (sized by ``_ENGINE_SHARE``: the root's own work is a few
+        milliseconds a round, so equal), and start the workers'."""
         tops = self.root.children
         n = min(len(tops), 1 + self.workers)
         weights = [_ENGINE_SHARE] + [1.0] * (n - 1)
