@@ -573,6 +573,22 @@ def test_a_sharded_tree_runs_the_round_of_one_process(aggregators: object, extra
         np.testing.assert_array_equal(sharded.final_arrays[k], v)
 
 
+def test_a_sharded_round_that_fails_is_retried_as_in_one_process() -> None:
+    # Every update is needed (min_fraction 1) and some devices vanish: attempts fail and
+    # are retried (a new attempt: other check-ins, a fresh session at every tier) until
+    # the retries run out. The sharded run fails the same attempts, with the same
+    # counts and reason, as one process.
+    run = _run(cohort=CohortConfig(target=20, over_selection=1.0, min_fraction=1.0, deadline_s=60.0, max_retries=2))
+    kw: dict[str, object] = dict(clients=200, clients_per_round=20, rounds=2, aggregators=2, run=run, chunk_size=8)
+    local = run_simulation(_sim(**kw))
+    sharded = run_simulation(_sim(**kw, backend="process", workers=1))
+    assert local.failed_attempts > 0
+    assert (sharded.status, sharded.failed_attempts) == (local.status, local.failed_attempts)
+    _same_rounds(local.rounds, sharded.rounds)
+    for k, v in local.final_arrays.items():
+        np.testing.assert_array_equal(sharded.final_arrays[k], v)
+
+
 def test_a_shard_counts_only_what_happened_before_the_root_closed() -> None:
     # A shard runs its subtrees to the end; the root, in the engine, says when the round
     # ended. What the shard logged from then on is late (clients) or not counted at all
