@@ -92,6 +92,7 @@ from orchard.server.cohort import CohortRound
 from orchard.server.coordinator import Coordinator, ParentUpstream, run_inline
 from orchard.server.decoding import ClientUpdateDecoder
 from orchard.server.round import (
+    RoundOutcome,
     RoundRecord,
     RoundStatus,
     SimulatedCounts,
@@ -325,6 +326,12 @@ class Engine:
             "arrivals": round(t4 - t3, 4),  # training, uploads and folds, in time order
             "leave": round(clock() - t4, 4),  # devices back into the population
         }
+        return self._record(out, cfg, optimizer, stats, t_open)
+
+    def _record(self, out: RoundOutcome, cfg: RunConfig, optimizer: ServerOptimizer, stats: SimulatedCounts,
+                t_open: float) -> dict[str, Any]:
+        """A synchronous round's record from the root's outcome ``out``; a round with
+        enough updates is closed with ``server_step`` (its new arrays in the record)."""
         need = math.ceil(cfg.cohort.target * cfg.cohort.min_fraction)
         ok = out.partial.count >= need and out.partial.weight > 0
         rec = RoundRecord.from_outcome(out, RoundStatus.COMPLETED if ok else RoundStatus.FAILED)
@@ -513,16 +520,7 @@ class Engine:
             # its last round's end (devices let go, garbage collected) before this one.
             **{f"worker_{k}": round(v, 4) for k, v in workers.items()},
         }
-        need = math.ceil(cfg.cohort.target * cfg.cohort.min_fraction)
-        ok = out.partial.count >= need and out.partial.weight > 0
-        rec = RoundRecord.from_outcome(out, RoundStatus.COMPLETED if ok else RoundStatus.FAILED)
-        stats.simulated_seconds = round(self.time.t - t_open, 3)
-        rec.simulated = stats
-        if not ok:
-            rec.reason = f"{out.partial.count} of the {need} updates needed arrived"
-            return {**rec.as_dict(), "ok": False}
-        new_arrays, rec.metrics = server_step(out.partial, cfg, optimizer)
-        return {**rec.as_dict(), "ok": True, "new_arrays": new_arrays}
+        return self._record(out, cfg, optimizer, stats, t_open)
 
     def _root_phase(self, partials: list[tuple[float, str, UploadHeader, bytes]], stats: SimulatedCounts,
                     t_open: float) -> float:
