@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
@@ -135,16 +134,8 @@ def _shard_start(population: Any, fanout: list[int], tops: list[str], opts: dict
 
 def _shard_call(method: str, args: tuple[Any, ...]) -> Any:
     """One of the shard's steps of a round (``Engine.shard_check_in``, ``shard_run``,
-    ``shard_finish``). The collector (off in a worker) runs on the young generations once
-    a round, when the round is over: the engine does not wait for that step's answer."""
-    shard = _WORKER["shard"]
-    out = getattr(shard, method)(*args)
-    if method == "shard_finish":
-        started = time.perf_counter()
-        gc.collect(1)
-        check_in, finish = shard._shard_steps
-        shard._shard_steps = (check_in, finish + time.perf_counter() - started)
-    return out
+    ``shard_finish``, which also collects the young generations once a round)."""
+    return getattr(_WORKER["shard"], method)(*args)
 
 
 class _Shard:

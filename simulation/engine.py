@@ -61,6 +61,7 @@ then.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import heapq
 import itertools
@@ -431,9 +432,13 @@ class Engine:
         self._kept = [(when, part, state) for when, _, _, part, state in log if state]
         return partials, [(when, client, what) for when, client, what, _, _ in log], stats
 
-    def shard_finish(self, closed_at: float) -> None:
+    def shard_finish(self, closed_at: float, collect: bool = False) -> None:
         """The round ended when the root closed at ``closed_at``: keep the codec states of
-        the clients folded before it, and let the round's devices go at that time."""
+        the clients folded before it, and let the round's devices go at that time. With
+        ``collect`` (a shard in a worker, where the cyclic collector is off), collect the
+        young generations then: what the round allocated and did not free. The engine
+        reads this step's answer only when the next round starts, so nothing waits on it
+        (collecting before each step instead cost about 20 CPU-µs a client)."""
         started = time.perf_counter()
         for when, part, state in self._kept:
             if when < closed_at:
@@ -445,6 +450,8 @@ class Engine:
                 t.coord.close_round(t.cr, "simulation round over")
         self._leave(self._live)
         self._live = {}
+        if collect:
+            gc.collect(1)
         self._shard_steps = (self._shard_steps[0], time.perf_counter() - started)
 
     def _round_sharded(self, rnd: int, attempt: int, arrays: NDArrays, optimizer: ServerOptimizer, cfg: RunConfig,
@@ -499,7 +506,7 @@ class Engine:
         t4 = clock()
         closed_at = self._root_phase(partials, stats, t_open)
         _count_log(stats, log, closed_at)
-        self._finishing = [r.call("shard_finish", closed_at) for r in self._remotes]
+        self._finishing = [r.call("shard_finish", closed_at, True) for r in self._remotes]
         assert root.cr is not None
         if not root.cr.closed:
             root.coord.close_round(root.cr, "simulation round over")
