@@ -21,7 +21,8 @@ arrival order.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -146,13 +147,13 @@ def test_simulator_equals_grpc_federation(case: str, tmp_path: Path) -> None:
 
 def test_ray_backend_equals_grpc_federation(tmp_path: Path) -> None:
     """The Ray backend is one more engine backend: the same model as the gRPC tree."""
-    ray = pytest.importorskip("ray", reason="ray is in the dev extras; install with pip install -e '.[dev]'")
+    pytest.importorskip("ray", reason="ray is in the dev extras; install with pip install -e '.[dev]'")
     cfg = _sim_config("fedavg", backend="ray")
-    try:
-        report = run_simulation(cfg)
-    finally:
-        with contextlib.suppress(Exception):
-            ray.shutdown()
+    # In a fresh process, as `orchard simulate --backend ray` runs: Ray forks its local
+    # cluster's processes, and a test process that already ran gRPC servers has gRPC
+    # threads a fork can catch mid-call (the cluster then never comes up).
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        report = pool.submit(run_simulation, cfg).result()
     grpc_model = asyncio.run(_federation(tmp_path, cfg.run_config()))
     _assert_same(report.final_arrays, grpc_model)
 

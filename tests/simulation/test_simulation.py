@@ -489,12 +489,17 @@ def test_cli_writes_report_jsonl_and_plots(tmp_path: Path) -> None:
 
 
 def test_ray_backend_matches_local() -> None:
-    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray")
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
     local = run_simulation(_deterministic(12, aggregators=2, rounds=1))
-    try:
-        remote = run_simulation(_deterministic(12, aggregators=2, rounds=1, backend="ray", workers=2))
-    finally:
-        ray.shutdown()
+    # In a fresh process, as `orchard simulate --backend ray` runs (Ray forks its local
+    # cluster's processes; a test worker that ran gRPC servers has threads a fork can
+    # catch mid-call).
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        remote = pool.submit(run_simulation, _deterministic(12, aggregators=2, rounds=1, backend="ray",
+                                                            workers=2)).result()
     for k, v in local.final_arrays.items():
         np.testing.assert_array_equal(remote.final_arrays[k], v)
 
