@@ -3,9 +3,10 @@
 A backend runs :func:`orchard.simulation.clients.run_jobs` on lists of jobs and hands
 back their uploads; the round engine (tiers, clocks, folding) stays in the driving
 process, except that the process backend can also make each worker a shard of it
-(:meth:`ProcessBackend.start_shards`: an engine of its own over part of the tree). The engine keeps at most two jobs per worker in flight (one
-running, the next queued behind it), so what is materialised at once is about
-``2 * workers * chunk_size`` clients whatever the population.
+(:meth:`ProcessBackend.start_shards`: an engine of its own over part of the tree). The
+engine keeps at most two jobs per worker in flight (one running, the next queued behind
+it), so what is materialised at once is about ``2 * workers * chunk_size`` clients
+whatever the population.
 
 Threads work because the heavy parts (torch kernels, numpy, hashing) release the GIL;
 results do not depend on scheduling, since every client's work is a pure function of

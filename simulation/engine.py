@@ -96,6 +96,7 @@ from orchard.server.round import (
     RoundOutcome,
     RoundRecord,
     RoundStatus,
+    RoundTask,
     SimulatedCounts,
     partial_upload,
     root_task,
@@ -250,11 +251,10 @@ class Engine:
         self._log: list[tuple[float, bool, str, int, dict[str, Any] | None]] | None = None
         self._partials: list[tuple[float, str, UploadHeader, bytes]] | None = None
         self._kept: list[tuple[float, int, dict[str, Any]]] = []
-        self._shard_seconds = (0.0, 0.0)  # the last shard_run's dispatch and arrivals, wall seconds
         self._shard_steps = (0.0, 0.0)  # the last shard_check_in's and shard_finish's wall seconds
         if tops is not None:
             self._serve(tops)
-        elif sharded and self._can_shard(backend, fanout):
+        elif sharded and self._can_shard(backend):
             self._start_shards(backend, fanout, dict(
                 chunk_size=chunk_size, workers=1, governor=governor, checkin_factor=checkin_factor,
                 node_timeout_s=node_timeout_s, aggregator_mbps=aggregator_mbps, wall_origin=wall_origin,
@@ -300,12 +300,8 @@ class Engine:
         live = self._check_in(rnd, attempt, stats)
         self._report_pools()
         t1 = clock()
-        task = root_task(self.run_id, rnd, attempt, cfg, self.config_json if config is None else cfg.model_dump_json(),
-                         arrays, blob, sha256_hex(blob), self.time.wall(), noise_stddev)
+        task = self._open_root(rnd, attempt, arrays, blob, cfg, config, noise_stddev)
         schema, shared_seed = task.schema, task.shared_seed
-        for t in self.tiers():
-            t.reset()
-        self.root.cr = self.root.coord.open_round(task)
         self._open_below(self.root, blob)
         t2 = clock()
         starts: dict[str, tuple[bytes, NDArrays]] = {}  # downlink reconstructions, by sha256
@@ -329,6 +325,16 @@ class Engine:
         }
         return self._record(out, cfg, optimizer, stats, t_open)
 
+    def _open_root(self, rnd: int, attempt: int, arrays: NDArrays, blob: bytes, cfg: RunConfig,
+                   config: RunConfig | None, noise_stddev: float) -> RoundTask:
+        """Every tier's round state cleared, and the root's round opened: its task."""
+        task = root_task(self.run_id, rnd, attempt, cfg, self.config_json if config is None else cfg.model_dump_json(),
+                         arrays, blob, sha256_hex(blob), self.time.wall(), noise_stddev)
+        for t in self.tiers():
+            t.reset()
+        self.root.cr = self.root.coord.open_round(task)
+        return task
+
     def _record(self, out: RoundOutcome, cfg: RunConfig, optimizer: ServerOptimizer, stats: SimulatedCounts,
                 t_open: float) -> dict[str, Any]:
         """A synchronous round's record from the root's outcome ``out``; a round with
@@ -346,11 +352,12 @@ class Engine:
 
     # ------------------------------------------------------------------ shards
 
-    def _can_shard(self, backend: Backend, fanout: list[int]) -> bool:
+    def _can_shard(self, backend: Backend) -> bool:
         """Whether the root's subtrees can run in separate processes: a synchronous run
-        over a tree (their devices, clients and folds never meet below the root) without
-        secure aggregation (whose sessions can span the tree), on a backend with workers."""
-        return (getattr(backend, "start_shards", None) is not None and bool(fanout) and len(self.root.children) >= 2
+        over a tree of two or more subtrees (their devices, clients and folds never meet
+        below the root) without secure aggregation (whose sessions can span the tree),
+        on a backend with workers."""
+        return (getattr(backend, "start_shards", None) is not None and len(self.root.children) >= 2
                 and not self.run.mode.is_async and not self.run.secure_aggregation.enabled)
 
     def _serve(self, tops: list[str]) -> None:
@@ -397,14 +404,16 @@ class Engine:
         return out
 
     def shard_run(self, assignments: dict[str, TaskAssignment], blob: bytes, schema: tuple, shared_seed: int,
-                  config_json: str | None, arrays: NDArrays | None = None
+                  config: RunConfig | None, arrays: NDArrays | None = None
                   ) -> tuple[list[tuple[float, str, UploadHeader, bytes]], list[tuple[float, bool, str]],
                              SimulatedCounts]:
         """A shard's round once the root assigned its tops (``assignments``, by name): the
         tops' partials for the root as (time, top, header, payload), the fates of its
-        uploads as (time, client?, what), and its counts of devices."""
+        uploads as (time, client?, what), and its counts of devices (their ``phase_seconds``:
+        where this shard's time went). ``config``: the round's config when it is not the
+        run's (with DP: the ledger's)."""
         assert self._tops is not None  # a shard
-        self.round_cfg = self.run if config_json is None else RunConfig.model_validate_json(config_json)
+        self.round_cfg = self.run if config is None else config
         if arrays is None:
             arrays = wire.blob_to_arrays(blob)
         clock = time.perf_counter
@@ -425,8 +434,6 @@ class Engine:
             log, partials = self._log, self._partials
         finally:
             self._log = self._partials = None
-        self._shard_seconds = (t1 - t0, clock() - t1)
-        # Where this shard's time went (the engine reports its workers' slowest).
         stats.phase_seconds = {"check_in": self._shard_steps[0], "dispatch": t1 - t0, "arrivals": clock() - t1,
                                "finish": self._shard_steps[1]}
         self._kept = [(when, part, state) for when, _, _, part, state in log if state]
@@ -477,23 +484,19 @@ class Engine:
                 size, elig = pools[t.name]
                 root.coord.touch(t.name, pool_size=size, pool_eligible=elig)
         t1 = clock()
-        task = root_task(self.run_id, rnd, attempt, cfg, self.config_json if config is None else cfg.model_dump_json(),
-                         arrays, blob, sha256_hex(blob), self.time.wall(), noise_stddev)
-        for t in self.tiers():
-            t.reset()
-        root.cr = root.coord.open_round(task)
+        task = self._open_root(rnd, attempt, arrays, blob, cfg, config, noise_stddev)
         assignments: dict[str, TaskAssignment] = {}
         for t in root.children:
             a = root.coord.assign(t.name)
             if a is not None:
                 root.coord.count_bytes_down(len(blob))
                 assignments[t.name] = a
-        config_json = None if config is None else cfg.model_dump_json()
         calls = [r.call("shard_run", {n: assignments[n] for n in r.tops if n in assignments}, blob, task.schema,
-                        task.shared_seed, config_json) for r in self._remotes]
+                        task.shared_seed, config) for r in self._remotes]
         t2 = clock()
-        partials, log, counts = self.shard_run(assignments, blob, task.schema, task.shared_seed, config_json, arrays)
+        partials, log, counts = self.shard_run(assignments, blob, task.schema, task.shared_seed, config, arrays)
         _add_counts(stats, counts)
+        own = counts.phase_seconds
         t3 = clock()
         workers: dict[str, float] = {}  # the slowest worker shard's steps
         for call in calls:
@@ -513,13 +516,12 @@ class Engine:
         out = root.coord.outcome(root.cr)
         t5 = clock()
         self.shard_finish(closed_at)
-        dispatch_s, arrivals_s = self._shard_seconds
         stats.phase_seconds = {
             "check_in": round(t1 - t0, 4),  # every shard's devices polled, caught up, checked and joined
             "open": round(t2 - t1, 4),  # the root's task, its children assigned
-            "dispatch": round(dispatch_s, 4),  # this process's subtrees opened, their devices' models run
+            "dispatch": round(own["dispatch"], 4),  # this process's subtrees opened, their devices' models run
             "device_models": round(self._device_seconds, 4),  # of dispatch: the governors' runs
-            "arrivals": round(arrivals_s, 4),  # this process's clients trained and folded, in time order
+            "arrivals": round(own["arrivals"], 4),  # this process's clients trained and folded, in time order
             "waiting_for_shards": round(t4 - t3, 4),  # the workers' subtrees, after this process's were done
             "root": round(t5 - t4, 4),  # the partials folded at the root, in time order
             "leave": round(clock() - t5, 4),  # devices back into the population

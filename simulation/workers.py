@@ -175,17 +175,13 @@ class WorkerPool:
         if self._closed:
             raise RuntimeError("this worker pool is closed")
         self.pump()
-        if index is not None:
-            worker: _Worker | None = self._workers[index]
-            assert worker is not None
-            if worker.gone:
-                raise WorkerError(f"simulation worker {index} has stopped ({_why_stopped(worker.proc.exitcode)})"
-                                  + _AGAIN)
-        else:
-            worker = min((w for w in self._workers if not w.gone), key=lambda w: len(w.calls), default=None)
-        if worker is None:
-            raise WorkerError("every simulation worker process has stopped ("
-                              + "; ".join(_why_stopped(w.proc.exitcode) for w in self._workers) + ")" + _AGAIN)
+        pick = self._workers if index is None else [self._workers[index]]
+        live = [w for w in pick if not w.gone]
+        if not live:
+            which = "every simulation worker process" if index is None else f"simulation worker {index}"
+            raise WorkerError(f"{which} has stopped ("
+                              + "; ".join(_why_stopped(w.proc.exitcode) for w in pick) + ")" + _AGAIN)
+        worker = min(live, key=lambda w: len(w.calls))
         call = Call(self, worker, next(self._ids))
         worker.calls[call.call_id] = call
         worker.send(("call", call.call_id, fn, args))
