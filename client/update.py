@@ -177,7 +177,8 @@ def build_uploads(ts: Sequence[TaskAssignment], cfg: RunConfig, codec: Codec, no
     if any(t.schema != first.schema or t.shared_seed != first.shared_seed for t in ts):
         return None
     names = [s.name for s in first.schema]
-    packed = encode_packed_many(codec, {n: deltas[n] for n in names}, names, first.shared_seed)
+    # Payloads that carry their sha256: hashed once here, not again by a tier in this process.
+    packed = encode_packed_many(codec, {n: deltas[n] for n in names}, names, first.shared_seed, wire.HashedBytes)
     if packed is None:
         return None
     payloads, sizes = packed

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -90,6 +90,7 @@ def encode_packed_many(
     rows: Mapping[str, np.ndarray],
     names: list[str],
     shared_seed: int = 0,
+    as_bytes: Callable[[np.ndarray], bytes] = np.ndarray.tobytes,
 ) -> tuple[list[bytes], tuple[int, ...]] | None:
     """:func:`encode_packed` of many updates at once, for a cast codec: ``rows[name][i]``
     is update ``i``'s tensor ``name`` (every update of the same shapes, ``rows`` in
@@ -97,8 +98,10 @@ def encode_packed_many(
     tensors' sizes (the same for every update): the same bytes as :func:`encode_packed`
     gives update by update (a cast draws nothing and keeps no state). The payloads are
     written into one (updates, bytes) buffer, tensor by tensor, each tensor's rows cast
-    at once. None for any other codec, or where a row would not take the cast's framed
-    path: then encode the updates one by one."""
+    at once, and each payload is made from its row by ``as_bytes`` (a bytes type that
+    copies a buffer, such as :class:`bytes`; the default is ``tobytes``). None for any
+    other codec, or where a row would not take the cast's framed path: then encode the
+    updates one by one."""
     if type(codec) is not CastCodec or list(rows) != names or not names:
         return None
     check_seed(shared_seed)
@@ -120,7 +123,7 @@ def encode_packed_many(
         nbytes = values.shape[1] * values.itemsize
         buf[:, at:at + nbytes] = values.view(np.uint8).reshape(count, nbytes)
         at += nbytes
-    return [row.tobytes() for row in buf], sizes
+    return [as_bytes(row) for row in buf], sizes
 
 
 def decode_update(

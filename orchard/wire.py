@@ -42,7 +42,29 @@ GRPC_OPTIONS = [
 SERVER_GRPC_OPTIONS = [*GRPC_OPTIONS, ("grpc.http2.bdp_probe", 0)]
 
 
+class HashedBytes(bytes):
+    """Bytes that carry their sha256 (hex), computed once, as they are made.
+
+    A payload built and checked in the same process (a simulator's clients and tiers)
+    is then hashed once, where it is made, not again where a tier checks it against its
+    header: bytes are immutable, so the digest stays the content's. :func:`sha256_hex`
+    returns it. A copy that crosses a process (pickled) or a network is plain bytes again
+    and is hashed where it is checked."""
+
+    sha256: str
+
+    def __new__(cls, data: bytes | bytearray | memoryview) -> HashedBytes:
+        self = super().__new__(cls, data)
+        self.sha256 = hashlib.sha256(self).hexdigest()
+        return self
+
+    def __reduce__(self) -> tuple[type[bytes], tuple[bytes]]:
+        return bytes, (bytes(self),)
+
+
 def sha256_hex(data: bytes | bytearray | memoryview) -> str:
+    if type(data) is HashedBytes:
+        return data.sha256
     return hashlib.sha256(data).hexdigest()
 
 

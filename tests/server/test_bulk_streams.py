@@ -138,3 +138,23 @@ def test_assembler_checks_the_hash_only_when_given_one() -> None:
         wire.check_payload(got, len(payload), "0" * 64)  # ...and refuses a wrong hash
     with pytest.raises(IntegrityError, match="declares"):
         wire.check_payload(got, len(payload) + 1, wire.sha256_hex(payload))
+
+
+def test_hashed_bytes_carry_the_sha256_of_their_content() -> None:
+    """A payload made as HashedBytes is hashed once, as it is made: its digest is the
+    content's, a tier's check still compares it with the header's, and a copy that crosses
+    a process (pickled) is plain bytes, hashed again where it is checked."""
+    import hashlib
+    import pickle
+
+    import numpy as np
+
+    row = np.arange(3000, dtype=np.uint8)
+    payload = wire.HashedBytes(row)
+    assert payload == row.tobytes() and payload.sha256 == hashlib.sha256(row.tobytes()).hexdigest()
+    assert wire.sha256_hex(payload) == wire.sha256_hex(row.tobytes())
+    wire.check_payload(payload, len(payload), hashlib.sha256(row.tobytes()).hexdigest())
+    with pytest.raises(IntegrityError, match="sha256"):
+        wire.check_payload(payload, len(payload), hashlib.sha256(b"another payload").hexdigest())
+    copy = pickle.loads(pickle.dumps(payload))
+    assert type(copy) is bytes and copy == payload
