@@ -448,7 +448,7 @@ class UpdateSum:
         framed exactly as a client frames a small float32 one is read in place, without a
         view per tensor."""
         layout = self._layout
-        if (layout is not None and type(payload) is bytes and sizes == layout.sizes
+        if (layout is not None and isinstance(payload, bytes) and sizes == layout.sizes
                 and len(payload) == layout.total):
             parts = []
             for head, at, dtype, count, values_at in layout.places:

@@ -179,7 +179,7 @@ def framed_values(
     if isinstance(payload, memoryview):  # a tensor's slice of an update (orchard.updates.split)
         if payload.ndim != 1 or payload.format != "B" or not payload.c_contiguous:
             return None
-    elif type(payload) is not bytes and type(payload) is not bytearray:
+    elif not isinstance(payload, (bytes, bytearray)):
         return None
     n = len(head)
     if len(payload) != n + count * dtype.itemsize or payload[:n] != head:
