@@ -53,7 +53,7 @@ class HashedBytes(bytes):
 
     sha256: str
 
-    def __new__(cls, data: bytes | bytearray | memoryview) -> HashedBytes:
+    def __new__(cls, data: bytes | bytearray | memoryview | np.ndarray) -> HashedBytes:
         self = super().__new__(cls, data)
         self.sha256 = hashlib.sha256(self).hexdigest()
         return self
@@ -63,6 +63,7 @@ class HashedBytes(bytes):
 
 
 def sha256_hex(data: bytes | bytearray | memoryview) -> str:
+    """The hex sha256 of ``data`` (carried, not recomputed, by :class:`HashedBytes`)."""
     if type(data) is HashedBytes:
         return data.sha256
     return hashlib.sha256(data).hexdigest()
