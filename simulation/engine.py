@@ -646,16 +646,14 @@ class Engine:
     def _arrive_async(self, a: Arrival, stats: SimulatedCounts) -> None:
         o = a.output
         assert o is not None
-        stats.trained += 1
-        if o.header is None:
-            stats.failed_clients += 1
-        else:
+        what = _FAILED
+        if o.header is not None:
             try:
                 self.root.coord.upload_now(a.node_id, o.header, o.payload)
-                self._keep_state(a.partition, o)
+                what = _FOLDED
             except OrchardError as err:
-                name = type(err).__name__
-                stats.rejected[name] = stats.rejected.get(name, 0) + 1
+                what = type(err).__name__
+        self._tally(stats, a.finish, True, what, a.partition, o.codec_state if what == _FOLDED else None)
         self._release(a.node_id, self.busy.pop(a.node_id))
 
     def _past_staleness(self, rnd: int, stats: SimulatedCounts) -> None:
@@ -1188,10 +1186,6 @@ class Engine:
         if leaf.cr is not None and not leaf.cr.closed and leaf.waiting == 0:
             self._schedule_quiet_close(leaf, events, seq)
         self._after(leaf, events, seq)
-
-    def _keep_state(self, partition: int, o: ClientOutput) -> None:
-        if o.codec_state:
-            self.codec_states[partition] = o.codec_state
 
     def _tally(self, stats: SimulatedCounts, when: float, client: bool, what: str, partition: int = -1,
                codec_state: dict[str, Any] | None = None) -> None:
