@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -70,6 +71,7 @@ from orchard.secure_agg import (
     decode,
 )
 from orchard.secure_agg.prg import DEFAULT_CHUNK_BYTES, SEED_BYTES, MaskFolder, available_cores
+from orchard.secure_agg.workers import MaskWorkers
 
 STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING)
 BITS = 16  # quantisation bits: 1000 * 2^16 < 2^32, so the sum never wraps
@@ -106,6 +108,9 @@ class Row:
     fold_gbps_per_core: float = 0.0
     fold_bound_seconds: float = 0.0
     fold_ratio: float = float("nan")
+    mask_workers: int = 0  # worker processes that expanded the server's masks (0: its threads)
+    mask_batches_on_workers: int = 0
+    workers_start_seconds: float = 0.0  # once per server process, before any session
 
 
 def _entropy(label: str) -> bytes:
@@ -149,8 +154,40 @@ def fold_gbps(words: int = 1 << 20, seeds: int = 32, repeats: int = 3) -> float:
     return best
 
 
+def start_workers(processes: int) -> tuple[MaskWorkers, float]:
+    """The server process's mask workers, started and warmed up (a small fold, so the
+    first session does not wait for them to import); returns them and the seconds that
+    took, which a server pays once when it starts, not per session."""
+    t0 = time.perf_counter()
+    workers = MaskWorkers(processes)
+    acc = np.zeros(1 << 12, dtype=np.uint32)
+    with MaskFolder(acc, batch=1, workers=workers) as folder:
+        for i in range(2 * processes):
+            folder.add(hashlib.sha256(b"warm/%d" % i).digest()[:SEED_BYTES])
+        folder.finish()
+    return workers, time.perf_counter() - t0
+
+
+def _child_cpu(pids: list[int]) -> float:
+    """CPU seconds (user + system) the live processes ``pids`` have used (Linux /proc;
+    0 elsewhere, where the server's CPU columns then leave its workers out)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / _TICKS
+    return total
+
+
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
 def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: float,
-            threads: int | None = None, seed: int = 0, interleave: bool = False, fold: float = 0.0) -> Row:
+            threads: int | None = None, seed: int = 0, interleave: bool = False, fold: float = 0.0,
+            workers: MaskWorkers | None = None) -> Row:
     params = choose_parameters(n, dropout, corrupt_fraction=corrupt_fraction)
     ids = [f"client-{i:05d}" for i in range(n)]
     config = SessionConfig.create(ids, d, neighbours=params.neighbours,
@@ -158,7 +195,7 @@ def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: fl
                                   entropy=_entropy(f"session/{seed}/{n}/{d}/{dropout}"))
     rng = np.random.default_rng(seed)
     dropped = set(rng.choice(config.participants, size=int(round(dropout * n)), replace=False))
-    server = SecAggServer(config, threads=threads)
+    server = SecAggServer(config, threads=threads, workers=workers)
     clients = {p: SecAggClient(p, entropy=_entropy(f"client/{seed}/{p}")) for p in ids}
     client_time = dict.fromkeys(ids, 0.0)
     upload = dict.fromkeys(ids, 0)
@@ -166,7 +203,9 @@ def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: fl
     server_time = plain_time = server_cpu = plain_cpu = unmask_time = unmask_cpu = 0.0
     client_cpu = dict.fromkeys(ids, 0.0)
     # Server spans take the process's CPU time (the server's mask threads run inside them;
-    # nothing else runs then), client spans the thread's.
+    # nothing else runs then), client spans the thread's. The mask workers run only while
+    # a stage closes: their CPU time is read around those spans (outside the clock's).
+    pids = workers.pids if workers is not None else []
     clock, cpu, pcpu = time.perf_counter, time.thread_time, time.process_time
     plain = np.zeros(d, dtype=np.uint32)
 
@@ -218,9 +257,11 @@ def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: fl
                 client_cpu[node] += c3 - c2
                 upload[node] += len(reply)
                 download[node] += len(bcast)
+        w0 = _child_cpu(pids)
         t0, c0 = clock(), pcpu()
         server.close_stage()
         t1, c1 = clock(), pcpu()
+        c1 += _child_cpu(pids) - w0
         server_time += t1 - t0
         server_cpu += c1 - c0
         if stage is Stage.UNMASKING:
@@ -260,6 +301,8 @@ def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: fl
         fold_gbps_per_core=fold,
         fold_bound_seconds=mask_bytes / (fold * 1e9 * cores) if fold else 0.0,
         fold_ratio=server_time * fold * 1e9 * cores / mask_bytes if fold and mask_bytes else float("nan"),
+        mask_workers=len(pids),
+        mask_batches_on_workers=int(result.measurements.get("mask_batches_on_workers", 0)),
     )
 
 
@@ -271,7 +314,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d", type=int, nargs="*", help="vector lengths (default 1e5 1e6)")
     ap.add_argument("--dropout", type=float, nargs="*", help="dropout rates (default 0 0.1 0.3)")
     ap.add_argument("--threads", type=int, default=None,
-                    help="server mask-expansion threads (default: every core available)")
+                    help="server mask-expansion threads, when it has no mask workers (default: every core)")
+    ap.add_argument("--mask-workers", type=int, default=None, metavar="P",
+                    help="mask worker processes the server starts once (default: one per core; "
+                         "0: expand masks on the server's own threads)")
     ap.add_argument("--interleave", action="store_true",
                     help="every stage client by client (each server call right after its client's work), "
                          "as before the key and unmasking stages were taken in a batch")
@@ -288,6 +334,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"AES-128-CTR keystream: {gbps:.2f} GB/s per core (CPU time), {available_cores()} "
           f"core(s) available; the mask folder (keystream and add, one thread): {fold:.2f} GB/s per core, "
           f"{gbps / fold:.2f}x the keystream's time")
+    processes = available_cores() if args.mask_workers is None else args.mask_workers
+    workers, started = start_workers(processes) if processes > 0 else (None, 0.0)
+    print(f"server mask workers: {processes} process(es), started in {started:.2f} s (once per server process)"
+          if workers is not None else "server mask workers: none; masks expand on the server's threads")
+    try:
+        rows = _runs(args, ns, ds, drops, gbps, fold, workers, started)
+    finally:
+        if workers is not None:
+            workers.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=2)
+    return 0 if all(r.correct for r in rows) else 1
+
+
+def _runs(args: argparse.Namespace, ns: list[int], ds: list[int], drops: list[float], gbps: float,
+          fold: float, workers: MaskWorkers | None, started: float) -> list[Row]:
     rows = []
     header = (f"{'n':>5} {'d':>9} {'drop':>5} {'k':>4} {'t':>4} {'server s':>9} {'(cpu)':>8} "
               f"{'unmask s':>8} {'(cpu)':>6} {'bound s':>8} {'x bound':>8} {'(cpu)':>6} {'x fold':>7} "
@@ -299,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     for n, d, p in configs:
         for _ in range(max(1, args.repeat)):
             r = run_one(n, d, p, corrupt_fraction=args.corrupt_fraction, gbps=gbps,
-                        threads=args.threads, interleave=args.interleave, fold=fold)
+                        threads=args.threads, interleave=args.interleave, fold=fold, workers=workers)
+            r.workers_start_seconds = started
             rows.append(r)
             print(f"{r.n:>5} {r.d:>9} {r.dropout:>5.2f} {r.neighbours:>4} {r.threshold:>4} "
                   f"{r.server_seconds:>9.3f} {r.server_cpu_seconds:>8.3f} "
@@ -319,10 +383,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{statistics.median(r.bound_ratio for r in mine):.2f}x the keystream bound, "
                   f"{statistics.median(r.fold_ratio for r in mine):.2f}x the fold floor, client "
                   f"{statistics.median(r.client_seconds for r in mine):.4f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=2)
-    return 0 if all(r.correct for r in rows) else 1
+    return rows
 
 
 if __name__ == "__main__":

@@ -335,6 +335,10 @@ class ServerConfig(_Strict):
     heartbeat_s: float = Field(10.0, gt=0.0)
     node_timeout_s: float = Field(60.0, gt=0.0)
     long_poll_s: float = Field(20.0, gt=0.0)
+    # Processes that expand a secure session's masks when it unmasks (None: one per core;
+    # 0: threads of the server process). Started with the first session large enough to
+    # gain from them (orchard.server.secagg.MASK_WORKERS_MIN_BYTES), kept until shutdown.
+    mask_workers: int | None = Field(None, ge=0)
 
 
 def _format_validation_error(err: ValidationError) -> list[str]:

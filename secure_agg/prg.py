@@ -22,11 +22,15 @@ import queue
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from orchard.secure_agg.errors import SecAggConfigError
+
+if TYPE_CHECKING:
+    from orchard.secure_agg.workers import MaskWorkers, WorkerSession
 
 SEED_BYTES = 16
 _ZERO_IV = bytes(16)
@@ -151,12 +155,18 @@ class MaskFolder:
     :meth:`finish` adds them up: addition modulo 2^w is commutative and associative, so
     the sum does not depend on how seeds were spread over threads.
 
+    Given ``workers`` (:class:`~orchard.secure_agg.workers.MaskWorkers`), the batches go
+    to worker processes instead, which wait for no GIL but this thread's; the seed
+    sources must then pickle (raw seeds and :class:`~orchard.secure_agg.crypto.PairwiseSeed`
+    do). Workers busy with another folder, closed or gone mean threads, as without them.
+
     Not thread-safe itself: one caller drives it.
     """
 
     def __init__(self, acc: np.ndarray, *, threads: int = 1,
                  batch: int = DEFAULT_BATCH_SEEDS,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 workers: MaskWorkers | None = None) -> None:
         if not isinstance(acc, np.ndarray) or acc.ndim != 1 or not acc.flags.c_contiguous \
                 or acc.dtype not in (np.dtype("<u4"), np.dtype("<u8")) or not acc.flags.writeable:
             raise ValueError("the accumulator must be a writable, contiguous 1-d array of "
@@ -186,7 +196,10 @@ class MaskFolder:
         self._free.put(acc)
         self._extra: list[np.ndarray] = []
         self._finished = False
+        self._workers = workers
+        self._session: WorkerSession | None = None  # the workers, once the first batch goes out
         self.expansions = 0  # measurement: seeds expanded (each is one mask of acc.size words)
+        self.batches_on_workers = 0  # measurement: batches folded by worker processes
 
     def add(self, seed: SeedSource, sign: int = 1) -> None:
         """Queue ``sign * PRG(seed)`` (sign +1 adds the mask, -1 subtracts it).
@@ -213,6 +226,11 @@ class MaskFolder:
             self._dispatch()
             for fut in self._futures:
                 fut.result()  # re-raises a worker's error here
+            if self._session is not None:
+                session, self._session = self._session, None
+                for batch in session.collect(self._acc):  # a dead worker's batches, again
+                    self.batches_on_workers -= 1
+                    _fold_chunked(self._acc, batch, self._chunk_words, self._zeros)
         finally:
             self.close()
         for extra in self._extra:
@@ -224,6 +242,9 @@ class MaskFolder:
         """Stop the threads (waiting for running batches); idempotent."""
         self._finished = True
         self._pending.clear()
+        if self._session is not None:
+            self._session.abort()
+            self._session = None
         if self._pool is not None:
             for fut in self._futures:
                 fut.cancel()
@@ -241,6 +262,13 @@ class MaskFolder:
         if not self._pending:
             return
         batch, self._pending = self._pending, []
+        if self._workers is not None and self._acc.size:
+            # Asked once: workers busy or closed now mean threads for the whole fold.
+            workers, self._workers = self._workers, None
+            self._session = workers.open(self._acc.size, self._acc.dtype, self._chunk_words)
+        if self._session is not None and self._session.submit(batch):
+            self.batches_on_workers += 1
+            return
         if self.threads == 1:
             self._fold(batch)
             return

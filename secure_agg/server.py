@@ -21,12 +21,10 @@ O(n d) (O(threads d + n k) while unmasking: each mask thread folds into its own 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
 from orchard.secure_agg import crypto
 from orchard.secure_agg._wire import (
@@ -73,6 +71,9 @@ from orchard.secure_agg.prg import (
 )
 from orchard.secure_agg.shamir import reconstruct_many_bytes
 
+if TYPE_CHECKING:
+    from orchard.secure_agg.workers import MaskWorkers
+
 __all__ = ["SecAggResult", "SecAggServer", "StageReport"]
 
 _CLIENT_MESSAGE = {
@@ -116,13 +117,18 @@ class SecAggServer:
     ``threads`` is how many threads expand masks when the session unmasks (None: every
     core this process may use). Mask expansion is nearly all of the server's work in a
     large session; the threads live only inside :meth:`close_stage` of the last stage.
+    Given ``workers`` (:class:`~orchard.secure_agg.workers.MaskWorkers`, started once per
+    server process), the masks are expanded on those processes instead, free of this
+    process's GIL; the threads are then the fallback for when the workers are busy.
     """
 
-    def __init__(self, config: SessionConfig, *, threads: int | None = None) -> None:
+    def __init__(self, config: SessionConfig, *, threads: int | None = None,
+                 workers: MaskWorkers | None = None) -> None:
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1 (or None for every core), got {threads}")
         self.config = config
         self.threads = threads if threads is not None else available_cores()
+        self.workers = workers
         self.stage = Stage.ADVERTISE_KEYS
         self.abort_reason: str | None = None
         ids = config.participants
@@ -135,7 +141,6 @@ class SecAggServer:
         self._sent: set[int] = set()  # sent in the current stage
         self._keys: dict[int, tuple[bytes, bytes]] = {}  # U1: (c_pk, s_pk)
         self._peer_keys: dict[int, PeerKeys] = {}  # U1, as sent to neighbours (made once)
-        self._mask_pk: dict[int, X25519PublicKey] = {}  # U1: s_pk, loaded
         # Expected ciphertext length i -> j is _ct_base + _id_len[i] + _id_len[j]
         # (ciphertext_size without encoding both ids for each of the n k ciphertexts).
         self._id_len = [len(p.encode()) for p in ids]
@@ -280,13 +285,12 @@ class SecAggServer:
 
     def _on_keys(self, i: int, msg: AdvertiseKeys) -> None:
         crypto.load_public(msg.channel_pk)
-        mask_pk = crypto.load_public(msg.mask_pk)
+        crypto.load_public(msg.mask_pk)
         if msg.channel_pk == msg.mask_pk or {msg.channel_pk, msg.mask_pk} & self._seen_keys:
             raise DuplicateMessage(f"{msg.sender!r} advertises a public key already in use: "
                                    f"keys must be fresh and distinct")
         self._seen_keys.update((msg.channel_pk, msg.mask_pk))
         self._keys[i] = (msg.channel_pk, msg.mask_pk)
-        self._mask_pk[i] = mask_pk
 
     def _on_shares(self, i: int, sender: str, names: list[str], cts: list[bytes]) -> None:
         expected = self._nbrs[i] & self._keys.keys()
@@ -450,7 +454,7 @@ class SecAggServer:
         # pairwise seeds are handed to the folder as derivations: its threads run each
         # X25519 agreement (which holds the GIL) between their AES calls (which release
         # it), instead of this thread running all of them first while the others wait.
-        with MaskFolder(total, threads=self.threads) as folder:
+        with MaskFolder(total, threads=self.threads, workers=self.workers) as folder:
             try:
                 # A batch of seeds at a time: the first mask thread starts after one batch
                 # is reconstructed (a few ms) instead of all of them (~50 ms at n = 1000,
@@ -474,9 +478,9 @@ class SecAggServer:
                                           f"corrupted")
                     for v in sorted(self._nbrs[d] & self._u3):
                         # v added +PRG(s_vd) if v < d, else -PRG(s_vd): take off the same term.
-                        folder.add(functools.partial(
-                            crypto.pairwise_seed, s_sk, self._mask_pk[v], cfg.session_id,
-                            cfg.round_number, self._ids[d], self._ids[v]), -1 if v < d else 1)
+                        folder.add(crypto.PairwiseSeed(
+                            keys[d], self._keys[v][1], cfg.session_id, cfg.round_number,
+                            self._ids[d], self._ids[v]), -1 if v < d else 1)
                         agreements += 1
                 folder.finish()
             except (NotEnoughShares, MalformedMessage) as err:
@@ -484,6 +488,7 @@ class SecAggServer:
         total &= np.asarray(modulus_mask(cfg.modulus_bits), dtype=self._dtype)
         m = self._measurements
         m["mask_expansions"] = float(folder.expansions)
+        m["mask_batches_on_workers"] = float(folder.batches_on_workers)
         m["key_agreements"] = float(agreements)
         m["contributors"] = float(len(self._u3))
         m["dropped_pairwise_removed"] = float(agreements)

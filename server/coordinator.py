@@ -61,7 +61,7 @@ from orchard.errors import (
     UpdateSchemaError,
 )
 from orchard.messages import Idle, TaskAssignment, UploadHeader, UploadKind
-from orchard.secure_agg import Stage
+from orchard.secure_agg import MaskWorkers, Stage
 from orchard.secure_agg.stages import stage_index as stage_index_of
 from orchard.secure_agg.stages import stage_of
 from orchard.server.admission import admit_header, check_assignment, check_round, check_version
@@ -70,15 +70,17 @@ from orchard.server.cohort import Assignment, CheckedUpload, CohortRound, Compre
 from orchard.server.downlink import DownlinkCache, ModelReply, full_reply
 from orchard.server.round import RoundOutcome, RoundTask, round_seed
 from orchard.server.secagg import (
+    MASK_WORKERS_MIN_BYTES,
     ROSTER_END,
     SecAggReply,
     SecureUpstream,
     TreeRoster,
     check_masked_header,
+    mask_bytes,
     new_cohort,
 )
 from orchard.server.selection import allocate, device_eligible, over_select, pick
-from orchard.typing import DeviceState, NDArrays, Role
+from orchard.typing import DeviceState, NDArrays, Role, TensorSpec
 from orchard.updates import decode_partial
 from orchard.wire import check_payload
 
@@ -212,6 +214,7 @@ class Coordinator:
         # One fold at a time (the accumulator is not thread-safe); decoding runs beside it.
         self._fold_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchard-fold")
         self._decode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="orchard-decode")
+        self._mask_workers: MaskWorkers | None = None  # started by a large secure session
         self.upload_slots = asyncio.Semaphore(cfg.max_inflight_uploads)
         # Models nodes below may hold, for downlink deltas (orchard.server.downlink).
         self.downlink = DownlinkCache()
@@ -451,12 +454,23 @@ class Coordinator:
             return
         try:
             cr.secure = new_cohort(cr.task.config, cr.task.schema, clients, cr.task.round,
-                                   cr.task.deadline_unix, self._wall)
+                                   cr.task.deadline_unix, self._wall,
+                                   self._mask_workers_for(cr.task.config, cr.task.schema, len(clients)))
         except OrchardError as err:
             # Too few clients for the protocol's threshold: this cohort contributes nothing.
             for n in clients:
                 cr.settle(cr.assignments[n], delivered=False)
             cr.rejected[f"secure aggregation could not start: {err}"] = len(clients)
+
+    def _mask_workers_for(self, run: RunConfig, schema: tuple[TensorSpec, ...], n: int) -> MaskWorkers | None:
+        """This tier's mask worker processes for a session of ``n`` clients, started with
+        the first session large enough to gain from them; None (the session's threads)
+        for smaller ones, in-process coordinators and ``server.mask_workers = 0``."""
+        if self.inline or self.cfg.mask_workers == 0 or mask_bytes(run, schema, n) < MASK_WORKERS_MIN_BYTES:
+            return None
+        if self._mask_workers is None or self._mask_workers.closed:
+            self._mask_workers = MaskWorkers(self.cfg.mask_workers)
+        return self._mask_workers
 
     def _start_tree(self, cr: CohortRound) -> None:
         """Scope "tree": the round's session is the root's. This tier's direct clients are
@@ -488,7 +502,8 @@ class Coordinator:
             return
         try:
             cr.secure = new_cohort(cr.task.config, cr.task.schema, sorted(tree.route), cr.task.round,
-                                   cr.task.deadline_unix, self._wall)
+                                   cr.task.deadline_unix, self._wall,
+                                   self._mask_workers_for(cr.task.config, cr.task.schema, len(tree.route)))
         except OrchardError as err:
             # Too few clients for the protocol's threshold: the round gets nothing.
             for a in list(cr.assignments.values()):
@@ -1252,3 +1267,5 @@ class Coordinator:
     def shutdown(self) -> None:
         self._fold_pool.shutdown(wait=False, cancel_futures=True)
         self._decode_pool.shutdown(wait=False, cancel_futures=True)
+        if self._mask_workers is not None:
+            self._mask_workers.close()

@@ -42,6 +42,7 @@ from orchard.config import RunConfig, SecureAggregationConfig
 from orchard.errors import SecAggAbort, SecAggError, UpdateSchemaError
 from orchard.messages import UploadHeader
 from orchard.secure_agg import (
+    MaskWorkers,
     SecAggServer,
     SessionConfig,
     Stage,
@@ -50,6 +51,12 @@ from orchard.secure_agg import (
     parameters_from_config,
 )
 from orchard.typing import TensorSpec
+
+# A tier starts its mask worker processes (orchard.secure_agg.workers) with the first
+# session that will expand at least this many bytes of mask: about 25 ms of keystream a
+# core, where sparing the threads' waits for the GIL outweighs a worker's start (about
+# half a second, once) and a session's pipe traffic (one sum per worker).
+MASK_WORKERS_MIN_BYTES = 256 << 20
 
 # Fraction of the round's time by which each stage must be over.
 STAGE_END = {Stage.ADVERTISE_KEYS: 0.15, Stage.SHARE_KEYS: 0.30, Stage.MASKED_INPUT: 0.85, Stage.UNMASKING: 1.0}
@@ -153,6 +160,7 @@ class SecureCohort:
     round_number: int
     started_wall: float
     deadline_wall: float
+    workers: MaskWorkers | None = None  # the tier's mask worker processes, if it has them
     server: SecAggServer = field(init=False)
     headers: dict[str, UploadHeader] = field(default_factory=dict)
     bytes_up: int = 0
@@ -171,7 +179,7 @@ class SecureCohort:
         session = SessionConfig.create(sorted(self.participants), d, neighbours=params.neighbours,
                                        threshold=params.threshold, round_number=self.round_number,
                                        entropy=secrets.token_bytes(32), modulus_bits=self.cfg.modulus_bits)
-        self.server = SecAggServer(session)
+        self.server = SecAggServer(session, workers=self.workers)
 
     @property
     def stage(self) -> Stage:
@@ -242,5 +250,14 @@ class SecureCohort:
 
 
 def new_cohort(run: RunConfig, schema: tuple[TensorSpec, ...], participants: list[str],
-               round_number: int, deadline_wall: float, wall: Callable[[], float] = time.time) -> SecureCohort:
-    return SecureCohort(run.secure_aggregation, run, schema, tuple(participants), round_number, wall(), deadline_wall)
+               round_number: int, deadline_wall: float, wall: Callable[[], float] = time.time,
+               workers: MaskWorkers | None = None) -> SecureCohort:
+    return SecureCohort(run.secure_aggregation, run, schema, tuple(participants), round_number, wall(), deadline_wall,
+                        workers=workers)
+
+
+def mask_bytes(run: RunConfig, schema: tuple[TensorSpec, ...], participants: int) -> int:
+    """Bytes of mask a session's unmasking expands at least: one self mask of d words per
+    contributor (more with dropouts: each dropped node's pairwise masks)."""
+    word = 4 if run.secure_aggregation.modulus_bits <= 32 else 8
+    return participants * sum(s.numel for s in schema) * word

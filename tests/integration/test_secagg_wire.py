@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from fed_harness import FAST, Federation, wait_joined, wait_status
 
 from orchard import wire
@@ -17,6 +18,9 @@ from orchard.client.runtime import ClientRuntime
 from orchard.config import CohortConfig, RunConfig, SecureAggregationConfig
 from orchard.link import FleetLink, LinkConfig
 from orchard.ops import ControlClient
+from orchard.secure_agg import MaskWorkers
+from orchard.secure_agg.workers import WorkerSession
+from orchard.server import coordinator
 from orchard.server.app import start_aggregator, start_root
 from orchard.trainer import EvalResult, TrainResult
 from orchard.typing import Role
@@ -133,3 +137,30 @@ def test_client_lost_below_a_relay_is_recovered(tmp_path: Path) -> None:
     r = st["rounds"][0]
     assert r["participants"] == 5 and sorted(r["tier_participants"].values()) == [2, 3], r
     np.testing.assert_allclose(out, expected([0, 1, 3, 4, 5], [w[k] for k in (0, 1, 3, 4, 5)]), atol=2e-3)
+
+
+def test_a_tier_unmasks_on_its_mask_workers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With sessions over the size that starts them (here any size), the tier starts its
+    mask worker processes with the first session, unmasks on them (a dropped client's
+    pairwise masks included: the sum is the other four's) and closes them when it stops."""
+    started: list[_Recording] = []
+
+    class _Recording(MaskWorkers):
+        def __init__(self, processes: int | None = None) -> None:
+            super().__init__(processes)
+            self.sessions = 0
+            started.append(self)
+
+        def open(self, words: int, dtype: np.dtype, chunk_words: int) -> WorkerSession | None:
+            session = super().open(words, dtype, chunk_words)
+            self.sessions += session is not None
+            return session
+
+    monkeypatch.setattr(coordinator, "MASK_WORKERS_MIN_BYTES", 0)
+    monkeypatch.setattr(coordinator, "MaskWorkers", _Recording)
+    st, out, w = asyncio.run(_run(tmp_path, 5, aggregators=0, dead={2}, deadline=8.0))
+    assert st["status"] == "completed", st
+    assert st["rounds"][0]["participants"] == 4
+    np.testing.assert_allclose(out, expected([0, 1, 3, 4], [w[k] for k in (0, 1, 3, 4)]), atol=2e-3)
+    assert len(started) == 1 and started[0].sessions == 1
+    assert started[0].closed

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from orchard.secure_agg import SecAggClient, SecAggServer, SessionConfig, Stage, decode
+from orchard.secure_agg import MaskWorkers, SecAggClient, SecAggServer, SessionConfig, Stage, decode
 
 STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING)
 
@@ -28,14 +28,14 @@ def make_config(n: int, d: int, k: int, t: int, *, seed: int = 0, round_number: 
 def run_session(config: SessionConfig, inputs: Mapping[str, np.ndarray],
                 drop: Mapping[Stage, Sequence[str]] | None = None, *, seed: int = 0,
                 server_sees: list[np.ndarray] | None = None, threads: int | None = None,
-                via_objects: bool = False):
+                via_objects: bool = False, workers: MaskWorkers | None = None):
     """Run every stage; ``drop[stage]`` lists nodes that go silent from that stage on.
     ``via_objects`` hands the server decoded message objects instead of their bytes.
 
     Returns (server, clients). Raises whatever the protocol raises (e.g. SecAggAbort).
     """
     drop = drop or {}
-    server = SecAggServer(config, threads=threads)
+    server = SecAggServer(config, threads=threads, workers=workers)
     clients = {p: SecAggClient(p, entropy=entropy(p, seed)) for p in config.participants}
     gone: set[str] = set()
     for stage in STAGES:
