@@ -17,8 +17,10 @@ a second to start (importing numpy and ``cryptography``), and then a session cos
 accumulator (4 bytes a coordinate) per worker and the seeds' bytes over a pipe. One
 folder uses them at a time; a folder that finds them busy or closed folds on threads, as
 it does without them. A worker that dies mid-session costs time, not the session: the
-batches it held are folded again on the caller's thread. Nothing here touches files or
-the network; the processes talk over pipes.
+batches it held are folded again on the caller's thread. Workers that are dropped
+without :meth:`MaskWorkers.close` exit when their pipe closes (or with the interpreter:
+they are daemons). Nothing here touches files or the network; the processes talk over
+pipes.
 
     with MaskWorkers() as workers:
         server = SecAggServer(config, workers=workers)   # one session after another
@@ -113,9 +115,10 @@ class MaskWorkers:
             raise
 
     def close(self) -> None:
-        """Stop the workers (waiting briefly for each); idempotent. Waits for a fold that
-        has them to finish first."""
-        with self._lock:
+        """Stop the workers (waiting briefly for each); idempotent. Waits up to 30 s for
+        a fold that has them to finish first, then stops them all the same."""
+        held = self._lock.acquire(timeout=30)
+        try:
             self._closed = True
             for w in self._workers:
                 if w.alive:
@@ -127,6 +130,9 @@ class MaskWorkers:
                     w.process.join(timeout=5)
                 w.conn.close()
                 w.alive = False
+        finally:
+            if held:
+                self._lock.release()
 
     def __enter__(self) -> MaskWorkers:
         return self
@@ -134,10 +140,6 @@ class MaskWorkers:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.close()
-
-    def __del__(self) -> None:  # pragma: no cover - depends on the collector
-        if not getattr(self, "_closed", True):
-            self.close()
 
 
 @dataclass

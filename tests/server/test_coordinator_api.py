@@ -111,3 +111,28 @@ def test_assign_and_leave() -> None:
     h, p = _upload(coord, task, chosen[0], 1.0)
     with pytest.raises(NotSelectedError):
         coord.upload_now(chosen[0], h.__class__(**{**h.__dict__, "task_id": "forged"}), p)
+
+
+def test_a_tier_starts_mask_workers_for_large_secure_sessions_only() -> None:
+    from orchard.config import SecureAggregationConfig
+    from orchard.server.secagg import MASK_WORKERS_MIN_BYTES, mask_bytes
+
+    run = RunConfig(secure_aggregation=SecureAggregationConfig(enabled=True))
+    big = (TensorSpec("w", (1 << 20,), "float32"),)
+    n_big = -(-MASK_WORKERS_MIN_BYTES // mask_bytes(run, big, 1))
+    assert mask_bytes(run, big, n_big) >= MASK_WORKERS_MIN_BYTES > mask_bytes(run, big, n_big - 1)
+    tier = Coordinator("tier", ServerConfig(mask_workers=1), np.random.default_rng(0), ClientUpdateDecoder())
+    try:
+        assert tier._mask_workers_for(run, big, n_big - 1) is None  # too small to gain: threads
+        workers = tier._mask_workers_for(run, big, n_big)
+        assert workers is not None and workers.processes == 1
+        assert tier._mask_workers_for(run, big, n_big) is workers  # started once, kept
+    finally:
+        tier.shutdown()
+    assert workers.closed
+    for coord in (Coordinator("tier", ServerConfig(mask_workers=0), np.random.default_rng(0), ClientUpdateDecoder()),
+                  Coordinator("tier", ServerConfig(), np.random.default_rng(0), ClientUpdateDecoder(), inline=True)):
+        assert coord._mask_workers_for(run, big, 10 * n_big) is None
+        coord.shutdown()
+    with pytest.raises(ValueError, match="mask_workers"):
+        ServerConfig(mask_workers=-1)
