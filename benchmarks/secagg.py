@@ -13,8 +13,13 @@ the dropped clients' pairwise masks). Reported per configuration:
 - server_seconds: time inside the server (decoding uploads, broadcasts, accumulation,
   closing stages, reconstruction and unmasking); unmask_seconds is the part spent closing
   the last stage (reconstructing seeds and keys, key agreements, expanding and removing
-  every mask), the only part that runs on several threads: its CPU over its wall time
-  says how many cores it really got;
+  every mask), the only part that runs on several cores: its CPU (the server process's
+  and its mask workers') over its wall time says how many cores it really got;
+- the server's mask workers (``MaskWorkers``, one process per core, ``--mask-workers``;
+  0 expands the masks on the server's own threads) are started once, before the first
+  session, as a tier starts them with its first large session and keeps them:
+  workers_start_seconds is that start (with one small fold, so that the first session
+  does not wait for their imports), reported and not in server_seconds;
 - client_seconds: mean time per client inside its protocol steps (decoding broadcasts,
   key agreement, Shamir, encryption, mask expansion, encoding its replies);
 - bytes_expansion: bytes a client uploads / bytes of its quantised uint32 vector (4 d);
@@ -41,7 +46,7 @@ same spans (the process's for the server, whose mask threads run inside its span
 thread's for a client), which is what to compare on a shared, loaded machine.
 
     python benchmarks/secagg.py [--quick] [--json PATH] [--n 1000 --d 1000000 --dropout 0.1]
-                                [--threads T] [--repeat R]
+                                [--mask-workers P] [--threads T] [--repeat R]
 
 ``--repeat R`` runs every configuration R times in a row (same vectors, same keys) and
 then prints each one's median server time and bound ratio: on a shared host one run's

@@ -156,8 +156,8 @@ class MaskFolder:
     the sum does not depend on how seeds were spread over threads.
 
     Given ``workers`` (:class:`~orchard.secure_agg.workers.MaskWorkers`), the batches go
-    to worker processes instead, which wait for no GIL but this thread's; the seed
-    sources must then pickle (raw seeds and :class:`~orchard.secure_agg.crypto.PairwiseSeed`
+    to worker processes instead, each with its own interpreter, so no fold waits for
+    another's GIL; the seed sources must then pickle (raw seeds and :class:`~orchard.secure_agg.crypto.PairwiseSeed`
     do). Workers busy with another folder, closed or gone mean threads, as without them.
 
     Not thread-safe itself: one caller drives it.

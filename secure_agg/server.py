@@ -16,7 +16,8 @@ long as every secret that must be reconstructed still has ``threshold`` holders,
 otherwise raises :class:`~orchard.errors.SecAggAbort` and stays aborted.
 
 Masked inputs are added to one running sum as they arrive: memory is O(d + n k), never
-O(n d) (O(threads d + n k) while unmasking: each mask thread folds into its own sum).
+O(n d) (O(threads d + n k) while unmasking: each mask thread, or each mask worker process,
+folds into its own sum).
 """
 
 from __future__ import annotations
@@ -451,9 +452,9 @@ class SecAggServer:
         total = self._total if self._total is not None else np.zeros(cfg.vector_length, self._dtype)
         agreements = 0
         # Survivors' self-mask seeds come from one batched Shamir pass. The dropped nodes'
-        # pairwise seeds are handed to the folder as derivations: its threads run each
-        # X25519 agreement (which holds the GIL) between their AES calls (which release
-        # it), instead of this thread running all of them first while the others wait.
+        # pairwise seeds are handed to the folder as derivations: its threads (or worker
+        # processes) run each X25519 agreement (which holds the GIL) between their AES
+        # calls, instead of this thread running all of them first while the others wait.
         with MaskFolder(total, threads=self.threads, workers=self.workers) as folder:
             try:
                 # A batch of seeds at a time: the first mask thread starts after one batch

@@ -12,8 +12,8 @@ turn; the worker folds it into its own accumulator with the folder's own loop, a
 :meth:`MaskFolder.finish` receives each worker's accumulator and adds them up. Addition
 modulo 2^w commutes, so the sum is the threads' sum to the bit.
 
-Start them once per server process and close them at shutdown: a worker takes about half
-a second to start (importing numpy and ``cryptography``), and then a session costs one
+Start them once per server process and close them at shutdown: they take a few tenths of
+a second to start (each imports numpy and ``cryptography``), and then a session costs one
 accumulator (4 bytes a coordinate) per worker and the seeds' bytes over a pipe. One
 folder uses them at a time; a folder that finds them busy or closed folds on threads, as
 it does without them. A worker that dies mid-session costs time, not the session: the

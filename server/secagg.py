@@ -53,9 +53,9 @@ from orchard.secure_agg import (
 from orchard.typing import TensorSpec
 
 # A tier starts its mask worker processes (orchard.secure_agg.workers) with the first
-# session that will expand at least this many bytes of mask: about 25 ms of keystream a
-# core, where sparing the threads' waits for the GIL outweighs a worker's start (about
-# half a second, once) and a session's pipe traffic (one sum per worker).
+# session that will expand at least this many bytes of mask (about 25 ms of keystream on
+# one core), where sparing the threads' waits for the GIL outweighs the workers' start
+# (0.2-0.3 s, once) and a session's pipe traffic (one sum back from each worker).
 MASK_WORKERS_MIN_BYTES = 256 << 20
 
 # Fraction of the round's time by which each stage must be over.
