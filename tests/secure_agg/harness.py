@@ -9,12 +9,25 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from orchard.secure_agg import MaskWorkers, SecAggClient, SecAggServer, SessionConfig, Stage, decode
+from orchard.secure_agg.prg import MaskExpander
 
 STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING)
 
 
 def entropy(label: str, seed: int = 0) -> bytes:
     return hashlib.sha256(f"{label}/{seed}".encode()).digest()
+
+
+def one_shot_sum(terms: Sequence[tuple[bytes, int]], length: int, bits: int) -> np.ndarray:
+    """sum_i sign_i * PRG(seed_i) from whole one-shot masks: the reference for MaskFolder."""
+    acc = np.zeros(length, dtype=np.uint32 if bits <= 32 else np.uint64)
+    for seed, sign in terms:
+        m = MaskExpander(length, bits).expand(seed)
+        if sign > 0:
+            acc += m
+        else:
+            acc -= m
+    return acc
 
 
 def make_config(n: int, d: int, k: int, t: int, *, seed: int = 0, round_number: int = 1,

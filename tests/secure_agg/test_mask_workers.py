@@ -7,29 +7,18 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from harness import make_config, run_session
+from harness import make_config, one_shot_sum, run_session
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchard.secure_agg import MalformedMessage, MaskWorkers, Stage, crypto
-from orchard.secure_agg.prg import MaskExpander, MaskFolder, SeedSource
+from orchard.secure_agg.prg import MaskFolder, SeedSource
 
 
 @pytest.fixture(scope="module")
 def workers() -> Iterator[MaskWorkers]:
     with MaskWorkers(2) as w:
         yield w
-
-
-def _reference(terms: list[tuple[bytes, int]], length: int, bits: int) -> np.ndarray:
-    acc = np.zeros(length, dtype=np.uint32 if bits <= 32 else np.uint64)
-    for seed, sign in terms:
-        m = MaskExpander(length, bits).expand(seed)
-        if sign > 0:
-            acc += m
-        else:
-            acc -= m
-    return acc
 
 
 def _fold(acc: np.ndarray, terms: list[tuple[SeedSource, int]], **kw: object) -> MaskFolder:
@@ -56,7 +45,7 @@ def test_workers_fold_what_one_shot_masks_sum(workers: MaskWorkers, length: int,
     acc = np.arange(length, dtype=np.uint32 if bits <= 32 else np.uint64)
     start = acc.copy()
     folder = _fold(acc, terms, batch=batch, chunk_bytes=chunk_bytes, workers=workers)  # type: ignore[arg-type]
-    assert np.array_equal(acc - start, _reference(terms, length, bits))
+    assert np.array_equal(acc - start, one_shot_sum(terms, length, bits))
     assert folder.batches_on_workers == -(-len(terms) // batch)
 
 
@@ -72,7 +61,7 @@ def test_pairwise_derivations_fold_on_workers_as_on_threads(workers: MaskWorkers
     # The derivation is pairwise_seed's, from the loaded key.
     s = seeds[4]
     assert s() == crypto.pairwise_seed(crypto.load_private(s.s_sk), s.peer_s_pk, b"session", 7, "d1", "v4")
-    assert np.array_equal(on_threads, _reference([(s(), sign) for s, sign in terms], 70_001, 32))
+    assert np.array_equal(on_threads, one_shot_sum([(s(), sign) for s, sign in terms], 70_001, 32))
 
 
 def test_a_workers_error_surfaces_from_finish_and_the_workers_go_on(workers: MaskWorkers) -> None:
@@ -84,7 +73,7 @@ def test_a_workers_error_surfaces_from_finish_and_the_workers_go_on(workers: Mas
     acc = np.zeros(100, np.uint32)
     folder = _fold(acc, [(b"\x02" * 16, 1)], batch=1, workers=workers)
     assert folder.batches_on_workers == 1
-    assert np.array_equal(acc, _reference([(b"\x02" * 16, 1)], 100, 32))
+    assert np.array_equal(acc, one_shot_sum([(b"\x02" * 16, 1)], 100, 32))
 
 
 def test_busy_workers_mean_threads(workers: MaskWorkers) -> None:
@@ -94,12 +83,12 @@ def test_busy_workers_mean_threads(workers: MaskWorkers) -> None:
         acc = np.zeros(1000, np.uint32)
         second = _fold(acc, [(b"\x04" * 16, 1), (b"\x05" * 16, -1)], threads=2, batch=1, workers=workers)
         assert second.batches_on_workers == 0
-        assert np.array_equal(acc, _reference([(b"\x04" * 16, 1), (b"\x05" * 16, -1)], 1000, 32))
+        assert np.array_equal(acc, one_shot_sum([(b"\x04" * 16, 1), (b"\x05" * 16, -1)], 1000, 32))
     finally:
         first.close()  # gives them back without a result
     acc = np.zeros(10, np.uint32)
     assert _fold(acc, [(b"\x06" * 16, 1)], batch=1, workers=workers).batches_on_workers == 1
-    assert np.array_equal(acc, _reference([(b"\x06" * 16, 1)], 10, 32))
+    assert np.array_equal(acc, one_shot_sum([(b"\x06" * 16, 1)], 10, 32))
 
 
 def test_a_seed_source_that_does_not_pickle_folds_on_a_thread(workers: MaskWorkers) -> None:
@@ -107,7 +96,7 @@ def test_a_seed_source_that_does_not_pickle_folds_on_a_thread(workers: MaskWorke
     acc = np.zeros(500, np.uint32)
     folder = _fold(acc, terms, batch=1, workers=workers)
     assert folder.batches_on_workers == 1
-    assert np.array_equal(acc, _reference([(b"\x07" * 16, 1), (b"\x08" * 16, -1)], 500, 32))
+    assert np.array_equal(acc, one_shot_sum([(b"\x07" * 16, 1), (b"\x08" * 16, -1)], 500, 32))
 
 
 def test_a_worker_that_dies_costs_time_not_the_sum() -> None:
@@ -121,17 +110,17 @@ def test_a_worker_that_dies_costs_time_not_the_sum() -> None:
         victim.kill()
         victim.join(5)
         folder.finish()
-        assert np.array_equal(acc, _reference(terms, 3000, 32))
+        assert np.array_equal(acc, one_shot_sum(terms, 3000, 32))
         assert folder.batches_on_workers == 3  # the dead worker's three were folded here
         assert workers.processes == 1 and len(workers.pids) == 2
         # The next fold uses the worker that is left.
         acc = np.zeros(3000, np.uint32)
         assert _fold(acc, terms, batch=1, workers=workers).batches_on_workers == 6
-        assert np.array_equal(acc, _reference(terms, 3000, 32))
+        assert np.array_equal(acc, one_shot_sum(terms, 3000, 32))
     assert workers.closed and workers.processes == 0
     acc = np.zeros(3000, np.uint32)
     assert _fold(acc, terms, batch=1, workers=workers).batches_on_workers == 0  # closed: threads
-    assert np.array_equal(acc, _reference(terms, 3000, 32))
+    assert np.array_equal(acc, one_shot_sum(terms, 3000, 32))
 
 
 def test_workers_refuse_a_bad_count() -> None:

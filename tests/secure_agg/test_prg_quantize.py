@@ -6,6 +6,7 @@ import functools
 
 import numpy as np
 import pytest
+from harness import one_shot_sum
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from uniformity import chi_square_uniform_bytes
@@ -97,18 +98,6 @@ def test_headroom() -> None:
         quantize(np.zeros(3), 0.0, 8, np.random.default_rng(0))
 
 
-def _one_shot_sum(terms: list[tuple[bytes, int]], length: int, bits: int) -> np.ndarray:
-    """sum_i sign_i * PRG(seed_i) from whole one-shot masks: the reference for MaskFolder."""
-    acc = np.zeros(length, dtype=np.uint32 if bits <= 32 else np.uint64)
-    for seed, sign in terms:
-        m = MaskExpander(length, bits).expand(seed)
-        if sign > 0:
-            acc += m
-        else:
-            acc -= m
-    return acc
-
-
 @settings(max_examples=60, deadline=None)
 @given(length=st.integers(0, 5000), bits=st.sampled_from([32, 64]),
        signs=st.lists(st.sampled_from([1, -1]), max_size=12),
@@ -126,7 +115,7 @@ def test_folder_equals_one_shot_masks(length: int, bits: int, signs: list[int], 
             folder.add(seed, sign)
         out = folder.finish()
     assert out is acc
-    assert np.array_equal(acc - start, _one_shot_sum(terms, length, bits))
+    assert np.array_equal(acc - start, one_shot_sum(terms, length, bits))
     assert folder.expansions == len(terms)
 
 
@@ -192,7 +181,7 @@ def test_folder_derives_seeds_given_as_functions(length: int) -> None:
                 folder.add(functools.partial(derive, i), sign)
             folder.finish()
         assert sorted(calls) == list(range(7))
-        assert np.array_equal(lazy, _one_shot_sum(terms, length, 32))
+        assert np.array_equal(lazy, one_shot_sum(terms, length, 32))
 
     def broken() -> bytes:
         raise ArithmeticError("derivation failed")
