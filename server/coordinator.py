@@ -37,6 +37,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import logging
 import math
 import time
 import uuid
@@ -85,6 +86,7 @@ from orchard.updates import decode_partial
 from orchard.wire import check_payload
 
 T = TypeVar("T")
+log = logging.getLogger("orchard.server.coordinator")
 
 # Decodes a client's payload into a float32 delta (codec-specific; see orchard.server.decoding).
 ClientDecoder = Callable[[UploadHeader, bytes | bytearray | memoryview, RoundTask], NDArrays]
@@ -215,6 +217,7 @@ class Coordinator:
         self._fold_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchard-fold")
         self._decode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="orchard-decode")
         self._mask_workers: MaskWorkers | None = None  # started by a large secure session
+        self._mask_workers_failed = False  # they could not start: threads from then on
         self.upload_slots = asyncio.Semaphore(cfg.max_inflight_uploads)
         # Models nodes below may hold, for downlink deltas (orchard.server.downlink).
         self.downlink = DownlinkCache()
@@ -466,10 +469,17 @@ class Coordinator:
         """This tier's mask worker processes for a session of ``n`` clients, started with
         the first session large enough to gain from them; None (the session's threads)
         for smaller ones, in-process coordinators and ``server.mask_workers = 0``."""
-        if self.inline or self.cfg.mask_workers == 0 or mask_bytes(run, schema, n) < MASK_WORKERS_MIN_BYTES:
+        if self.inline or self.cfg.mask_workers == 0 or self._mask_workers_failed \
+                or mask_bytes(run, schema, n) < MASK_WORKERS_MIN_BYTES:
             return None
         if self._mask_workers is None or self._mask_workers.closed:
-            self._mask_workers = MaskWorkers(self.cfg.mask_workers)
+            try:
+                self._mask_workers = MaskWorkers(self.cfg.mask_workers)
+            except (OSError, RuntimeError) as err:  # no processes to be had here: threads, for good
+                self._mask_workers_failed = True
+                log.warning("%s: could not start mask worker processes (%s); secure sessions unmask on "
+                            "threads", self.name, err)
+                return None
         return self._mask_workers
 
     def _start_tree(self, cr: CohortRound) -> None:

@@ -136,3 +136,27 @@ def test_a_tier_starts_mask_workers_for_large_secure_sessions_only() -> None:
         coord.shutdown()
     with pytest.raises(ValueError, match="mask_workers"):
         ServerConfig(mask_workers=-1)
+
+
+def test_a_tier_that_cannot_start_mask_workers_unmasks_on_threads(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    from orchard.config import SecureAggregationConfig
+    from orchard.server import coordinator as coordinator_module
+    from orchard.server.secagg import MASK_WORKERS_MIN_BYTES
+
+    tries: list[int | None] = []
+
+    def refuse(processes: int | None = None) -> None:
+        tries.append(processes)
+        raise OSError("Resource temporarily unavailable")
+
+    monkeypatch.setattr(coordinator_module, "MaskWorkers", refuse)
+    run = RunConfig(secure_aggregation=SecureAggregationConfig(enabled=True))
+    big = (TensorSpec("w", (MASK_WORKERS_MIN_BYTES // 4,), "float32"),)
+    tier = Coordinator("tier", ServerConfig(), np.random.default_rng(0), ClientUpdateDecoder())
+    with caplog.at_level("WARNING", logger="orchard.server.coordinator"):
+        assert tier._mask_workers_for(run, big, 2) is None
+        assert tier._mask_workers_for(run, big, 2) is None
+    assert tries == [None]  # tried once, then threads for good
+    assert "could not start mask worker processes" in caplog.text
+    tier.shutdown()
