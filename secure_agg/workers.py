@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 
@@ -69,11 +70,15 @@ class MaskWorkers:
         self._lock = threading.Lock()
         self._closed = False
         self._workers: list[_Worker] = []
+        self._sessions = 0  # sessions opened; each is numbered
+        # The number of the last session given up: its workers skip the batches it still
+        # has queued instead of folding them for nobody.
+        self._cancelled = ctx.RawValue("q", 0)
         try:
             for i in range(count):
                 ours, theirs = ctx.Pipe(duplex=True)
-                proc = ctx.Process(target=_serve, args=(theirs,), name=f"orchard-mask-worker-{i}",
-                                   daemon=True)
+                proc = ctx.Process(target=_serve, args=(theirs, self._cancelled),
+                                   name=f"orchard-mask-worker-{i}", daemon=True)
                 proc.start()
                 theirs.close()
                 self._workers.append(_Worker(proc, ours))
@@ -102,14 +107,15 @@ class MaskWorkers:
             return None
         try:
             live = [w for w in self._workers if w.alive] if not self._closed else []
-            begin = ("begin", words, np.dtype(dtype).str, chunk_words)
+            self._sessions += 1
+            begin = ("begin", words, np.dtype(dtype).str, chunk_words, self._sessions)
             for w in live:
                 _send(w, begin)
             live = [w for w in live if w.alive]
             if not live:
                 self._lock.release()
                 return None
-            return WorkerSession(self, live, words, np.dtype(dtype))
+            return WorkerSession(self, live, words, np.dtype(dtype), self._sessions)
         except BaseException:
             self._lock.release()
             raise
@@ -151,6 +157,7 @@ class WorkerSession:
     workers: list[_Worker]
     words: int
     dtype: np.dtype
+    number: int
     sent: list[list[Batch]] = field(default_factory=list)
     _turn: int = 0
     _done: bool = False
@@ -213,10 +220,12 @@ class WorkerSession:
         return lost
 
     def abort(self) -> None:
-        """Give the workers back without a result (they drop what they folded)."""
+        """Give the workers back without a result: they skip the batches still queued
+        and drop what they folded."""
         if self._done:
             return
         self._done = True
+        self.owner._cancelled.value = self.number
         try:
             for w in self.workers:
                 if w.alive:
@@ -246,12 +255,14 @@ def _picklable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _serve(conn: Connection) -> None:
-    """A worker's loop: begin, fold..., end (or drop), and so on until stop or EOF."""
+def _serve(conn: Connection, cancelled: Any) -> None:
+    """A worker's loop: begin, fold..., end (or drop), and so on until stop or EOF.
+    ``cancelled.value`` is the number of the last session the parent gave up."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when to stop
     acc: np.ndarray | None = None
     zeros = b""
     chunk_words = 1
+    session = 0
     error: BaseException | None = None
     while True:
         try:
@@ -260,13 +271,13 @@ def _serve(conn: Connection) -> None:
             return
         kind = msg[0]
         if kind == "fold":
-            if acc is not None and error is None:
+            if acc is not None and error is None and cancelled.value != session:
                 try:
                     _fold_chunked(acc, msg[1], chunk_words, zeros)
                 except Exception as exc:
                     error = exc
         elif kind == "begin":
-            _, words, dtype, chunk_words = msg
+            _, words, dtype, chunk_words, session = msg
             if acc is not None and acc.size == words and acc.dtype == np.dtype(dtype):
                 acc.fill(0)
             else:

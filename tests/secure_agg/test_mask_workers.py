@@ -3,6 +3,8 @@ one-shot masks, whatever the workers do (fail a derivation, die, are busy or clo
 
 from __future__ import annotations
 
+import functools
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -149,3 +151,24 @@ def test_session_with_dropouts_unmasks_the_same_sum_on_workers(workers: MaskWork
     want = sum((inputs[q] for q in p if q not in (p[2], p[7])), np.zeros(d, np.uint32))
     assert np.array_equal(results[0], want) and np.array_equal(results[1], want)
 
+
+
+def _slow_seed(i: int) -> bytes:
+    time.sleep(0.02)
+    return bytes([i % 250 + 1]) * 16
+
+
+def test_a_fold_given_up_does_not_hold_up_the_next() -> None:
+    """A session that aborts part-way (a corrupted key share, say) gives the workers back
+    with batches still queued: they skip those instead of folding them for nobody."""
+    with MaskWorkers(1) as workers:
+        _fold(np.zeros(10, np.uint32), [(b"\x01" * 16, 1)], batch=1, workers=workers)  # started
+        folder = MaskFolder(np.zeros(10, np.uint32), batch=1, workers=workers)
+        for i in range(100):  # two seconds of derivations queued
+            folder.add(functools.partial(_slow_seed, i))
+        folder.close()
+        t0 = time.perf_counter()
+        acc = np.zeros(10, np.uint32)
+        assert _fold(acc, [(b"\x02" * 16, 1)], batch=1, workers=workers).batches_on_workers == 1
+        assert time.perf_counter() - t0 < 1.0
+        assert np.array_equal(acc, one_shot_sum([(b"\x02" * 16, 1)], 10, 32))
