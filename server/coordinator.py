@@ -218,6 +218,8 @@ class Coordinator:
         self._decode_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="orchard-decode")
         self._mask_workers: MaskWorkers | None = None  # started by a large secure session
         self._mask_workers_failed = False  # they could not start: threads from then on
+        self._unmask_pool: ThreadPoolExecutor | None = None  # a session's unmasking, off the loop
+        self._unmasking: set[CohortRound] = set()  # rounds whose session is unmasking there
         self.upload_slots = asyncio.Semaphore(cfg.max_inflight_uploads)
         # Models nodes below may hold, for downlink deltas (orchard.server.downlink).
         self.downlink = DownlinkCache()
@@ -1110,12 +1112,23 @@ class Coordinator:
         if sc is None or cr.closed:
             return
         moved = False
-        while sc.advance(self._wall()):
+        # The unmasking (seconds of mask expansion in a large session) closes on a thread of
+        # its own, not on the loop, which goes on answering heartbeats and polls meanwhile.
+        while sc.advance(self._wall(), defer_unmasking=not self.inline):
             moved = True
+        if sc.closing and cr not in self._unmasking:
+            self._unmasking.add(cr)
+            self._tasks.add(asyncio.get_running_loop().create_task(self._unmask_off_loop(cr)))
         if not moved or not sc.finished:
             if moved:
                 self._notify()
             return
+        self._secure_finished(cr)
+
+    def _secure_finished(self, cr: CohortRound) -> None:
+        """The session ended: fold the cohort's sum, or record why there is none."""
+        sc = cr.secure
+        assert sc is not None and sc.finished
         clients = [a for a in cr.assignments.values() if self.children.get(a.node_id) is not None
                    and self.children[a.node_id].role is Role.CLIENT]
         p = None
@@ -1155,6 +1168,25 @@ class Coordinator:
         self._check_close(cr)
         self._notify()
 
+    async def _unmask_off_loop(self, cr: CohortRound) -> None:
+        """Close the session's unmasking stage on the unmasking thread, then go on from its end."""
+        sc = cr.secure
+        assert sc is not None
+        if self._unmask_pool is None:
+            self._unmask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orchard-unmask")
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._unmask_pool, sc.close_due_stage)
+        except Exception as err:  # a fault, not the protocol's abort (that is recorded by the session)
+            sc.failure = f"unmasking failed: {type(err).__name__}: {err}"
+        finally:
+            sc.closing = False
+            self._unmasking.discard(cr)
+            task = asyncio.current_task()
+            if task is not None:
+                self._tasks.discard(task)
+        if not cr.closed:
+            self._secure_finished(cr)
+
     # ------------------------------------------------------------------ closing
 
     def sweep(self) -> None:
@@ -1191,7 +1223,7 @@ class Coordinator:
             return
         if cr.secure is not None:
             self._secure_progress(cr)
-            if cr.closed:
+            if cr.closed or cr.secure.closing:  # unmasking: the round closes when it ends
                 return
         if self._wall() >= cr.task.deadline_unix:
             if self._short(cr):
@@ -1215,7 +1247,7 @@ class Coordinator:
                 and cr.received < math.ceil(cr.task.target * cfg.cohort.min_fraction))
 
     def _check_close(self, cr: CohortRound) -> None:
-        if cr.closed or cr.continuation:
+        if cr.closed or cr.continuation or (cr.secure is not None and cr.secure.closing):
             return
         if cr.received >= cr.task.target:
             self._close_buffer(cr, "target reached")
@@ -1277,5 +1309,7 @@ class Coordinator:
     def shutdown(self) -> None:
         self._fold_pool.shutdown(wait=False, cancel_futures=True)
         self._decode_pool.shutdown(wait=False, cancel_futures=True)
+        if self._unmask_pool is not None:
+            self._unmask_pool.shutdown(wait=False, cancel_futures=True)
         if self._mask_workers is not None:
             self._mask_workers.close()

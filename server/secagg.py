@@ -46,6 +46,7 @@ from orchard.secure_agg import (
     SecAggServer,
     SessionConfig,
     Stage,
+    WrongStage,
     check_headroom,
     dequantize,
     parameters_from_config,
@@ -167,6 +168,10 @@ class SecureCohort:
     bytes_down: int = 0
     neighbours: int = 0
     threshold: int = 0
+    # The unmasking stage is closing on another thread (advance(defer_unmasking=True)):
+    # the session takes no message and writes no broadcast until close_due_stage returns.
+    closing: bool = False
+    failure: str = ""  # the unmasking raised something other than an abort (a bug): no sum
 
     def __post_init__(self) -> None:
         n = len(self.participants)
@@ -187,17 +192,20 @@ class SecureCohort:
 
     @property
     def finished(self) -> bool:
-        return self.server.stage in (Stage.DONE, Stage.ABORTED)
+        return self.server.stage in (Stage.DONE, Stage.ABORTED) or bool(self.failure)
 
     def broadcast(self, node: str) -> bytes:
         """The current broadcast for ``node`` if it is expected to answer now, else b""."""
-        if self.finished or node not in self.server.pending():
+        if self.closing or self.finished or node not in self.server.pending():
             return b""
         data = self.server.broadcast_bytes(node)
         self.bytes_down += len(data)
         return data
 
     def receive(self, node: str, stage: Stage, message: bytes, header: UploadHeader | None) -> None:
+        if self.closing:
+            raise WrongStage(f"{node!r} sent a {stage.value} message while the unmasking stage closes: "
+                             "the session takes no more messages; poll without one for its end")
         if stage is Stage.MASKED_INPUT:
             check_masked_header(header)
         self.server.receive(stage, node, message)  # refuses with a SecAggError and changes nothing
@@ -205,20 +213,32 @@ class SecureCohort:
         if stage is Stage.MASKED_INPUT and header is not None:
             self.headers[node] = header
 
-    def advance(self, now_wall: float) -> bool:
-        """Close the current stage if everyone answered or its deadline passed. True if it moved."""
-        if self.finished:
+    def advance(self, now_wall: float, *, defer_unmasking: bool = False) -> bool:
+        """Close the current stage if everyone answered or its deadline passed. True if it
+        moved. With ``defer_unmasking``, the unmasking stage (where the masks come off: up
+        to seconds of work in a large session) is not closed here: the cohort is marked
+        ``closing`` and the caller runs :meth:`close_due_stage` on another thread."""
+        if self.finished or self.closing:
             return False
         end = self.started_wall + STAGE_END[self.stage] * (self.deadline_wall - self.started_wall)
         if self.server.pending() and now_wall < end:
             return False
-        # An abort is recorded by the session (abort_reason); this cohort then adds nothing.
+        if defer_unmasking and self.server.stage is Stage.UNMASKING:
+            self.closing = True
+            return False
+        self.close_due_stage()
+        return True
+
+    def close_due_stage(self) -> None:
+        """Close the current stage. An abort is recorded by the session (abort_reason);
+        this cohort then adds nothing."""
         with contextlib.suppress(SecAggAbort):
             self.server.close_stage()
-        return True
 
     @property
     def abort_reason(self) -> str:
+        if self.failure:
+            return self.failure
         return (self.server.abort_reason or "aborted") if self.server.stage is Stage.ABORTED else ""
 
     def partial(self) -> Partial:

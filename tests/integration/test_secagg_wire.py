@@ -6,6 +6,7 @@ stages."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from pathlib import Path
 
@@ -164,3 +165,44 @@ def test_a_tier_unmasks_on_its_mask_workers(tmp_path: Path, monkeypatch: pytest.
     np.testing.assert_allclose(out, expected([0, 1, 3, 4], [w[k] for k in (0, 1, 3, 4)]), atol=2e-3)
     assert len(started) == 1 and started[0].sessions == 1
     assert started[0].closed
+
+
+def test_the_unmasking_runs_off_the_event_loop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tier closes its session's unmasking stage (seconds of mask expansion in a large
+    session; here made slow on purpose) on a thread of its own: the event loop that
+    serves its heartbeats and polls keeps turning, and the round still gets the sum."""
+    from orchard.secure_agg import Stage
+    from orchard.server.secagg import SecureCohort
+
+    threads: list[str] = []
+    close = SecureCohort.close_due_stage
+
+    def slow_close(self: SecureCohort) -> None:
+        if self.stage is Stage.UNMASKING:
+            threads.append(threading.current_thread().name)
+            time.sleep(1.5)
+        close(self)
+
+    monkeypatch.setattr(SecureCohort, "close_due_stage", slow_close)
+    gaps: list[float] = []
+
+    async def main() -> tuple:
+        async def tick() -> None:
+            last = time.perf_counter()
+            while True:
+                await asyncio.sleep(0.05)
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+
+        ticker = asyncio.create_task(tick())
+        try:
+            return await _run(tmp_path, 4, aggregators=0, dead=set())
+        finally:
+            ticker.cancel()
+
+    st, out, w = asyncio.run(main())
+    assert st["status"] == "completed", st
+    np.testing.assert_allclose(out, expected([0, 1, 2, 3], w), atol=2e-3)
+    assert threads and all(t.startswith("orchard-unmask") for t in threads), threads
+    assert max(gaps) < 1.0, max(gaps)  # the 1.5 s close never held the loop

@@ -160,3 +160,25 @@ def test_a_tier_that_cannot_start_mask_workers_unmasks_on_threads(monkeypatch: p
     assert tries == [None]  # tried once, then threads for good
     assert "could not start mask worker processes" in caplog.text
     tier.shutdown()
+
+
+def test_a_secure_cohort_takes_nothing_while_its_unmasking_closes() -> None:
+    """While the unmasking stage closes on another thread, the cohort refuses messages
+    (the stage is over), writes no broadcast and does not move; a fault there ends the
+    session with the fault as its reason."""
+    from orchard.config import SecureAggregationConfig
+    from orchard.secure_agg import Stage, WrongStage
+    from orchard.server.secagg import new_cohort
+
+    run = RunConfig(secure_aggregation=SecureAggregationConfig(enabled=True))
+    sc = new_cohort(run, SCHEMA, [f"c{i}" for i in range(6)], 1, time.time() + 60)
+    assert sc.broadcast("c0")  # the session's setup, before
+    sc.closing = True
+    assert sc.broadcast("c0") == b""
+    with pytest.raises(WrongStage, match="unmasking stage closes"):
+        sc.receive("c0", Stage.ADVERTISE_KEYS, b"\x00", None)
+    assert not sc.advance(time.time() + 3600, defer_unmasking=True)
+    assert sc.stage is Stage.ADVERTISE_KEYS and not sc.finished
+    sc.closing = False
+    sc.failure = "unmasking failed: MemoryError: "
+    assert sc.finished and sc.abort_reason == "unmasking failed: MemoryError: "
