@@ -173,6 +173,9 @@ def start_workers(processes: int) -> tuple[MaskWorkers, float]:
     return workers, time.perf_counter() - t0
 
 
+_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
 def _child_cpu(pids: list[int]) -> float:
     """CPU seconds (user + system) the live processes ``pids`` have used (Linux /proc;
     0 elsewhere, where the server's CPU columns then leave its workers out)."""
@@ -185,9 +188,6 @@ def _child_cpu(pids: list[int]) -> float:
             continue
         total += (int(fields[11]) + int(fields[12])) / _TICKS
     return total
-
-
-_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: float,

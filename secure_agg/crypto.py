@@ -47,6 +47,7 @@ __all__ = [
     "encrypt_share",
     "hkdf",
     "load_private",
+    "load_private_cached",
     "load_public",
     "pairwise_seed",
     "private_bytes",
@@ -131,7 +132,7 @@ def pairwise_seed(s_sk: X25519PrivateKey, peer_s_pk: bytes | X25519PublicKey,
 # A loaded private key computes its public key (one X25519 multiplication, ~20 us): a
 # server derives about k seeds per dropped node, so it loads each node's key once. The
 # keys cached are those of dropped nodes, which the server has reconstructed anyway.
-_private_cached = functools.lru_cache(maxsize=8)(load_private)
+load_private_cached = functools.lru_cache(maxsize=8)(load_private)
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +152,7 @@ class PairwiseSeed:
     b: str
 
     def __call__(self) -> bytes:
-        return pairwise_seed(_private_cached(self.s_sk), self.peer_s_pk, self.session_id,
+        return pairwise_seed(load_private_cached(self.s_sk), self.peer_s_pk, self.session_id,
                              self.round_number, self.a, self.b)
 
 

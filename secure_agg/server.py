@@ -472,7 +472,8 @@ class SecAggServer:
                 keys = reconstruct_many_bytes({d: self._key_shares.get(d, {}) for d in dropped},
                                               t, crypto.KEY_BYTES)
                 for d in dropped:
-                    s_sk = crypto.load_private(keys[d])
+                    # Cached: the mask threads' PairwiseSeeds load the same key again.
+                    s_sk = crypto.load_private_cached(keys[d])
                     if crypto.public_bytes(s_sk) != self._keys[d][1]:
                         raise SecAggAbort(f"the mask key reconstructed for {self._ids[d]!r} does "
                                           f"not match its advertised public key: a share was "

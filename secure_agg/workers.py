@@ -158,7 +158,7 @@ class WorkerSession:
     words: int
     dtype: np.dtype
     number: int
-    sent: list[list[Batch]] = field(default_factory=list)
+    sent: list[list[Batch]] = field(init=False)  # per worker, what it was sent
     _turn: int = 0
     _done: bool = False
 

@@ -219,7 +219,6 @@ class Coordinator:
         self._mask_workers: MaskWorkers | None = None  # started by a large secure session
         self._mask_workers_failed = False  # they could not start: threads from then on
         self._unmask_pool: ThreadPoolExecutor | None = None  # a session's unmasking, off the loop
-        self._unmasking: set[CohortRound] = set()  # rounds whose session is unmasking there
         self.upload_slots = asyncio.Semaphore(cfg.max_inflight_uploads)
         # Models nodes below may hold, for downlink deltas (orchard.server.downlink).
         self.downlink = DownlinkCache()
@@ -1111,14 +1110,15 @@ class Coordinator:
         sc = cr.secure
         if sc is None or cr.closed:
             return
-        moved = False
+        moved, was_closing = False, sc.closing
         # The unmasking (seconds of mask expansion in a large session) closes on a thread of
         # its own, not on the loop, which goes on answering heartbeats and polls meanwhile.
         while sc.advance(self._wall(), defer_unmasking=not self.inline):
             moved = True
-        if sc.closing and cr not in self._unmasking:
-            self._unmasking.add(cr)
-            self._tasks.add(asyncio.get_running_loop().create_task(self._unmask_off_loop(cr)))
+        if sc.closing and not was_closing:  # this call found the unmasking due
+            task = asyncio.get_running_loop().create_task(self._unmask_off_loop(cr))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         if not moved or not sc.finished:
             if moved:
                 self._notify()
@@ -1180,10 +1180,6 @@ class Coordinator:
             sc.failure = f"unmasking failed: {type(err).__name__}: {err}"
         finally:
             sc.closing = False
-            self._unmasking.discard(cr)
-            task = asyncio.current_task()
-            if task is not None:
-                self._tasks.discard(task)
         if not cr.closed:
             self._secure_finished(cr)
 
