@@ -76,7 +76,7 @@ from orchard.secure_agg import (
     decode,
 )
 from orchard.secure_agg.prg import DEFAULT_CHUNK_BYTES, SEED_BYTES, MaskFolder, available_cores
-from orchard.secure_agg.workers import MaskWorkers
+from orchard.server.maskworkers import MaskWorkers
 
 STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING)
 BITS = 16  # quantisation bits: 1000 * 2^16 < 2^32, so the sum never wraps

@@ -17,7 +17,7 @@ Parameters::
 
 Server (one per cohort and round; not thread-safe, serialise calls)::
 
-    server = SecAggServer(config)         # or SecAggServer(config, workers=MaskWorkers())
+    server = SecAggServer(config)         # workers=: a server's mask worker processes
     server.stage                          # Stage.ADVERTISE_KEYS, ..., DONE or ABORTED
     server.broadcast_for(node) -> Message # what `node` needs to act in the current stage
     server.broadcast_bytes(node) -> bytes # the same in wire form (what a transport sends)
@@ -138,7 +138,6 @@ from orchard.secure_agg.params import SecAggParameters, choose_parameters, param
 from orchard.secure_agg.prg import expand_mask
 from orchard.secure_agg.quantize import check_headroom, dequantize, quantize
 from orchard.secure_agg.server import SecAggResult, SecAggServer, StageReport
-from orchard.secure_agg.workers import MaskWorkers
 
 __all__ = [
     "AdvertiseKeys",
@@ -146,7 +145,6 @@ __all__ = [
     "ExcludedNode",
     "KeysBroadcast",
     "MalformedMessage",
-    "MaskWorkers",
     "MaskedInput",
     "Message",
     "NeighbourGraph",

@@ -22,15 +22,12 @@ import queue
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from orchard.secure_agg.errors import SecAggConfigError
-
-if TYPE_CHECKING:
-    from orchard.secure_agg.workers import MaskWorkers, WorkerSession
 
 SEED_BYTES = 16
 _ZERO_IV = bytes(16)
@@ -53,11 +50,15 @@ __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "SEED_BYTES",
     "ByteStream",
+    "Batch",
+    "FoldSession",
+    "FoldWorkers",
     "MaskExpander",
     "MaskFolder",
     "SeedSource",
     "available_cores",
     "expand_mask",
+    "fold_batch",
     "modulus_mask",
     "word_dtype",
 ]
@@ -121,6 +122,33 @@ class MaskExpander:
 
 
 SeedSource = bytes | Callable[[], bytes]  # a seed, or a function that derives it
+Batch = list[tuple[SeedSource, bool]]  # seeds and whether each mask is subtracted
+
+
+class FoldSession(Protocol):
+    """One fold handed to :class:`FoldWorkers`: batches go out with :meth:`submit`, the
+    sums come back into the accumulator with :meth:`collect` (or are dropped, :meth:`abort`)."""
+
+    def submit(self, batch: Batch) -> bool:
+        """Take ``batch``; False if it must be folded by the caller."""
+        ...
+
+    def collect(self, acc: np.ndarray) -> list[Batch]:
+        """Add the folded sums into ``acc``; return the batches that were lost (fold them)."""
+        ...
+
+    def abort(self) -> None:
+        """Give up the fold: nothing comes back."""
+        ...
+
+
+class FoldWorkers(Protocol):
+    """Something outside this thread that folds batches with :func:`fold_batch` (the
+    server's mask worker processes, ``orchard.server.maskworkers.MaskWorkers``)."""
+
+    def open(self, words: int, dtype: np.dtype, chunk_words: int) -> FoldSession | None:
+        """A fold into an accumulator of ``words`` words of ``dtype``; None if unavailable."""
+        ...
 
 
 def available_cores() -> int:
@@ -155,8 +183,8 @@ class MaskFolder:
     :meth:`finish` adds them up: addition modulo 2^w is commutative and associative, so
     the sum does not depend on how seeds were spread over threads.
 
-    Given ``workers`` (:class:`~orchard.secure_agg.workers.MaskWorkers`), the batches go
-    to worker processes instead, each with its own interpreter, so no fold waits for
+    Given ``workers`` (:class:`FoldWorkers`: a server's mask worker processes), the
+    batches go to them instead, each with its own interpreter, so no fold waits for
     another's GIL; the seed sources must then pickle (raw seeds and :class:`~orchard.secure_agg.crypto.PairwiseSeed`
     do). Workers busy with another folder, closed or gone mean threads, as without them.
 
@@ -166,7 +194,7 @@ class MaskFolder:
     def __init__(self, acc: np.ndarray, *, threads: int = 1,
                  batch: int = DEFAULT_BATCH_SEEDS,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 workers: MaskWorkers | None = None) -> None:
+                 workers: FoldWorkers | None = None) -> None:
         if not isinstance(acc, np.ndarray) or acc.ndim != 1 or not acc.flags.c_contiguous \
                 or acc.dtype not in (np.dtype("<u4"), np.dtype("<u8")) or not acc.flags.writeable:
             raise ValueError("the accumulator must be a writable, contiguous 1-d array of "
@@ -197,7 +225,7 @@ class MaskFolder:
         self._extra: list[np.ndarray] = []
         self._finished = False
         self._workers = workers
-        self._session: WorkerSession | None = None  # the workers, once the first batch goes out
+        self._session: FoldSession | None = None  # the workers, once the first batch goes out
         self.expansions = 0  # measurement: seeds expanded (each is one mask of acc.size words)
         self.batches_on_workers = 0  # measurement: batches folded by worker processes
 
@@ -230,7 +258,7 @@ class MaskFolder:
                 session, self._session = self._session, None
                 for batch in session.collect(self._acc):  # a dead worker's batches, again
                     self.batches_on_workers -= 1
-                    _fold_chunked(self._acc, batch, self._chunk_words, self._zeros)
+                    fold_batch(self._acc, batch, self._chunk_words, self._zeros)
         finally:
             self.close()
         for extra in self._extra:
@@ -290,7 +318,7 @@ class MaskFolder:
     def _fold(self, batch: list[tuple[SeedSource, bool]]) -> None:
         acc = self._take_accumulator()
         try:
-            _fold_chunked(acc, batch, self._chunk_words, self._zeros)
+            fold_batch(acc, batch, self._chunk_words, self._zeros)
         finally:
             self._free.put(acc)
 
@@ -301,10 +329,11 @@ def _seed_of(source: SeedSource) -> bytes:
     return seed
 
 
-def _fold_chunked(acc: np.ndarray, batch: list[tuple[SeedSource, bool]], chunk_words: int,
-                  zeros: bytes) -> None:
-    """The inner loop of :class:`MaskFolder`: chunk-major over one batch of seeds. Seeds
-    given as functions are derived during the first chunk, each just before its mask."""
+def fold_batch(acc: np.ndarray, batch: Batch, chunk_words: int, zeros: bytes) -> None:
+    """The inner loop of :class:`MaskFolder` (and of a mask worker process): chunk-major
+    over one batch of seeds, ``chunk_words`` words at a time, ``zeros`` being at least one
+    chunk of zero bytes. Seeds given as functions are derived during the first chunk, each
+    just before its mask."""
     itemsize = acc.dtype.itemsize
     streams: list[tuple[Callable[..., int], bool]] = []
     if acc.size == 0:

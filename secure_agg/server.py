@@ -73,7 +73,7 @@ from orchard.secure_agg.prg import (
 from orchard.secure_agg.shamir import reconstruct_many_bytes
 
 if TYPE_CHECKING:
-    from orchard.secure_agg.workers import MaskWorkers
+    from orchard.secure_agg.prg import FoldWorkers
 
 __all__ = ["SecAggResult", "SecAggServer", "StageReport"]
 
@@ -118,13 +118,13 @@ class SecAggServer:
     ``threads`` is how many threads expand masks when the session unmasks (None: every
     core this process may use). Mask expansion is nearly all of the server's work in a
     large session; the threads live only inside :meth:`close_stage` of the last stage.
-    Given ``workers`` (:class:`~orchard.secure_agg.workers.MaskWorkers`, started once per
-    server process), the masks are expanded on those processes instead, free of this
+    Given ``workers`` (:class:`~orchard.secure_agg.prg.FoldWorkers`: the mask worker
+    processes a server starts once, ``orchard.server.maskworkers.MaskWorkers``), the masks are expanded on those processes instead, free of this
     process's GIL; the threads are then the fallback for when the workers are busy.
     """
 
     def __init__(self, config: SessionConfig, *, threads: int | None = None,
-                 workers: MaskWorkers | None = None) -> None:
+                 workers: FoldWorkers | None = None) -> None:
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1 (or None for every core), got {threads}")
         self.config = config

@@ -62,13 +62,14 @@ from orchard.errors import (
     UpdateSchemaError,
 )
 from orchard.messages import Idle, TaskAssignment, UploadHeader, UploadKind
-from orchard.secure_agg import MaskWorkers, Stage
+from orchard.secure_agg import Stage
 from orchard.secure_agg.stages import stage_index as stage_index_of
 from orchard.secure_agg.stages import stage_of
 from orchard.server.admission import admit_header, check_assignment, check_round, check_version
 from orchard.server.buffer import BufferState, Held
 from orchard.server.cohort import Assignment, CheckedUpload, CohortRound, CompressedCohort
 from orchard.server.downlink import DownlinkCache, ModelReply, full_reply
+from orchard.server.maskworkers import MaskWorkers
 from orchard.server.round import RoundOutcome, RoundTask, round_seed
 from orchard.server.secagg import (
     MASK_WORKERS_MIN_BYTES,

@@ -42,7 +42,6 @@ from orchard.config import RunConfig, SecureAggregationConfig
 from orchard.errors import SecAggAbort, SecAggError, UpdateSchemaError
 from orchard.messages import UploadHeader
 from orchard.secure_agg import (
-    MaskWorkers,
     SecAggServer,
     SessionConfig,
     Stage,
@@ -51,9 +50,10 @@ from orchard.secure_agg import (
     dequantize,
     parameters_from_config,
 )
+from orchard.server.maskworkers import MaskWorkers
 from orchard.typing import TensorSpec
 
-# A tier starts its mask worker processes (orchard.secure_agg.workers) with the first
+# A tier starts its mask worker processes (orchard.server.maskworkers) with the first
 # session that will expand at least this many bytes of mask (about 25 ms of keystream on
 # one core), where sparing the threads' waits for the GIL outweighs the workers' start
 # (0.2-0.3 s, once) and a session's pipe traffic (one sum back from each worker).

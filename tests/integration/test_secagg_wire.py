@@ -19,10 +19,9 @@ from orchard.client.runtime import ClientRuntime
 from orchard.config import CohortConfig, RunConfig, SecureAggregationConfig
 from orchard.link import FleetLink, LinkConfig
 from orchard.ops import ControlClient
-from orchard.secure_agg import MaskWorkers
-from orchard.secure_agg.workers import WorkerSession
 from orchard.server import coordinator
 from orchard.server.app import start_aggregator, start_root
+from orchard.server.maskworkers import MaskWorkers, WorkerSession
 from orchard.trainer import EvalResult, TrainResult
 from orchard.typing import Role
 

@@ -8,8 +8,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from orchard.secure_agg import MaskWorkers, SecAggClient, SecAggServer, SessionConfig, Stage, decode
-from orchard.secure_agg.prg import MaskExpander
+from orchard.secure_agg import SecAggClient, SecAggServer, SessionConfig, Stage, decode
+from orchard.secure_agg.prg import FoldWorkers, MaskExpander
 
 STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING)
 
@@ -41,7 +41,7 @@ def make_config(n: int, d: int, k: int, t: int, *, seed: int = 0, round_number: 
 def run_session(config: SessionConfig, inputs: Mapping[str, np.ndarray],
                 drop: Mapping[Stage, Sequence[str]] | None = None, *, seed: int = 0,
                 server_sees: list[np.ndarray] | None = None, threads: int | None = None,
-                via_objects: bool = False, workers: MaskWorkers | None = None):
+                via_objects: bool = False, workers: FoldWorkers | None = None):
     """Run every stage; ``drop[stage]`` lists nodes that go silent from that stage on.
     ``via_objects`` hands the server decoded message objects instead of their bytes.
 

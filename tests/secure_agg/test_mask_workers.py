@@ -1,4 +1,4 @@
-"""Mask folding on worker processes (orchard.secure_agg.workers): the same sum as the
+"""Mask folding on worker processes (orchard.server.maskworkers): the same sum as the
 one-shot masks, whatever the workers do (fail a derivation, die, are busy or closed)."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ from harness import make_config, one_shot_sum, run_session
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orchard.secure_agg import MalformedMessage, MaskWorkers, Stage, crypto
+from orchard.secure_agg import MalformedMessage, Stage, crypto
 from orchard.secure_agg.prg import MaskFolder, SeedSource
+from orchard.server.maskworkers import MaskWorkers
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,5 @@
-"""Mask folding on worker processes: a server's unmasking without its own GIL.
+"""Mask folding on worker processes: a server's unmasking without its own GIL (the
+:class:`~orchard.secure_agg.prg.FoldWorkers` a tier gives its secure sessions).
 
 Removing the masks is nearly all AES-CTR keystream and additions, and both release the
 GIL, so :class:`~orchard.secure_agg.prg.MaskFolder` runs them on threads. But each
@@ -6,9 +7,10 @@ GIL, so :class:`~orchard.secure_agg.prg.MaskFolder` runs them on threads. But ea
 that holds it for about 25 us: at n = 1,000, d = 1M with 10% dropout the two mask
 threads of one process spend about a tenth of the unmasking waiting for each other.
 :class:`MaskWorkers` are processes, one per core by default, each with its own
-interpreter. A folder given them sends each batch of seeds (raw seeds, or picklable
+interpreter. A folder (``MaskFolder``) given them sends each batch of seeds (raw seeds, or picklable
 derivations such as :class:`~orchard.secure_agg.crypto.PairwiseSeed`) to one worker in
-turn; the worker folds it into its own accumulator with the folder's own loop, and
+turn; the worker folds it into its own accumulator with the folder's own loop
+(:func:`~orchard.secure_agg.prg.fold_batch`), and
 :meth:`MaskFolder.finish` receives each worker's accumulator and adds them up. Addition
 modulo 2^w commutes, so the sum is the threads' sum to the bit.
 
@@ -19,8 +21,9 @@ folder uses them at a time; a folder that finds them busy or closed folds on thr
 it does without them. A worker that dies mid-session costs time, not the session: the
 batches it held are folded again on the caller's thread. Workers that are dropped
 without :meth:`MaskWorkers.close` exit when their pipe closes (or with the interpreter:
-they are daemons). Nothing here touches files or the network; the processes talk over
-pipes.
+they are daemons). They live here, with the server, and not in the pure
+``orchard.secure_agg``: they are processes that talk over pipes; what they compute is
+the package's pure fold.
 
     with MaskWorkers() as workers:
         server = SecAggServer(config, workers=workers)   # one session after another
@@ -40,11 +43,9 @@ from typing import Any
 
 import numpy as np
 
-from orchard.secure_agg.prg import SeedSource, _fold_chunked, available_cores
+from orchard.secure_agg.prg import Batch, available_cores, fold_batch
 
 __all__ = ["MaskWorkers"]
-
-Batch = list[tuple[SeedSource, bool]]
 
 
 @dataclass
@@ -273,7 +274,7 @@ def _serve(conn: Connection, cancelled: Any) -> None:
         if kind == "fold":
             if acc is not None and error is None and cancelled.value != session:
                 try:
-                    _fold_chunked(acc, msg[1], chunk_words, zeros)
+                    fold_batch(acc, msg[1], chunk_words, zeros)
                 except Exception as exc:
                     error = exc
         elif kind == "begin":
