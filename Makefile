@@ -13,7 +13,7 @@ DEMO_OUT ?= demo-out
 # machine's cores; torch takes one thread in each).
 TEST_WORKERS ?= 2
 
-.PHONY: install test test-all demo lint typecheck proto clean
+.PHONY: install test test-all demo lint typecheck proto clean device
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -43,6 +43,14 @@ typecheck: $(STAMP)
 
 proto: $(STAMP)
 	$(BIN)/python -m orchard.protogen
+
+# The native device client (device/): build it and run its tests with ctest. `make test`
+# runs the same through tests/device/test_native.py (skipped without the toolchain).
+DEVICE_BUILD ?= device/build/default
+device:
+	cmake -S device -B $(DEVICE_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo
+	cmake --build $(DEVICE_BUILD) -j 2
+	ctest --test-dir $(DEVICE_BUILD) --output-on-failure
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
