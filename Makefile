@@ -47,10 +47,11 @@ proto: $(STAMP)
 # The native device client (device/): build it and run its tests with ctest. `make test`
 # runs the same through tests/device/test_native.py (skipped without the toolchain).
 DEVICE_BUILD ?= device/build/default
-device:
+device: $(STAMP)
 	cmake -S device -B $(DEVICE_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo
 	cmake --build $(DEVICE_BUILD) -j 2
-	ctest --test-dir $(DEVICE_BUILD) --output-on-failure
+	$(BIN)/python tests/device/device_vectors.py $(DEVICE_BUILD)/vectors
+	ORCHARD_DEVICE_VECTORS=$(CURDIR)/$(DEVICE_BUILD)/vectors ctest --test-dir $(DEVICE_BUILD) --output-on-failure
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -39,7 +39,7 @@ inline void fail(const char* file, int line, const std::string& what) {
 inline std::string vectors_dir() {
   const char* d = std::getenv("ORCHARD_DEVICE_VECTORS");
   if (d == nullptr || *d == '\0') {
-    std::fprintf(stderr, "ORCHARD_DEVICE_VECTORS is not set: run tests/device/vectors.py DIR and point it there\n");
+    std::fprintf(stderr, "ORCHARD_DEVICE_VECTORS is not set: run tests/device/device_vectors.py DIR and point it there\n");
     std::exit(2);
   }
   return d;

@@ -7,8 +7,10 @@ so in CI they run. The sanitizer build runs the same tests under ASan and UBSan.
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import device_native
+import device_vectors
 import pytest
 
 REASON = device_native.skip_reason()
@@ -27,15 +29,21 @@ def native() -> device_native.Build:
     return _build("default")
 
 
-def _ctest(b: device_native.Build) -> None:
-    res = device_native.ctest(b)
+@pytest.fixture(scope="module")
+def vectors(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Test vectors from the Python package, written for this run (device_vectors.py)."""
+    return device_vectors.write_all(tmp_path_factory.mktemp("device-vectors"))
+
+
+def _ctest(b: device_native.Build, vectors: Path) -> None:
+    res = device_native.ctest(b, env={"ORCHARD_DEVICE_VECTORS": str(vectors)})
     assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-2000:]
     assert "tests passed" in res.stdout, res.stdout
 
 
-def test_ctest(native: device_native.Build) -> None:
-    _ctest(native)
+def test_ctest(native: device_native.Build, vectors: Path) -> None:
+    _ctest(native, vectors)
 
 
-def test_ctest_under_sanitizers() -> None:
-    _ctest(_build("sanitize", sanitize=True, build_type="Debug"))
+def test_ctest_under_sanitizers(vectors: Path) -> None:
+    _ctest(_build("sanitize", sanitize=True, build_type="Debug"), vectors)
