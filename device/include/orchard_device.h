@@ -46,6 +46,7 @@ typedef enum orchard_status {
   ORCHARD_ERR_INTEGRITY = 5,   /* a file's sha256 differs from the one client.json names */
   ORCHARD_ERR_PROGRAM = 6,     /* the training program does not match the adapter */
   ORCHARD_ERR_CODEC = 7,       /* an update cannot be encoded with the run's codec */
+  ORCHARD_ERR_AUTH = 8,        /* the credential is unusable, or the server refused it */
   ORCHARD_ERR_INTERNAL = 99    /* a bug in the library: the message says where */
 } orchard_status;
 

@@ -59,6 +59,7 @@ const char* orchard_status_name(int status) {
     case ORCHARD_ERR_INTEGRITY: return "ORCHARD_ERR_INTEGRITY";
     case ORCHARD_ERR_PROGRAM: return "ORCHARD_ERR_PROGRAM";
     case ORCHARD_ERR_CODEC: return "ORCHARD_ERR_CODEC";
+    case ORCHARD_ERR_AUTH: return "ORCHARD_ERR_AUTH";
     case ORCHARD_ERR_INTERNAL: return "ORCHARD_ERR_INTERNAL";
     default: return "unknown status";
   }
