@@ -1,10 +1,12 @@
 """The root: runs rounds of a run, finalizes, steps the server optimizer, checkpoints.
 
-The root is a :class:`Coordinator` whose round tasks come from a run. After a round
-closes it divides (finalize), applies the server optimizer to the pseudo-gradient,
-writes the new global model as an atomic safetensors checkpoint, and only then indexes
-it in the store. A round that misses its minimum leaves the global model untouched and
-is retried; a killed root restarts into the last indexed round.
+The root is a :class:`Coordinator` whose round tasks come from a run. The run's rounds
+follow ``orchard.server.runloop`` (the loop the simulator runs too); the root plays each
+round on its coordinator and records it: after a round closes, the loop steps the
+server optimizer, and the root writes the new global model as an atomic safetensors
+checkpoint and only then indexes it in the store. A round that misses its minimum
+leaves the global model untouched and is retried; a killed root restarts into the last
+indexed round.
 """
 
 from __future__ import annotations
@@ -13,35 +15,29 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from orchard import wire
-from orchard.aggregation import server_step
-from orchard.aggregation.layer import CLIP_BELOW
 from orchard.aggregation.privacy import PrivacyLedger
 from orchard.aggregation.server_opt import ServerOptimizer
 from orchard.aggregation.staleness import merge_histograms
 from orchard.config import RunConfig, ServerConfig, ServerOptimizerConfig, base_model_dir
-from orchard.errors import (
-    ConfigError,
-    PrivacyBudgetExceeded,
-    RoundClosedError,
-    StoreError,
-    UpdateSchemaError,
-)
+from orchard.errors import ConfigError, RoundClosedError, StoreError, UpdateSchemaError
 from orchard.server.buffer import BufferState
 from orchard.server.coordinator import Coordinator
-from orchard.server.round import RoundOutcome, RoundRecord, RoundStatus, root_task
+from orchard.server.round import RoundRecord, RoundStatus, root_task
+from orchard.server.runloop import Played, RoundPlan, RunState, run_rounds, updates_needed
 from orchard.server.store import Store, atomic_write
 from orchard.typing import NDArrays, schema_of
 
+T = TypeVar("T")
 log = logging.getLogger("orchard.server.root")
 
 
@@ -52,19 +48,14 @@ def warm_up() -> None:
 
 
 @dataclass
-class ActiveRun:
-    run_id: str
-    config: RunConfig
-    config_json: str
-    arrays: NDArrays
-    blob: bytes
-    blob_hash: str
-    optimizer: ServerOptimizer
-    completed_rounds: int
-    stop_requested: bool = False
+class ActiveRun(RunState):
+    """The root's run: the loop's state, the current model as the root serves it (blob
+    and sha256), and what the status shows."""
+
+    blob: bytes = b""
+    blob_hash: str = ""
     current: dict[str, Any] | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
-    privacy: PrivacyLedger | None = None  # with DP on: the mechanism and what it has spent
     # Asynchronous mode after a restart: the journaled buffer the next round takes back.
     restore: BufferState | None = None
 
@@ -102,8 +93,8 @@ class RootRunner:
             opt = ServerOptimizer(cfg.server_optimizer, arrays)
             if ck.optimizer_path and Path(ck.optimizer_path).is_file():
                 opt.load_state_bytes(Path(ck.optimizer_path).read_bytes())
-            self.run = ActiveRun(row.run_id, cfg, row.config_json, arrays, blob, ck.sha256, opt, ck.round,
-                                 privacy=self._restore_privacy(row.run_id, cfg))
+            self.run = ActiveRun(row.run_id, cfg, row.config_json, arrays, opt, ck.round,
+                                 privacy=self._restore_privacy(row.run_id, cfg), blob=blob, blob_hash=ck.sha256)
             if cfg.mode.is_async:
                 self.run.restore = self._journaled_buffer(self.run)
                 self.coord.journal = self._journal
@@ -196,7 +187,8 @@ class RootRunner:
         h = wire.sha256_hex(initial_blob)
         self.store.index_checkpoint(run_id, 0, str(path), h)
         opt = ServerOptimizer(config.server_optimizer, arrays)
-        self.run = ActiveRun(run_id, config, config_json, arrays, initial_blob, h, opt, 0, privacy=privacy)
+        self.run = ActiveRun(run_id, config, config_json, arrays, opt, 0, privacy=privacy, blob=initial_blob,
+                             blob_hash=h)
         self.coord.journal = self._journal if config.mode.is_async else None
         self._task = asyncio.create_task(self._loop(self.run))
         return run_id
@@ -223,28 +215,16 @@ class RootRunner:
     # ------------------------------------------------------------------ the run loop
 
     async def _loop(self, run: ActiveRun) -> None:
-        cfg = run.config
+        """The run's rounds (``orchard.server.runloop``), this root playing them and
+        recording them in its store; a failure is recorded, never crashes the server."""
         try:
-            while run.completed_rounds < cfg.rounds and not run.stop_requested:
-                rnd = run.completed_rounds + 1
-                first = self.store.attempts(run.run_id, rnd)  # > 0 after a restart mid-round
-                for attempt in range(first, first + cfg.cohort.max_retries + 1):
-                    if run.stop_requested:
-                        break
-                    ok = await self._one_round(run, rnd, attempt)
-                    if ok:
-                        break
-                else:
-                    self.store.set_run_status(run.run_id, "failed",
-                                              f"round {rnd} failed {cfg.cohort.max_retries + 1} times")
-                    log.error("run %s failed: round %d never reached its minimum", run.run_id, rnd)
-                    return
-            status = "stopped" if run.stop_requested else "completed"
-            self.store.set_run_status(run.run_id, status)
-            log.info("run %s %s after %d rounds", run.run_id, status, run.completed_rounds)
-        except PrivacyBudgetExceeded as err:
-            self.store.set_run_status(run.run_id, "stopped", str(err))
-            log.warning("run %s stopped after %d rounds: %s", run.run_id, run.completed_rounds, err)
+            await run_rounds(run, self, self, self.coord.noise_rng)
+            self.store.set_run_status(run.run_id, run.status, run.reason)
+            if run.status == "failed":
+                log.error("run %s failed: %s (never reached its minimum)", run.run_id, run.reason)
+            else:
+                log.info("run %s %s after %d rounds%s", run.run_id, run.status, run.completed_rounds,
+                         f": {run.reason}" if run.reason else "")
         except asyncio.CancelledError:
             raise
         except Exception as err:  # record, never crash the server
@@ -255,7 +235,7 @@ class RootRunner:
 
     async def _wait_capacity(self, run: ActiveRun) -> None:
         cfg = run.config
-        need_min = math.ceil(cfg.buffer_target * cfg.cohort.min_fraction)
+        need_min = updates_needed(cfg)
         waited_from = time.monotonic()
         while not run.stop_requested:
             _, eligible = self.coord.capacity(cfg)
@@ -267,73 +247,58 @@ class RootRunner:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=0.25)
 
-    async def _one_round(self, run: ActiveRun, rnd: int, attempt: int) -> bool:
-        cfg = run.config
-        run.current = {"round": rnd, "attempt": attempt, "phase": "waiting for clients"}
+    # ------------------------------------------------------------------ the loop's backend and sink
+
+    async def play(self, state: RunState, plan: RoundPlan) -> Played | None:
+        """Open the attempt on this tier once enough clients are below it; its outcome."""
+        run = self.run
+        assert run is state and run is not None
+        run.current = {"round": plan.round, "attempt": plan.attempt, "phase": "waiting for clients"}
         await self._wait_capacity(run)
         if run.stop_requested:
-            return False
+            return None
         started = time.time()
-        ledger = run.privacy
-        round_cfg, round_json, noise_stddev = cfg, run.config_json, 0.0
-        if ledger is not None:
-            ledger.check_next()  # PrivacyBudgetExceeded ends the run before anything is released
-            round_cfg = ledger.round_config(cfg)
-            round_json, noise_stddev = round_cfg.model_dump_json(), ledger.noise_stddev
-        task = root_task(run.run_id, rnd, attempt, round_cfg, round_json, run.arrays, run.blob, run.blob_hash,
-                         started, noise_stddev)
-        restore, run.restore = (run.restore, None) if run.restore is not None and run.restore.round == rnd else (None, run.restore)
+        task = root_task(run.run_id, plan.round, plan.attempt, plan.config, plan.config_json, run.arrays, run.blob,
+                         run.blob_hash, started, plan.noise_stddev)
+        restore = None
+        if run.restore is not None and run.restore.round == plan.round:
+            restore, run.restore = run.restore, None
         cr = self.coord.open_round(task, restore=restore)
-        run.current = {"round": rnd, "attempt": attempt, "phase": "training", "cohort": cr}
-        self.store.record_round(run.run_id, rnd, attempt, "running", started, None,
+        run.current = {"round": plan.round, "attempt": plan.attempt, "phase": "training", "cohort": cr}
+        self.store.record_round(run.run_id, plan.round, plan.attempt, "running", started, None,
                                 {"selected": len(cr.assignments)})
-        out = await self.coord.wait_round(cr)
-        privacy = self._charge(ledger, out)
-        need = math.ceil(cfg.buffer_target * cfg.cohort.min_fraction)
-        if run.stop_requested and out.partial.count < need:
-            record = RoundRecord.from_outcome(out, RoundStatus.STOPPED)
-            record.privacy = privacy
-            self.store.record_round(run.run_id, rnd, attempt, "stopped", started, time.time(), record.as_dict())
-            return False
-        if out.partial.count < need:
-            record = RoundRecord.from_outcome(out, RoundStatus.FAILED)
-            record.privacy = privacy
-            record.reason = (f"{out.partial.count} of the {need} updates needed arrived "
-                             f"({out.reason}); global model unchanged, round retried")
-            self.store.record_round(run.run_id, rnd, attempt, "failed", started, time.time(), record.as_dict())
-            log.warning("round %d attempt %d failed: %s", rnd, attempt, record.reason)
-            return False
-        loop = asyncio.get_running_loop()
-        new_arrays, metrics = await loop.run_in_executor(None, server_step, out.partial, cfg, run.optimizer)
-        blob = await loop.run_in_executor(None, wire.arrays_to_blob, new_arrays)
-        path = self._ckpt_path(run.run_id, rnd)
+        return Played(await self.coord.wait_round(cr), started=started)
+
+    def offload(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
+        return asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    def first_attempt(self, state: RunState, rnd: int) -> int:
+        return self.store.attempts(state.run_id, rnd)  # > 0 after a restart mid-round
+
+    async def failed(self, state: RunState, plan: RoundPlan, record: RoundRecord, played: Played) -> None:
+        self.store.record_round(state.run_id, plan.round, plan.attempt, record.status.value, played.started,
+                                time.time(), record.as_dict())
+        if record.status is RoundStatus.FAILED:
+            log.warning("round %d attempt %d failed: %s", plan.round, plan.attempt, record.reason)
+
+    async def completed(self, state: RunState, plan: RoundPlan, record: RoundRecord, played: Played,
+                        new_arrays: NDArrays) -> None:
+        """Write the new global model as an atomic checkpoint (and the optimizer's state),
+        then index it: a killed root restarts into the last indexed round."""
+        run = self.run
+        assert run is state and run is not None
+        blob = await self.offload(wire.arrays_to_blob, new_arrays)
+        path = self._ckpt_path(run.run_id, plan.round)
         opt_path = path.with_suffix(".optim.pt")
         opt_bytes = run.optimizer.state_bytes()
-        await loop.run_in_executor(None, atomic_write, path, blob)
-        await loop.run_in_executor(None, atomic_write, opt_path, opt_bytes)
+        await self.offload(atomic_write, path, blob)
+        await self.offload(atomic_write, opt_path, opt_bytes)
         h = wire.sha256_hex(blob)
-        record = RoundRecord.from_outcome(out, RoundStatus.COMPLETED)
-        record.metrics = metrics
-        if ledger is not None and privacy is not None:
-            adaptive = cfg.privacy.adaptive
-            if adaptive is not None:
-                ledger.adapt(metrics.get(CLIP_BELOW), out.partial.count, adaptive.target_quantile,
-                             adaptive.learning_rate, self.coord.noise_rng)
-            privacy["next_clip_norm"] = ledger.clip_norm
-            record.privacy = privacy
-        self.store.complete_round(run.run_id, rnd, attempt, started, record.as_dict(), str(path), h,
-                                  str(opt_path))
-        run.arrays, run.blob, run.blob_hash, run.completed_rounds = new_arrays, blob, h, rnd
-        log.info("round %d done: %d updates, metrics %s", rnd, out.partial.count,
-                 {k: round(v, 4) for k, v in metrics.items()})
-        return True
-
-    @staticmethod
-    def _charge(ledger: PrivacyLedger | None, out: RoundOutcome) -> dict[str, Any] | None:
-        """Charge an attempt that opened (its sums may have left the tiers) to the ledger."""
-        if ledger is None:
-            return None
-        return {**ledger.charge(), **{k: v for k, v in out.measurements.items() if k in ("clipped", "noise_stddev")}}
+        self.store.complete_round(run.run_id, plan.round, plan.attempt, played.started, record.as_dict(), str(path),
+                                  h, str(opt_path))
+        run.blob, run.blob_hash = blob, h
+        log.info("round %d done: %d updates, metrics %s", plan.round, record.participants,
+                 {k: round(v, 4) for k, v in record.metrics.items()})
 
     # ------------------------------------------------------------------ status
 

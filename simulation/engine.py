@@ -4,8 +4,9 @@ The simulator is an execution backend of the one round engine, not a second
 implementation of it. Every tier is a real :class:`orchard.server.coordinator.Coordinator`
 built ``inline`` (decode and fold on this thread, no event loop); every client builds
 its upload with the client's own ``build_upload`` and answers secure aggregation with the
-client's own :class:`~orchard.client.secure.SecureParticipant`; the root closes the round
-with :func:`orchard.aggregation.server_step`. What differs from a gRPC federation is the
+client's own :class:`~orchard.client.secure.SecureParticipant`; the run loop the gRPC root
+runs (``orchard.server.runloop``) judges each round's outcome and steps the model with
+:func:`orchard.aggregation.server_step`. What differs from a gRPC federation is the
 clock (virtual), the transport (method calls on the coordinators' public API: ``join``,
 ``assign``, ``upload_now``, ``secagg_now``, ``leave``) and how clients train (in a
 backend, many at a time).
@@ -41,7 +42,8 @@ Per round (attempt), in simulated time:
    answered or at the stage's deadline, as on a server. A closed tier pushes its
    partial upward (``partial_upload``, then ``upload_now`` on its parent) after its
    transfer time.
-5. **Root.** When the root closes: ``server_step``, as ``server.root`` does; too few
+5. **Root.** When the root closes, its outcome goes back to the run loop
+   (``orchard.server.runloop``, the gRPC root's too): ``server_step``, or too few
    updates fail the round and it is retried.
 
 With worker processes, a synchronous round over a tree without secure aggregation is
@@ -76,7 +78,6 @@ from typing import Any
 import numpy as np
 
 from orchard import wire
-from orchard.aggregation import ServerOptimizer, server_step
 from orchard.client.secure import SecureParticipant, masked_input
 from orchard.client.update import train_seed
 from orchard.compression import build_codec, encode_update
@@ -94,14 +95,13 @@ from orchard.server.coordinator import Coordinator, ParentUpstream, run_inline
 from orchard.server.decoding import ClientUpdateDecoder
 from orchard.server.round import (
     RoundOutcome,
-    RoundRecord,
-    RoundStatus,
     RoundTask,
     SimulatedCounts,
     partial_upload,
     root_task,
     task_from_assignment,
 )
+from orchard.server.runloop import Played, enough
 from orchard.server.secagg import STAGE_END, SecureCohort
 from orchard.simulation.backends import Backend
 from orchard.simulation.clients import ClientJob, ClientOutput
@@ -281,9 +281,10 @@ class Engine:
 
     # ------------------------------------------------------------------ one round
 
-    def round(self, rnd: int, attempt: int, arrays: NDArrays, optimizer: ServerOptimizer,
-              config: RunConfig | None = None, noise_stddev: float = 0.0) -> dict[str, Any]:
-        """Run one attempt of round ``rnd``; returns its record (``ok`` says whether it counted).
+    def round(self, rnd: int, attempt: int, arrays: NDArrays, config: RunConfig | None = None,
+              noise_stddev: float = 0.0) -> Played:
+        """Run one attempt of round ``rnd``: the root's outcome and the round's counts (the
+        run loop, ``orchard.server.runloop``, judges and steps it).
 
         ``config``: this round's config when it differs from the run's (with DP: the
         ledger's, carrying the clip norm and noise multiplier); ``noise_stddev``: the
@@ -291,7 +292,7 @@ class Engine:
         cfg = config if config is not None else self.run
         self.round_cfg = cfg
         if self._remotes:
-            return self._round_sharded(rnd, attempt, arrays, optimizer, cfg, config, noise_stddev)
+            return self._round_sharded(rnd, attempt, arrays, cfg, config, noise_stddev)
         stats = SimulatedCounts()
         t_open = self.time.t
         clock = time.perf_counter
@@ -323,7 +324,7 @@ class Engine:
             "arrivals": round(t4 - t3, 4),  # training, uploads and folds, in time order
             "leave": round(clock() - t4, 4),  # devices back into the population
         }
-        return self._record(out, cfg, optimizer, stats, t_open)
+        return self._played(out, stats, t_open)
 
     def _open_root(self, rnd: int, attempt: int, arrays: NDArrays, blob: bytes, cfg: RunConfig,
                    config: RunConfig | None, noise_stddev: float) -> RoundTask:
@@ -335,20 +336,11 @@ class Engine:
         self.root.cr = self.root.coord.open_round(task)
         return task
 
-    def _record(self, out: RoundOutcome, cfg: RunConfig, optimizer: ServerOptimizer, stats: SimulatedCounts,
-                t_open: float) -> dict[str, Any]:
-        """A synchronous round's record from the root's outcome ``out``; a round with
-        enough updates is closed with ``server_step`` (its new arrays in the record)."""
-        need = math.ceil(cfg.cohort.target * cfg.cohort.min_fraction)
-        ok = out.partial.count >= need and out.partial.weight > 0
-        rec = RoundRecord.from_outcome(out, RoundStatus.COMPLETED if ok else RoundStatus.FAILED)
+    def _played(self, out: RoundOutcome, stats: SimulatedCounts, t_open: float,
+                extra: dict[str, Any] | None = None) -> Played:
+        """A round's outcome with its counts of devices, as the run loop takes it."""
         stats.simulated_seconds = round(self.time.t - t_open, 3)
-        rec.simulated = stats
-        if not ok:
-            rec.reason = f"{out.partial.count} of the {need} updates needed arrived"
-            return {**rec.as_dict(), "ok": False}
-        new_arrays, rec.metrics = server_step(out.partial, cfg, optimizer)
-        return {**rec.as_dict(), "ok": True, "new_arrays": new_arrays}
+        return Played(out, simulated=stats, extra=extra or {})
 
     # ------------------------------------------------------------------ shards
 
@@ -461,8 +453,8 @@ class Engine:
             gc.collect(1)
         self._shard_steps = (self._shard_steps[0], time.perf_counter() - started)
 
-    def _round_sharded(self, rnd: int, attempt: int, arrays: NDArrays, optimizer: ServerOptimizer, cfg: RunConfig,
-                       config: RunConfig | None, noise_stddev: float) -> dict[str, Any]:
+    def _round_sharded(self, rnd: int, attempt: int, arrays: NDArrays, cfg: RunConfig,
+                       config: RunConfig | None, noise_stddev: float) -> Played:
         """:meth:`round` over a sharded tree (see :meth:`shard_check_in`)."""
         stats = SimulatedCounts()
         t_open = self.time.t
@@ -529,7 +521,7 @@ class Engine:
             # its last round's end (devices let go, garbage collected) before this one.
             **{f"worker_{k}": round(v, 4) for k, v in workers.items()},
         }
-        return self._record(out, cfg, optimizer, stats, t_open)
+        return self._played(out, stats, t_open)
 
     def _root_phase(self, partials: list[tuple[float, str, UploadHeader, bytes]], stats: SimulatedCounts,
                     t_open: float) -> float:
@@ -553,9 +545,10 @@ class Engine:
 
     # ------------------------------------------------------------------ asynchronous mode
 
-    def buffer(self, rnd: int, attempt: int, arrays: NDArrays, optimizer: ServerOptimizer) -> dict[str, Any]:
+    def buffer(self, rnd: int, attempt: int, arrays: NDArrays, config: RunConfig | None = None,
+               noise_stddev: float = 0.0) -> Played:
         """One buffer of an asynchronous run (``[run.mode] kind = "async"``): what
-        :meth:`round` is to a synchronous one, with the same record.
+        :meth:`round` is to a synchronous one, with the same outcome and counts.
 
         The root coordinator does the asynchronous work (``open_round`` carries the
         devices still training into the new buffer and tops them up to the concurrency;
@@ -566,15 +559,16 @@ class Engine:
         handed to the root in time order until the buffer closes at K (or its deadline).
         Devices still training stay for the next buffer; the others go back to the
         population. Flat trees only (validation says so)."""
-        cfg = self.run
+        cfg = config if config is not None else self.run
+        self.round_cfg = cfg
         stats = SimulatedCounts()
         t_open = self.time.t
         blob = wire.arrays_to_blob(arrays)
         root = self.root
         self._forget_silent()
         live = self._check_in(rnd, attempt, stats, self.busy)
-        task = root_task(self.run_id, rnd, attempt, cfg, self.config_json, arrays, blob, sha256_hex(blob),
-                         self.time.wall())
+        task = root_task(self.run_id, rnd, attempt, cfg, self.config_json if config is None else cfg.model_dump_json(),
+                         arrays, blob, sha256_hex(blob), self.time.wall(), noise_stddev)
         root.reset()
         root.cr = cr = root.coord.open_round(task)
         fresh = self._dispatch(live, blob, task.schema, task.shared_seed, stats, {})
@@ -605,22 +599,12 @@ class Engine:
         if not cr.closed:
             root.coord.close_round(cr, "no device could fill the buffer")
         out = root.coord.outcome(cr)
-        need = math.ceil(cfg.buffer_target * cfg.cohort.min_fraction)
-        ok = out.partial.count >= need and out.partial.weight > 0
-        if ok:
+        if enough(out, cfg):  # the next version opens: devices too stale for it stop now
             self._past_staleness(rnd + 1, stats)
         for node, dev in live.items():  # checked in, never chosen: back to the population
             if node not in self.busy and node in root.coord.children:
                 self._release(node, dev)
-        rec = RoundRecord.from_outcome(out, RoundStatus.COMPLETED if ok else RoundStatus.FAILED)
-        stats.simulated_seconds = round(self.time.t - t_open, 3)
-        rec.simulated = stats
-        extra = {"in_flight": len(self.in_flight), "model_version": rnd - 1}
-        if not ok:
-            rec.reason = f"{out.partial.count} of the {need} updates needed arrived; buffer retried"
-            return {**rec.as_dict(), **extra, "ok": False}
-        new_arrays, rec.metrics = server_step(out.partial, cfg, optimizer)
-        return {**rec.as_dict(), **extra, "ok": True, "new_arrays": new_arrays}
+        return self._played(out, stats, t_open, {"in_flight": len(self.in_flight), "model_version": rnd - 1})
 
     def _train_now(self, fresh: list[Arrival], arrays: NDArrays, live: dict[str, LiveDevice],
                    stats: SimulatedCounts) -> None:

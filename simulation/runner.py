@@ -13,10 +13,12 @@ import numpy as np
 
 from orchard import wire
 from orchard.aggregation import ServerOptimizer
-from orchard.aggregation.layer import CLIP_BELOW
 from orchard.aggregation.privacy import PrivacyLedger
-from orchard.errors import ConfigError, PrivacyBudgetExceeded
+from orchard.errors import ConfigError
 from orchard.heap import keep_freed_memory
+from orchard.server.coordinator import run_inline
+from orchard.server.round import RoundRecord
+from orchard.server.runloop import Played, RoundPlan, RunState, run_rounds
 from orchard.simulation.backends import make_backend
 from orchard.simulation.config import SimulationConfig, simulation_problems
 from orchard.simulation.engine import Engine
@@ -24,6 +26,7 @@ from orchard.simulation.gcpause import cyclic_gc_paused
 from orchard.simulation.population import Population
 from orchard.simulation.report import SimulationReport, append_round, write_report
 from orchard.tasks import get_task
+from orchard.typing import NDArrays
 
 # An arbitrary fixed epoch for simulated wall time (2025-01-06 00:00 UTC), so that
 # time-of-day rules see the same hours on every host; the simulation's local time is
@@ -95,80 +98,29 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
                     governor=cfg.governor, checkin_factor=cfg.checkin_factor, node_timeout_s=cfg.node_timeout_s,
                     aggregator_mbps=cfg.aggregator_mbps, wall_origin=_WALL_ORIGIN, num_partitions=cfg.clients,
                     seed=cfg.seed, attack=cfg.attack, sharded=cfg.shard)
-    optimizer = ServerOptimizer(run.server_optimizer, arrays)
-    # The same ledger as the root's: noise from the target epsilon for the planned rounds
-    # at this population's sampling rate; every attempt charged; the run stops at the budget.
-    ledger = PrivacyLedger.plan(run, population=cfg.clients)
+    # The same loop and ledger as the root's (orchard.server.runloop): noise from the target
+    # epsilon for the planned rounds at this population's sampling rate; every attempt
+    # charged; the run stops at the budget.
+    state = RunState(run_id=engine.run_id, config=run, config_json=run.model_dump_json(), arrays=arrays,
+                     optimizer=ServerOptimizer(run.server_optimizer, arrays),
+                     privacy=PrivacyLedger.plan(run, population=cfg.clients))
+    rounds = _SimulatedRounds(cfg, engine, task, report, progress, stop)
     noise_rng = np.random.default_rng([cfg.seed, 0xADA])  # adaptive clipping's count noise (seeded here)
-    trained_total, busy_total = 0, 0.0
-    ended_early = False  # by the privacy budget or the caller's stop, after a completed round
     try:
-        for rnd in range(1, cfg.rounds + 1):
-            rec: dict[str, Any] = {}
-            for attempt in range(run.cohort.max_retries + 1):
-                round_cfg, noise_stddev = run, 0.0
-                if ledger is not None:
-                    try:
-                        ledger.check_next()
-                    except PrivacyBudgetExceeded as err:
-                        report.status = f"stopped: {err}"
-                        rec = {}
-                        break
-                    round_cfg, noise_stddev = ledger.round_config(run), ledger.noise_stddev
-                t0, c0 = time.perf_counter(), time.process_time()
-                # Asynchronous mode: a round is one buffer (one model version).
-                with cyclic_gc_paused():
-                    if run.mode.is_async:
-                        rec = engine.buffer(rnd, attempt, arrays, optimizer)
-                    else:
-                        rec = engine.round(rnd, attempt, arrays, optimizer, round_cfg if ledger else None,
-                                           noise_stddev)
-                rec["seconds"] = round(time.perf_counter() - t0, 4)
-                # CPU time of the whole process (all workers): what to compare on a busy host.
-                rec["cpu_seconds"] = round(time.process_time() - c0, 4)
-                if ledger is not None:
-                    privacy = ledger.charge()
-                    adaptive = run.privacy.adaptive
-                    if rec["ok"] and adaptive is not None:
-                        ledger.adapt(rec["metrics"].get(CLIP_BELOW), rec["participants"], adaptive.target_quantile,
-                                     adaptive.learning_rate, noise_rng)
-                    rec["privacy"] = privacy
-                    report.privacy = ledger.as_dict()
-                engine.time.advance_to(engine.time.t + cfg.round_gap_s)
-                if rec["ok"]:
-                    break
-                report.failed_attempts += 1
-            if not rec:  # the privacy budget ended the run
-                ended_early = True
-                break
-            if not rec["ok"]:
-                report.rounds.append(_public(rec))
-                report.status = _failure(rnd, rec, cfg)
-                break
-            arrays = rec.pop("new_arrays")
-            trained_total += rec["trained"]
-            busy_total += rec["seconds"]
-            rec["clients_per_second"] = round(rec["trained"] / rec["seconds"], 1) if rec["seconds"] > 0 else None
-            evaluate = (cfg.evaluate_every and rnd % cfg.evaluate_every == 0) or rnd == cfg.rounds
-            rec["accuracy"] = rec["loss"] = None
-            if evaluate:
-                t0 = time.perf_counter()
-                ev = task.evaluate(arrays)
-                rec["accuracy"], rec["loss"] = float(ev["accuracy"]), float(ev["loss"])
-                rec["eval_seconds"] = round(time.perf_counter() - t0, 4)
-            row = _public(rec)
-            report.rounds.append(row)
-            if out is not None:
-                append_round(out / "rounds.jsonl", row)
-            if progress is not None:
-                progress(row)
-            if stop is not None and stop(row):
-                report.status = f"stopped early after round {rnd}"
-                ended_early = True
-                break
+        run_inline(run_rounds(state, rounds, rounds, noise_rng))
     finally:
         backend.close()
         engine.shutdown()
+    arrays = state.arrays
+    ended_early = state.status == "stopped"  # by the privacy budget or the caller's stop
+    if state.status == "failed":
+        assert rounds.last_failed is not None
+        report.rounds.append(_public(rounds.last_failed))
+        report.status = _failure(state.completed_rounds + 1, rounds.last_failed, cfg)
+    elif state.status == "stopped":
+        report.status = f"stopped: {state.reason}" if state.reason else \
+            f"stopped early after round {state.completed_rounds}"
+    trained_total, busy_total = rounds.trained_total, rounds.busy_total
     report.clients_per_second = round(trained_total / busy_total, 1) if busy_total > 0 else 0.0
     report.total_seconds = round(busy_total, 3)
     report.simulated_seconds = round(sum(r.get("simulated_seconds", 0.0) for r in report.rounds), 3)
@@ -185,6 +137,76 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
         write_report(report, out)
     report.final_arrays = arrays
     return report
+
+
+class _SimulatedRounds:
+    """The simulator as the run loop's backend (rounds played on the engine, in virtual
+    time) and sink (the report, ``rounds.jsonl``, evaluation, progress)."""
+
+    def __init__(self, cfg: SimulationConfig, engine: Engine, task: Any, report: SimulationReport,
+                 progress: Any, stop: Callable[[dict[str, Any]], bool] | None) -> None:
+        self.cfg, self.engine, self.task, self.report = cfg, engine, task, report
+        self.progress, self.stop = progress, stop
+        self.trained_total, self.busy_total = 0, 0.0
+        self.last_failed: dict[str, Any] | None = None
+
+    async def play(self, state: RunState, plan: RoundPlan) -> Played:
+        t0, c0 = time.perf_counter(), time.process_time()
+        config = plan.config if plan.private else None
+        with cyclic_gc_paused():
+            if state.config.mode.is_async:  # a round is one buffer (one model version)
+                played = self.engine.buffer(plan.round, plan.attempt, state.arrays, config, plan.noise_stddev)
+            else:
+                played = self.engine.round(plan.round, plan.attempt, state.arrays, config, plan.noise_stddev)
+        played.started = t0
+        played.extra["_cpu0"] = c0
+        self.engine.time.advance_to(self.engine.time.t + self.cfg.round_gap_s)
+        return played
+
+    async def offload(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(*args)  # on this thread: the simulator's loop never waits
+
+    def first_attempt(self, state: RunState, rnd: int) -> int:
+        return 0
+
+    def _row(self, state: RunState, record: RoundRecord, played: Played) -> dict[str, Any]:
+        extra = dict(played.extra)
+        c0 = extra.pop("_cpu0")
+        rec = {**record.as_dict(), **extra}
+        # The round's wall time: the engine's round and the server step.
+        rec["seconds"] = round(time.perf_counter() - played.started, 4)
+        # CPU time of the whole process (all workers): what to compare on a busy host.
+        rec["cpu_seconds"] = round(time.process_time() - c0, 4)
+        if state.privacy is not None:
+            self.report.privacy = state.privacy.as_dict()
+        return rec
+
+    async def failed(self, state: RunState, plan: RoundPlan, record: RoundRecord, played: Played) -> None:
+        self.last_failed = self._row(state, record, played)
+        self.report.failed_attempts += 1
+
+    async def completed(self, state: RunState, plan: RoundPlan, record: RoundRecord, played: Played,
+                        new_arrays: NDArrays) -> None:
+        rec = self._row(state, record, played)
+        self.trained_total += rec["trained"]
+        self.busy_total += rec["seconds"]
+        rec["clients_per_second"] = round(rec["trained"] / rec["seconds"], 1) if rec["seconds"] > 0 else None
+        cfg, rnd = self.cfg, plan.round
+        evaluate = (cfg.evaluate_every and rnd % cfg.evaluate_every == 0) or rnd == cfg.rounds
+        rec["accuracy"] = rec["loss"] = None
+        if evaluate:
+            t0 = time.perf_counter()
+            ev = self.task.evaluate(new_arrays)
+            rec["accuracy"], rec["loss"] = float(ev["accuracy"]), float(ev["loss"])
+            rec["eval_seconds"] = round(time.perf_counter() - t0, 4)
+        row = _public(rec)
+        self.report.rounds.append(row)
+        if cfg.out is not None:
+            append_round(cfg.out / "rounds.jsonl", row)
+        if self.progress is not None:
+            self.progress(row)
+        if self.stop is not None and self.stop(row):
+            state.stop_requested = True
 
 
 def _public(rec: dict[str, Any]) -> dict[str, Any]:
