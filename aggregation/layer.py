@@ -1,5 +1,5 @@
 """The aggregation layer: one protocol, weighted sums as its implementations, and
-transforms that wrap them (clip, noise, robust statistics).
+transforms that wrap them (clip, noise, robust statistics, staleness).
 
 An :class:`Aggregator` is what a tier folds one round through::
 
@@ -13,7 +13,10 @@ An :class:`Aggregator` is what a tier folds one round through::
 States are mutable and folded in place (O(model) memory for the sums); every method
 returns the state so that stacks compose. Transforms wrap an inner aggregator, as
 TensorFlow Federated's factories do: ``clip(norm, inner)``, ``noise(stddev, inner, rng)``,
-``robust(statistic, inner)``. Each declares ``linear``: whether its result is a sum that
+``robust(statistic, inner)``, ``stale(weighting, inner)``. An update or partial may come
+with its ``staleness`` (asynchronous mode: server steps since its model was pulled);
+every stage passes it inward, the stale stage turns it into FedBuff's weight, and a
+sum with no stale stage refuses a stale update rather than fold it at full weight. Each declares ``linear``: whether its result is a sum that
 commutes with the other tiers' sums, which is what secure aggregation and merging
 across a tree need (``orchard validate`` refuses a non-linear statistic under secure
 aggregation, naming the linear ones).
@@ -25,6 +28,7 @@ Pure: no I/O; randomness comes in as a Generator.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,6 +36,7 @@ import numpy as np
 
 from orchard.aggregation.fedavg import Accumulator, MetricSums, Partial
 from orchard.aggregation.privacy import add_gaussian_noise, clip_l2
+from orchard.aggregation.staleness import STALENESS_WEIGHTINGS, staleness_weight
 from orchard.errors import ConfigError
 from orchard.typing import NDArrays, TensorSpec
 
@@ -47,9 +52,10 @@ class Aggregator(Protocol):
 
     def zero(self) -> Any: ...
 
-    def accumulate(self, state: Any, update: NDArrays, weight: float, metrics: MetricSums | None = None) -> Any: ...
+    def accumulate(self, state: Any, update: NDArrays, weight: float, metrics: MetricSums | None = None,
+                   staleness: int = 0) -> Any: ...
 
-    def merge(self, state: Any, partial: Partial, owned: bool = False) -> Any: ...
+    def merge(self, state: Any, partial: Partial, owned: bool = False, staleness: int = 0) -> Any: ...
 
     def finalize(self, state: Any) -> tuple[Partial, Measurements]: ...
 
@@ -69,13 +75,17 @@ class WeightedSum:
         return Accumulator(self.schema)
 
     def accumulate(self, state: Accumulator, update: NDArrays, weight: float,
-                   metrics: MetricSums | None = None) -> Accumulator:
+                   metrics: MetricSums | None = None, staleness: int = 0) -> Accumulator:
+        if staleness:
+            _unweighted_staleness()
         state.accumulate(update, weight, checked=True)  # tiers check updates as they decode them
         if metrics is not None:
             state.partial.metrics.merge(metrics)
         return state
 
-    def merge(self, state: Accumulator, partial: Partial, owned: bool = False) -> Accumulator:
+    def merge(self, state: Accumulator, partial: Partial, owned: bool = False, staleness: int = 0) -> Accumulator:
+        if staleness:
+            _unweighted_staleness()
         state.merge(partial, owned=owned)
         return state
 
@@ -136,14 +146,14 @@ class Clip:
         return _ClipState(self.inner.zero())
 
     def accumulate(self, state: _ClipState, update: NDArrays, weight: float,
-                   metrics: MetricSums | None = None) -> _ClipState:
+                   metrics: MetricSums | None = None, staleness: int = 0) -> _ClipState:
         clipped, n = clip_l2(update, self.norm)
-        state.inner = self.inner.accumulate(state.inner, clipped, weight, metrics)
+        state.inner = self.inner.accumulate(state.inner, clipped, weight, metrics, staleness)
         state.stats.record(n, self.norm)
         return state
 
-    def merge(self, state: _ClipState, partial: Partial, owned: bool = False) -> _ClipState:
-        state.inner = self.inner.merge(state.inner, partial, owned)
+    def merge(self, state: _ClipState, partial: Partial, owned: bool = False, staleness: int = 0) -> _ClipState:
+        state.inner = self.inner.merge(state.inner, partial, owned, staleness)
         return state
 
     def merge_stats(self, state: _ClipState, stats: ClipStats) -> _ClipState:
@@ -179,11 +189,12 @@ class Noise:
     def zero(self) -> Any:
         return self.inner.zero()
 
-    def accumulate(self, state: Any, update: NDArrays, weight: float, metrics: MetricSums | None = None) -> Any:
-        return self.inner.accumulate(state, update, weight, metrics)
+    def accumulate(self, state: Any, update: NDArrays, weight: float, metrics: MetricSums | None = None,
+                   staleness: int = 0) -> Any:
+        return self.inner.accumulate(state, update, weight, metrics, staleness)
 
-    def merge(self, state: Any, partial: Partial, owned: bool = False) -> Any:
-        return self.inner.merge(state, partial, owned)
+    def merge(self, state: Any, partial: Partial, owned: bool = False, staleness: int = 0) -> Any:
+        return self.inner.merge(state, partial, owned, staleness)
 
     def finalize(self, state: Any) -> tuple[Partial, Measurements]:
         partial, m = self.inner.finalize(state)
@@ -255,14 +266,17 @@ class Robust:
         return _RobustState(below=self.inner.zero())
 
     def accumulate(self, state: _RobustState, update: NDArrays, weight: float,
-                   metrics: MetricSums | None = None) -> _RobustState:
+                   metrics: MetricSums | None = None, staleness: int = 0) -> _RobustState:
+        if staleness:
+            raise ConfigError("a robust statistic takes fresh updates only: it has no staleness weighting "
+                              "(asynchronous mode runs the weighted sum)")
         state.updates.append(update)
         if metrics is not None:
             state.metrics.merge(metrics)
         return state
 
-    def merge(self, state: _RobustState, partial: Partial, owned: bool = False) -> _RobustState:
-        state.below = self.inner.merge(state.below, partial, owned)
+    def merge(self, state: _RobustState, partial: Partial, owned: bool = False, staleness: int = 0) -> _RobustState:
+        state.below = self.inner.merge(state.below, partial, owned, staleness)
         return state
 
     def finalize(self, state: _RobustState) -> tuple[Partial, Measurements]:
@@ -280,13 +294,78 @@ class Robust:
         return len(state.updates) + self.inner.count(state.below)
 
 
+def _unweighted_staleness() -> None:
+    raise ConfigError("a stale update (staleness > 0) reached a sum without a stale stage: asynchronous rounds "
+                      "fold through stale(weighting, inner)")
+
+
+class Stale:
+    """FedBuff's staleness weight as a stage (Nguyen et al., 2022, Algorithm 1).
+
+    An update ``x_i`` of weight ``w_i`` trained on a model ``s_i`` server steps old joins
+    the buffer scaled by ``f(s_i)`` (``orchard.aggregation.staleness``) while its weight
+    joins unscaled, so the buffer's mean is::
+
+        sum_i w_i f(s_i) x_i  /  sum_i w_i
+
+    A partial from a lower tier arrives with its own staleness at this tier: its sums
+    are scaled by ``f(s)``, its weight is not (its updates' staleness below is already in
+    its sums). ``f(0) = 1`` for every weighting, and a fresh update passes through
+    untouched, so a buffer of fresh updates is the inner sum bit for bit. Since
+    ``0 < f <= 1``, the stage never raises an update's norm: a clip stage outside it
+    (clip, then weight by staleness) bounds each client's contribution by the clip norm,
+    which is what central DP's sensitivity needs. Linear: it scales terms of a sum."""
+
+    def __init__(self, weight: Callable[[int], float], inner: Aggregator) -> None:
+        self.weight = weight
+        self.inner = inner
+        self.linear = inner.linear
+
+    def zero(self) -> Any:
+        return self.inner.zero()
+
+    def accumulate(self, state: Any, update: NDArrays, weight: float, metrics: MetricSums | None = None,
+                   staleness: int = 0) -> Any:
+        f = self.weight(staleness)
+        if f != 1.0:
+            update = {k: np.multiply(v, f, dtype=np.float64) for k, v in update.items()}
+        return self.inner.accumulate(state, update, weight, metrics)
+
+    def merge(self, state: Any, partial: Partial, owned: bool = False, staleness: int = 0) -> Any:
+        f = self.weight(staleness)
+        if f != 1.0:
+            partial = Partial(sums={k: np.multiply(v, f) for k, v in partial.sums.items()}, weight=partial.weight,
+                              count=partial.count, metrics=partial.metrics)
+            owned = True
+        return self.inner.merge(state, partial, owned)
+
+    def finalize(self, state: Any) -> tuple[Partial, Measurements]:
+        return self.inner.finalize(state)
+
+    def count(self, state: Any) -> int:
+        return self.inner.count(state)
+
+
+def running_sum(agg: Aggregator, state: Any) -> Accumulator:
+    """The weighted sum a stack has folded so far, before finalize (no noise drawn): the
+    state an asynchronous buffer journals and moves into the next buffer. Refuses a
+    stack whose state is not a running sum (a robust statistic holds its updates)."""
+    if isinstance(agg, WeightedSum):
+        return state  # type: ignore[no-any-return]
+    if isinstance(agg, Clip):
+        return running_sum(agg.inner, state.inner)
+    if isinstance(agg, (Noise, Stale)):  # no state of their own
+        return running_sum(agg.inner, state)
+    raise ConfigError(f"{type(agg).__name__} keeps no running weighted sum to journal or move")
+
+
 def clip_stage(agg: Aggregator, state: Any) -> tuple[Clip, Any] | None:
     """The clip stage of a stack and its state, when the stack clips the updates it is
     given (a clip under noise; not one under a robust statistic, which takes no sums of
     client updates from outside)."""
     if isinstance(agg, Clip):
         return agg, state
-    if isinstance(agg, Noise):  # noise keeps no state of its own
+    if isinstance(agg, (Noise, Stale)):  # no state of their own
         return clip_stage(agg.inner, state)
     return None
 
@@ -304,3 +383,12 @@ dp = noise  # central DP's transform, ``dp(stddev, inner, rng)``: Gaussian noise
 
 def robust(statistic: str, inner: Aggregator, trim_fraction: float = 0.1) -> Robust:
     return Robust(statistic, inner, trim_fraction)
+
+
+def stale(weighting: str, inner: Aggregator, exponent: float = 0.5, hinge_after: int = 2) -> Stale:
+    """FedBuff's staleness stage with ``f`` = ``staleness_weight(s, weighting, exponent,
+    hinge_after)`` (``orchard.aggregation.staleness``)."""
+    if weighting not in STALENESS_WEIGHTINGS:  # now, not at the first stale update
+        raise ConfigError(f"unknown staleness weighting {weighting!r}; expected one of "
+                          f"{', '.join(STALENESS_WEIGHTINGS)}")
+    return Stale(lambda s: staleness_weight(s, weighting, exponent, hinge_after), inner)
