@@ -58,9 +58,10 @@ def test_by_hand_walkthrough(tmp_path: Path) -> None:
             proc.wait()
     logs = {p.name: p.read_text()[-1500:] for p in tmp_path.glob("*.log")}
     assert proc.returncode == 0, f"{out[-4000:]}\n{logs}"
-    assert "https://localhost:" in out and "/?token=orc_admin_" in out
-    assert "run-" in out and "completed" in out
-    assert "completed after 10 rounds" in out  # the log, followed to its end
+    tail = f"{out[-4000:]}\n{logs}"
+    assert "https://localhost:" in out and "/?token=orc_admin_" in out, tail
+    assert "run-" in out and "completed" in out, tail
+    assert "completed after 10 rounds" in out, tail  # the log, followed to its end
     assert sorted(p.name for p in (tmp_path / "final").iterdir()) == ["model.safetensors", "report.json", "run.json"]
     info = json.loads((tmp_path / "final" / "run.json").read_text())
     assert info["round"] == 10
