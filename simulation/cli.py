@@ -1,7 +1,13 @@
-"""``orchard simulate``: the command function (registered by ``orchard.cli``).
+"""``orchard simulate``: the command function (registered by ``orchard.cli.app``).
 
 A recipe: load ``[simulation]`` from ``--config`` (or start from defaults), apply the
 flag overrides, validate everything at once, run with a progress bar, print a table.
+
+The backend is ``auto`` unless the config or ``--backend`` names one: worker processes
+when the machine and the config allow, said in one line (``backend: process (1 worker;
+auto: 2 cores, sharded rounds)``). The closing line counts clients per second as
+``benchmarks/simulation.py`` does (after the first round) and gives the processes' peak
+memory.
 """
 
 from __future__ import annotations
@@ -25,8 +31,10 @@ def simulate(
     secure_aggregation: Annotated[bool | None,
                                   typer.Option("--secure-aggregation/--no-secure-aggregation")] = None,
     codec: Annotated[str | None, typer.Option("--codec")] = None,
-    backend: Annotated[str | None, typer.Option("--backend", help="local, process or ray")] = None,
-    workers: Annotated[int | None, typer.Option("--workers")] = None,
+    backend: Annotated[str | None, typer.Option(
+        "--backend", help="auto (default: worker processes when the machine has 2+ cores), local, process or ray")] = None,
+    workers: Annotated[int | None, typer.Option(
+        "--workers", help="worker processes (process backend; default: cores - 1) or threads (local)")] = None,
     shard: Annotated[bool | None, typer.Option(
         "--shard/--no-shard", help="process backend, synchronous tree: the workers run part of the tree "
         "(default), or only train")] = None,
@@ -58,22 +66,31 @@ def simulate(
         "backend": backend, "workers": workers, "shard": shard, "device": device, "runtime": runtime, "seed": seed, "out": str(out) if out is not None else None,
     }
     try:
-        from orchard.simulation.defaults import fit_population, parse_task_params
+        from orchard.simulation.defaults import fit_population
+        from orchard.tasks.params import parse_task_params
 
         overrides.update({f"run.task_params.{k}": v for k, v in parse_task_params(task_param).items()})
         data = load_toml(config) if config is not None else {}
+        if backend is None and "backend" not in data.get("simulation", {}):
+            overrides["backend"] = "auto"  # the fastest this machine and config allow
         fit = fit_population(data, overrides)
         for note in fit.notes:
             console.print(f"[dim]default:[/] {note}", highlight=False)
         overrides.update(fit.overrides)
         cfg = build_simulation_config(data, overrides)
         if base_model is not None:
-            from orchard.cli import base_model_params
+            from orchard.tasks.params import base_model_params
 
             params = base_model_params(cfg.run.task, base_model)
             cfg = build_simulation_config(data, {**overrides, **{f"run.task_params.{k}": v for k, v in params.items()}})
         if cfg.out is None:
             cfg = cfg.model_copy(update={"out": Path("sim-out")})
+        if cfg.backend == "process":
+            # One torch thread here, as in each worker: the engine is one of 1 + workers
+            # busy processes, one a core; a second intra-op thread would take a worker's.
+            import torch
+
+            torch.set_num_threads(1)
         from orchard.tracking import open_trackers
 
         track = open_trackers(tensorboard, mlflow_uri, f"simulate-{cfg.run.task}-seed{cfg.seed}",
@@ -90,11 +107,34 @@ def simulate(
     except OrchardError as err:
         console.print(f"[bold red]error:[/] {err}")
         raise typer.Exit(1) from None
-    console.print(f"{report.clients_per_second:.0f} clients/s; simulated {report.simulated_seconds:.0f} s; "
-                  f"report {cfg.out / 'report.json'}; plots {', '.join(Path(p).name for p in report.plots)}")
+    console.print(_throughput(report), highlight=False, soft_wrap=True)
+    console.print(_memory(report, cfg), highlight=False, soft_wrap=True)
+    console.print(f"simulated {report.simulated_seconds:.0f} s; report {cfg.out / 'report.json'}; "
+                  f"plots {', '.join(Path(p).name for p in report.plots)}", highlight=False)
     if report.status.startswith("failed"):
         console.print(f"[bold red]{report.status}[/]")
         raise typer.Exit(1)
+
+
+def _throughput(report: Any) -> str:
+    """Clients trained per wall second, evaluation excluded: over the rounds after the
+    first (what benchmarks/simulation.py reports), then over every round."""
+    warm = report.warm_clients_per_second()
+    if warm is None:
+        return f"{report.clients_per_second:,.0f} clients/s (1 round, no warm-up excluded)"
+    return (f"{warm:,.0f} clients/s (rounds 2-{len(report.rounds)}; {report.clients_per_second:,.0f} "
+            "with round 1, the warm-up)")
+
+
+def _memory(report: Any, cfg: Any) -> str:
+    peaks = report.peak_rss_mib or {}
+    engine, child = peaks.get("engine", 0.0), peaks.get("largest_child", 0.0)
+    if cfg.backend != "process" or not child:
+        return f"peak RSS: {engine:,.0f} MiB (this process)"
+    n = cfg.workers
+    each = "" if n == 1 else f" x {n} (the largest worker's peak)"
+    return (f"peak RSS: {engine + n * child:,.0f} MiB at most: engine {engine:,.0f} MiB + "
+            f"worker{'s' if n > 1 else ''} {child:,.0f} MiB{each} (the sum of each process's peak)")
 
 
 def _run_with_progress(cfg: Any, run: Any, console: Console, track: Any = None) -> Any:
@@ -102,9 +142,12 @@ def _run_with_progress(cfg: Any, run: Any, console: Console, track: Any = None) 
 
     console.print(f"[bold]orchard simulate[/]: {cfg.run.task}, {cfg.clients} devices, {cfg.clients_per_round} per "
                   f"round, {cfg.rounds} rounds, tiers {cfg.fanout() or 'flat'}, codec {cfg.run.codec.name}, "
-                  f"secure aggregation {cfg.run.secure_aggregation.enabled}, backend {cfg.backend}")
+                  f"secure aggregation {cfg.run.secure_aggregation.enabled}")
+    console.print(cfg.backend_choice.line(), highlight=False, soft_wrap=True)  # one line, to grep
+    # Redrawn when a round ends, not by a timer: a refresh thread would take the engine's
+    # GIL ten times a second in the middle of rounds.
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  TextColumn("{task.fields[info]}"), console=console, transient=False,
+                  TextColumn("{task.fields[info]}"), console=console, transient=False, auto_refresh=False,
                   disable=not cfg.progress) as prog:
         bar = prog.add_task("rounds", total=cfg.rounds, info="")
 
@@ -113,5 +156,6 @@ def _run_with_progress(cfg: Any, run: Any, console: Console, track: Any = None) 
                 track.log_round(row["round"], row)
             acc = "-" if row.get("accuracy") is None else f"{row['accuracy']:.4f}"
             prog.update(bar, advance=1, info=f"round {row['round']}: {row['participants']} clients, accuracy {acc}, "
-                                              f"{row.get('clients_per_second') or 0:.0f} clients/s")
+                                              f"{row.get('clients_per_second') or 0:.0f} clients/s",
+                        refresh=True)
         return run(cfg, progress=on_round)

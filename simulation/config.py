@@ -18,10 +18,30 @@ import math
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from orchard.config import RunConfig, load_toml
 from orchard.errors import ConfigError
+
+
+def _cores(info: ValidationInfo) -> int:
+    """The cores ``backend = "auto"`` plans for: the validation context's ``cores`` when
+    given (tests; a plan for another machine), else those this process may run on."""
+    if isinstance(info.context, dict) and info.context.get("cores") is not None:
+        return int(info.context["cores"])
+    from orchard.secure_agg.prg import available_cores
+
+    return available_cores()
 
 
 class _Strict(BaseModel):
@@ -120,9 +140,15 @@ class SimulationConfig(_Strict):
     seed: int = 0
     aggregators: int | list[int] = 0
     # local: this process (threads when workers > 1); process: worker processes on this
-    # machine (client work runs beside the engine, past the GIL); ray: Ray actors.
-    backend: Literal["local", "process", "ray"] = "local"
-    workers: int = Field(1, ge=1)  # concurrent training jobs
+    # machine (client work runs beside the engine, past the GIL); ray: Ray actors; auto:
+    # the fastest this machine and config allow (simulation.defaults.choose_backend),
+    # resolved when the config is validated, so a validated config names the one that
+    # runs. `orchard simulate` and configs/sim.toml ask for auto; a config built in Python
+    # runs in this process unless it asks otherwise (tests and notebooks stay in-process).
+    backend: Literal["auto", "local", "process", "ray"] = "local"
+    # Concurrent training jobs: "auto" (also when absent) is one worker process fewer
+    # than the cores on the process backend, one otherwise. Validated, it is a number.
+    workers: int = Field(1, ge=1)
     # With the process backend, a synchronous run over a tree without secure aggregation
     # splits the root's subtrees between this process and the workers: each runs its
     # own (check-ins, devices, training, folds), the engine also the root. The model is
@@ -148,6 +174,40 @@ class SimulationConfig(_Strict):
     progress: bool = True
     attack: AttackConfig = AttackConfig()
     run: RunConfig = RunConfig()
+
+    _choice: Any = PrivateAttr(None)  # the BackendChoice that set backend and workers
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _resolve_auto(cls, data: Any, handler: ValidatorFunctionWrapHandler,
+                      info: ValidationInfo) -> SimulationConfig:
+        """Settle ``backend = "auto"`` and ``workers = "auto"`` (or absent) on this machine's
+        cores (``context={"cores": n}`` to say how many): the rest of the config is
+        validated first, since what the backend can run depends on it."""
+        if not isinstance(data, dict):
+            return handler(data)
+        from orchard.simulation.defaults import choose_backend
+
+        backend, workers = data.get("backend", "local"), data.get("workers", "auto")
+        if workers != "auto" and backend != "auto":
+            cfg = handler(data)
+            cfg._choice = choose_backend(cfg, _cores(info), cfg.backend, cfg.workers)
+            return cfg
+        draft = handler({**data, "backend": "local" if backend == "auto" else backend, "workers": 1})
+        choice = choose_backend(draft, _cores(info), backend, None if workers == "auto" else workers)
+        cfg = handler({**data, "backend": choice.backend, "workers": choice.workers})
+        cfg._choice = choice
+        return cfg
+
+    @property
+    def backend_choice(self) -> Any:
+        """The :class:`~orchard.simulation.defaults.BackendChoice` behind ``backend`` and
+        ``workers``: what runs, and why (``.line()`` says it in one line)."""
+        if self._choice is None:  # built without validation (model_construct)
+            from orchard.simulation.defaults import BackendChoice
+
+            return BackendChoice(self.backend, self.workers, "as configured")
+        return self._choice
 
     def all_profiles(self) -> dict[str, DeviceProfile]:
         return {**DEFAULT_PROFILES, **self.profiles}
@@ -234,8 +294,10 @@ def _semantic_problems(cfg: SimulationConfig) -> list[str]:
     return problems
 
 
-def simulation_problems(data: dict[str, Any]) -> list[str]:
-    """Every problem in a parsed TOML dict with a ``[simulation]`` table, at once."""
+def simulation_problems(data: dict[str, Any], cores: int | None = None) -> list[str]:
+    """Every problem in a parsed TOML dict with a ``[simulation]`` table, at once
+    (``backend = "auto"`` settled for ``cores``, default this machine's)."""
+    ctx = {"cores": cores}
     if "simulation" not in data:
         return ["simulation: no [simulation] table in this config"]
     raw = data["simulation"]
@@ -243,14 +305,14 @@ def simulation_problems(data: dict[str, Any]) -> list[str]:
         return ["simulation: must be a table"]
     problems: list[str] = []
     try:
-        cfg = SimulationConfig.model_validate(raw)
+        cfg = SimulationConfig.model_validate(raw, context=ctx)
     except ValidationError as err:
         problems += _format(err, "simulation")
         # Report the rest too: check what remains with the bad fields left at their
         # defaults, keeping only the problems that do not involve a bad field.
         bad = {str(e["loc"][0]) for e in err.errors() if e["loc"]}
         try:
-            rest = SimulationConfig.model_validate({k: v for k, v in raw.items() if k not in bad})
+            rest = SimulationConfig.model_validate({k: v for k, v in raw.items() if k not in bad}, context=ctx)
         except ValidationError:
             return problems
         problems += [p for p in _semantic_problems(rest)
@@ -267,18 +329,20 @@ def simulation_problems(data: dict[str, Any]) -> list[str]:
     return problems
 
 
-def parse_simulation_config(data: dict[str, Any]) -> SimulationConfig:
-    """A validated SimulationConfig from a parsed TOML dict, or ConfigError with every problem."""
-    problems = simulation_problems(data)
+def parse_simulation_config(data: dict[str, Any], cores: int | None = None) -> SimulationConfig:
+    """A validated SimulationConfig from a parsed TOML dict, or ConfigError with every problem.
+    ``cores``: the machine ``backend = "auto"`` plans for (default: this one)."""
+    problems = simulation_problems(data, cores)
     if problems:
         raise ConfigError(problems)
-    return SimulationConfig.model_validate(data["simulation"])
+    return SimulationConfig.model_validate(data["simulation"], context={"cores": cores})
 
 
-def load_simulation_config(path: str | Path, overrides: dict[str, Any] | None = None) -> SimulationConfig:
+def load_simulation_config(path: str | Path, overrides: dict[str, Any] | None = None,
+                           cores: int | None = None) -> SimulationConfig:
     """Load ``[simulation]`` from a TOML file and apply dotted overrides (None values skipped)."""
     data = load_toml(path) if path is not None else {}
-    return build_simulation_config(data, overrides or {})
+    return build_simulation_config(data, overrides or {}, cores)
 
 
 def merged_simulation_table(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -297,5 +361,6 @@ def merged_simulation_table(data: dict[str, Any], overrides: dict[str, Any]) -> 
     return sim
 
 
-def build_simulation_config(data: dict[str, Any], overrides: dict[str, Any]) -> SimulationConfig:
-    return parse_simulation_config({**data, "simulation": merged_simulation_table(data, overrides)})
+def build_simulation_config(data: dict[str, Any], overrides: dict[str, Any],
+                            cores: int | None = None) -> SimulationConfig:
+    return parse_simulation_config({**data, "simulation": merged_simulation_table(data, overrides)}, cores)

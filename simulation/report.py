@@ -1,15 +1,26 @@
 """What a simulation writes: ``rounds.jsonl`` (a line per round as it ends), ``report.json``
-(the demo's round schema plus throughput and simulated time) and three PNG plots."""
+(the demo's round schema plus throughput, simulated time and peak memory) and three PNG
+plots.
+
+Throughput is counted as ``benchmarks/simulation.py`` counts it: clients trained per wall
+second of the rounds (evaluation excluded), and, apart, over the rounds after the first
+(``warm_clients_per_second``), since round 1 also pays for first allocations and, with
+worker processes, for the workers' first jobs: the benchmark's figure is that one.
+"""
 
 from __future__ import annotations
 
 import json
+import resource
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 # Per-round fields that depend on the host (wall time), not on the seed.
 WALL_FIELDS = ("seconds", "cpu_seconds", "eval_seconds", "clients_per_second", "phase_seconds")
+# Report fields that depend on the host.
+HOST_FIELDS = ("clients_per_second", "warm_clients_per_second", "total_seconds", "peak_rss_mib", "out", "plots")
 
 
 @dataclass
@@ -35,6 +46,9 @@ class SimulationReport:
     failed_attempts: int = 0
     status: str = "completed"
     privacy: dict[str, Any] | None = None  # with DP on: epsilon spent, delta, noise multiplier
+    # Peak resident set in MiB (peak_rss_mib()): "engine", this process; "largest_child",
+    # the largest child process's, which with the process backend is a worker's.
+    peak_rss_mib: dict[str, float] | None = None
     out: str | None = None
     plots: list[str] = field(default_factory=list)
     # The global model after the last round (not serialised).
@@ -47,12 +61,23 @@ class SimulationReport:
         finally:
             self.final_arrays = arrays
         d.pop("final_arrays")
+        d["warm_clients_per_second"] = self.warm_clients_per_second()
         return d
+
+    def warm_clients_per_second(self) -> float | None:
+        """Clients trained per wall second over the rounds after the first (evaluation
+        excluded): what ``benchmarks/simulation.py`` reports after its warm-up round. None
+        with fewer than two rounds."""
+        rows = self.rounds[1:]
+        seconds = sum(r.get("seconds") or 0.0 for r in rows)
+        if not rows or seconds <= 0:
+            return None
+        return round(sum(r.get("trained", 0) for r in rows) / seconds, 1)
 
     def seed_dependent(self) -> dict[str, Any]:
         """Everything but host timings: equal for equal seeds."""
         d = self.to_dict()
-        for k in ("clients_per_second", "total_seconds", "out", "plots"):
+        for k in HOST_FIELDS:
             d.pop(k)
         d["rounds"] = [{k: v for k, v in r.items() if k not in WALL_FIELDS} for r in d["rounds"]]
         return d
@@ -63,8 +88,20 @@ def append_round(path: Path, row: dict[str, Any]) -> None:
         f.write(json.dumps(row, sort_keys=True) + "\n")
 
 
+def peak_rss_mib() -> dict[str, float]:
+    """This process's peak resident set, and the largest peak of its child processes
+    that have ended and been waited for (the backend's workers, once it closed), in MiB."""
+    scale = 1 / 2**20 if sys.platform == "darwin" else 1 / 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+    return {"engine": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale, 1),
+            "largest_child": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale, 1)}
+
+
 def write_report(report: SimulationReport, out: Path) -> None:
+    """Write ``report.json`` and the plots; the peaks of memory are read here, after the run
+    (its workers closed), when the report does not carry them yet."""
     out.mkdir(parents=True, exist_ok=True)
+    if report.peak_rss_mib is None:
+        report.peak_rss_mib = peak_rss_mib()
     report.plots = [str(p) for p in plot(report.rounds, out, report.task)]
     (out / "report.json").write_text(json.dumps(report.to_dict(), indent=2))
 

@@ -9,7 +9,8 @@ from typer.testing import CliRunner
 
 from orchard.cli import app
 from orchard.errors import ConfigError
-from orchard.simulation.defaults import fit_population, parse_task_params
+from orchard.simulation.defaults import fit_population
+from orchard.tasks.params import parse_task_params
 
 
 def test_task_params_are_typed() -> None:
@@ -69,4 +70,6 @@ def test_simulate_shards_a_tree_on_worker_processes_or_not(flag: str, tmp_path) 
     report = json.loads((tmp_path / "report.json").read_text())
     phases = report["rounds"][0]["phase_seconds"]
     assert ("worker_arrivals" in phases) == (flag == "--shard")
+    why = "sharded rounds" if flag == "--shard" else "rounds not sharded: shard = false"
+    assert f"backend: process (1 worker; as configured, {why})" in res.output
     assert report["status"] == "completed" and report["rounds"][0]["participants"] == 10
