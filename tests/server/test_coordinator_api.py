@@ -123,16 +123,16 @@ def test_a_tier_starts_mask_workers_for_large_secure_sessions_only() -> None:
     assert mask_bytes(run, big, n_big) >= MASK_WORKERS_MIN_BYTES > mask_bytes(run, big, n_big - 1)
     tier = Coordinator("tier", ServerConfig(mask_workers=1), np.random.default_rng(0), ClientUpdateDecoder())
     try:
-        assert tier._mask_workers_for(run, big, n_big - 1) is None  # too small to gain: threads
-        workers = tier._mask_workers_for(run, big, n_big)
+        assert tier.executor.mask_workers(run, big, n_big - 1) is None  # too small to gain: threads
+        workers = tier.executor.mask_workers(run, big, n_big)
         assert workers is not None and workers.processes == 1
-        assert tier._mask_workers_for(run, big, n_big) is workers  # started once, kept
+        assert tier.executor.mask_workers(run, big, n_big) is workers  # started once, kept
     finally:
         tier.shutdown()
     assert workers.closed
     for coord in (Coordinator("tier", ServerConfig(mask_workers=0), np.random.default_rng(0), ClientUpdateDecoder()),
                   Coordinator("tier", ServerConfig(), np.random.default_rng(0), ClientUpdateDecoder(), inline=True)):
-        assert coord._mask_workers_for(run, big, 10 * n_big) is None
+        assert coord.executor.mask_workers(run, big, 10 * n_big) is None
         coord.shutdown()
     with pytest.raises(ValueError, match="mask_workers"):
         ServerConfig(mask_workers=-1)
@@ -141,8 +141,8 @@ def test_a_tier_starts_mask_workers_for_large_secure_sessions_only() -> None:
 def test_a_tier_that_cannot_start_mask_workers_unmasks_on_threads(monkeypatch: pytest.MonkeyPatch,
                                                                     caplog: pytest.LogCaptureFixture) -> None:
     from orchard.config import SecureAggregationConfig
-    from orchard.server import coordinator as coordinator_module
     from orchard.server.secagg import MASK_WORKERS_MIN_BYTES
+    from orchard.server.tier import executor as executor_module
 
     tries: list[int | None] = []
 
@@ -150,13 +150,13 @@ def test_a_tier_that_cannot_start_mask_workers_unmasks_on_threads(monkeypatch: p
         tries.append(processes)
         raise OSError("Resource temporarily unavailable")
 
-    monkeypatch.setattr(coordinator_module, "MaskWorkers", refuse)
+    monkeypatch.setattr(executor_module, "MaskWorkers", refuse)
     run = RunConfig(secure_aggregation=SecureAggregationConfig(enabled=True))
     big = (TensorSpec("w", (MASK_WORKERS_MIN_BYTES // 4,), "float32"),)
     tier = Coordinator("tier", ServerConfig(), np.random.default_rng(0), ClientUpdateDecoder())
     with caplog.at_level("WARNING", logger="orchard.server.coordinator"):
-        assert tier._mask_workers_for(run, big, 2) is None
-        assert tier._mask_workers_for(run, big, 2) is None
+        assert tier.executor.mask_workers(run, big, 2) is None
+        assert tier.executor.mask_workers(run, big, 2) is None
     assert tries == [None]  # tried once, then threads for good
     assert "could not start mask worker processes" in caplog.text
     tier.shutdown()
