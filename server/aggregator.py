@@ -2,7 +2,8 @@
 
 It dials its upstream like a client (join, long-poll with its pool size, pull the model,
 push), runs each round for its own cohort with the same :class:`Coordinator` as the
-root, and pushes the cohort's partial sum (float64, lossless) upstream. Tiers above see
+root, through the same :class:`~orchard.server.upstream.ChildRound` as the simulator's
+tiers, and pushes the cohort's partial sum (float64, lossless) upstream. Tiers above see
 one upload per aggregator, whatever the size of its cohort.
 
 With ``secure_aggregation.scope = "tree"`` the round's secure session is the root's: the
@@ -35,8 +36,9 @@ from orchard.messages import Idle, TaskAssignment, UploadHeader
 from orchard.secure_agg import Stage
 from orchard.secure_agg.stages import stage_index as stage_index_of
 from orchard.server.coordinator import Coordinator
-from orchard.server.round import RoundOutcome, partial_upload, task_from_assignment
+from orchard.server.round import RoundOutcome
 from orchard.server.secagg import SecAggReply
+from orchard.server.upstream import ChildRound
 
 log = logging.getLogger("orchard.server.aggregator")
 T = TypeVar("T")
@@ -133,23 +135,20 @@ class UpstreamLink:
 
     async def _serve(self, t: TaskAssignment) -> None:
         blob = await self.link.pull_model(t.model_hash)
-        task = task_from_assignment(t, blob)
-        tree = task.config.secure_aggregation.over_tree  # the root's session: this tier relays
-        cr = self.coord.open_round(task, upstream=LinkUpstream(self.link, t) if tree else None)
-        log.info("round %d: target %d, selected %d", t.round, task.target, len(cr.assignments))
+        child = ChildRound(self.coord, self.link.node_id, t, blob, lambda a: LinkUpstream(self.link, a))
+        cr = child.cr
+        log.info("round %d: target %d, selected %d", t.round, cr.task.target, len(cr.assignments))
         beat = asyncio.create_task(self._heartbeats(t, cr))
         try:
-            try:
-                await self.coord.send_roster(cr)
-            except OrchardError as err:
-                self.coord.close_round(cr, f"the roster could not be reported upstream: {err}")
+            await child.report_roster()
             out = await self.coord.wait_round(cr)
         finally:
             beat.cancel()
-        if tree:  # the clients' masked inputs went to the root's session: nothing to push
+        up = child.partial(out)
+        if up is None:  # the clients' masked inputs went to the root's secure session
             log.info("round %d: relayed to the root's secure session (%s)", t.round, out.reason)
         else:
-            await self._push(t, out)
+            await self._push(t, out, *up)
         self.rounds_done += 1
 
     async def _heartbeats(self, t: TaskAssignment, cr) -> None:
@@ -159,8 +158,7 @@ class UpstreamLink:
                 self.coord.close_round(cr, "upstream no longer wants this round")
                 return
 
-    async def _push(self, t: TaskAssignment, out: RoundOutcome) -> None:
-        header, payload = partial_upload(t, self.link.node_id, out)
+    async def _push(self, t: TaskAssignment, out: RoundOutcome, header: UploadHeader, payload: bytes) -> None:
         try:
             await self.link.push_update(header, payload)
             log.info("round %d: pushed partial of %d updates upstream", t.round, out.partial.count)

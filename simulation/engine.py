@@ -23,8 +23,8 @@ Per round (attempt), in simulated time:
    (they fill independently, as aggregators' pools do); check-in stops once all have.
 2. **Selection.** Aggregators report their pools upward (``touch``), the root opens the
    round, and each tier takes its assignment from its parent (``assign``) and opens its
-   own round (``task_from_assignment``), exactly as ``server.aggregator`` does over
-   gRPC; lowest tiers over-select their clients.
+   own round (``server.upstream.ChildRound``), exactly as ``server.aggregator`` does
+   over gRPC; lowest tiers over-select their clients.
 3. **Devices.** A selected device downloads the model (its link speed), trains under
    the edge runtime's governor (``run_governed`` on its simulated battery and thermal
    model: it may pace itself or stop early, and then trains only the steps it did),
@@ -40,7 +40,7 @@ Per round (attempt), in simulated time:
    delivered or was dropped (vanished devices are dropped ``node_timeout_s`` after they
    fell silent). A secure tier's masked-input stage ends when every selected client
    answered or at the stage's deadline, as on a server. A closed tier pushes its
-   partial upward (``partial_upload``, then ``upload_now`` on its parent) after its
+   partial upward (``ChildRound.partial``, then ``upload_now`` on its parent) after its
    transfer time.
 5. **Root.** When the root closes, its outcome goes back to the run loop
    (``orchard.server.runloop``, the gRPC root's too): ``server_step``, or too few
@@ -97,12 +97,11 @@ from orchard.server.round import (
     RoundOutcome,
     RoundTask,
     SimulatedCounts,
-    partial_upload,
     root_task,
-    task_from_assignment,
 )
 from orchard.server.runloop import Played, enough
 from orchard.server.secagg import STAGE_END, SecureCohort
+from orchard.server.upstream import ChildRound
 from orchard.simulation.backends import Backend
 from orchard.simulation.clients import ClientJob, ClientOutput
 from orchard.simulation.config import AttackConfig
@@ -156,12 +155,13 @@ class Tier:
     last_silence: float = -math.inf  # latest time a vanished client fell silent
     working: set[str] = field(default_factory=set)  # selected clients still training
     assignment: TaskAssignment | None = None  # this tier's task from its parent
+    child: ChildRound | None = None  # this tier's round for that task
     # Secure aggregation: each selected client's side of the tier's SecAgg+ session and its task.
     secure: dict[str, tuple[SecureParticipant, TaskAssignment]] = field(default_factory=dict)
 
     def reset(self) -> None:
         self.cr, self.pushed, self.waiting, self.last_silence = None, False, 0, -math.inf
-        self.working, self.assignment, self.secure = set(), None, {}
+        self.working, self.assignment, self.child, self.secure = set(), None, None, {}
 
 
 @dataclass
@@ -768,16 +768,16 @@ class Engine:
 
     def _open_tier(self, t: Tier, a: TaskAssignment, blob: bytes) -> None:
         """Tier ``t`` opens its parent's assignment ``a``, and the tiers below it theirs."""
-        assert t.parent is not None
-        # As server.aggregator's UpstreamLink._serve: the parent's task, this tier's cohort.
-        task = task_from_assignment(a, blob, self.round_cfg)
-        t.assignment = a
-        # Secure aggregation over the whole tree: the tier relays to its parent's session
-        # and reports its roster once its own children have (server.coordinator).
-        tree = task.config.secure_aggregation.over_tree
-        t.cr = t.coord.open_round(task, upstream=ParentUpstream(t.parent.coord, t.name, a) if tree else None)
+        parent = t.parent
+        assert parent is not None
+        # The gRPC aggregator's ChildRound: the parent's task, this tier's cohort; under
+        # secure aggregation over the whole tree the tier relays to its parent's session
+        # and reports its roster once its own children have.
+        t.child = ChildRound(t.coord, t.name, a, blob, lambda a: ParentUpstream(parent.coord, t.name, a),
+                             self.round_cfg)
+        t.assignment, t.cr = a, t.child.cr
         self._open_below(t, blob)
-        run_inline(t.coord.send_roster(t.cr))
+        run_inline(t.child.report_roster())
 
     # ------------------------------------------------------------------ devices
 
@@ -1318,10 +1318,12 @@ class Engine:
         if tier.cr is None or not tier.cr.closed or tier.pushed:
             return
         tier.pushed = True
-        if tier.parent is None or self._relays(tier):  # a relay's clients are in the root's sum
+        child = tier.child
+        if child is None or child.relays:  # the root, or a relay: its clients are in the root's sum
             return
-        assert tier.assignment is not None  # every tier below the root got one before it opened
-        header, payload = partial_upload(tier.assignment, tier.name, tier.coord.outcome(tier.cr))
+        up = child.partial(tier.coord.outcome(tier.cr))
+        assert up is not None
+        header, payload = up
         at = self.time.t + len(payload) * 8 / (self.aggregator_mbps * 1e6)
         if self._partials is not None and tier.parent is self.root:  # a shard's top: the root is elsewhere
             self._partials.append((at, tier.name, header, payload))
