@@ -19,7 +19,7 @@ resident set touched once) with the heap kept.
 from the heap and go back to it, and up to 64 MiB of free heap stays mapped for the
 next allocation. (Either setting alone is worse than neither: the other keeps its
 default and the heap is unmapped or trimmed at every turn.) The simulator calls it in
-its engine process and in each worker (README's simulation section has what it did
+its engine process and in each worker (docs/simulation.md has what it did
 to a 10,000-client round and to the processes' memory); ``orchard server start`` and
 ``orchard aggregator start`` call it through :func:`orchard.server.process.tune_server_process`.
 
