@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchard.cli import base_model_params
 from orchard.errors import ConfigError, OrchardError
 from orchard.pretrain import load_base_model, parse_pretrain_config, run
 from orchard.tasks import get_task
+from orchard.tasks.params import base_model_params
 
 
 @pytest.fixture(scope="module")

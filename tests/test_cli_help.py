@@ -47,3 +47,47 @@ def test_every_bracketed_help_text_is_printed() -> None:
             assert text in flat, f"`orchard {' '.join(path)} --help` lost {text!r}"
             checked += 1
     assert checked >= 3  # the --config options of server start, aggregator start and simulate
+
+
+def test_the_cli_package_is_shipped() -> None:
+    """pyproject lists packages one by one: a subpackage of orchard/ left out of the list
+    is missing from the wheel (the editable install would not notice)."""
+    import tomllib
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    subpackages = {f"orchard.{p.parent.name}" for p in (repo / "orchard").glob("*/__init__.py")}
+    assert "orchard.cli" in subpackages and subpackages <= listed, subpackages - listed
+
+
+def test_module_form_and_run_start_without_the_simulator(tmp_path) -> None:
+    """`python -m orchard.cli` is the command; `run start` builds its config and initial
+    model without importing the simulator (an unreachable root ends it with one line)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    helped = subprocess.run([sys.executable, "-m", "orchard.cli", "--help"], capture_output=True, text=True,
+                            timeout=120)
+    assert helped.returncode == 0 and "simulate" in helped.stdout, helped.stderr
+    script = (
+        "import sys\n"
+        "from orchard.cli import main\n"
+        f"sys.argv = ['orchard', 'run', 'start', '--server', '127.0.0.1:{port}', '--insecure', '--detach',\n"
+        "            '--task', 'digits', '--task-param', 'alpha=0.5']\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit as e:\n"
+        "    print('EXIT', e.code)\n"
+        "print('SIM', sorted(m for m in sys.modules if m.startswith('orchard.simulation.')))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "EXIT 1" in res.stdout and "UNAVAILABLE" in res.stderr and "Traceback" not in res.stderr, res
+    loaded = res.stdout.split("SIM ", 1)[1]
+    # Registering `simulate` loads its command module and the config it validates, nothing
+    # that runs a simulation.
+    assert "defaults" not in loaded and "runner" not in loaded and "engine" not in loaded, loaded

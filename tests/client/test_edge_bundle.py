@@ -28,6 +28,7 @@ from orchard.edge_runtime.infer import predict_text, summarize_array
 from orchard.edge_runtime.lora import set_arrays
 from orchard.edge_runtime.policy import DevicePolicy
 from orchard.ops import ControlClient
+from orchard.runs import latest_adapter
 from orchard.server.app import start_root
 from orchard.server.tls import init_certs
 from orchard.tasks import get_task
@@ -199,4 +200,7 @@ def test_unreachable_root_means_the_initial_adapter() -> None:
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    assert cli._pull_current_adapter(f"127.0.0.1:{port}", "shakespeare", "", None, None, True, None) is None
+    server = f"127.0.0.1:{port}"
+    with ControlClient(server, insecure=True) as ctl:
+        got = latest_adapter(ctl, "shakespeare", server=server)
+    assert got.arrays is None and got.version == 0 and "not reachable (UNAVAILABLE)" in got.fallback

@@ -1,0 +1,33 @@
+"""The ``orchard`` command: the root typer app with each group's commands attached."""
+
+from __future__ import annotations
+
+import typer
+
+from orchard.cli import aggregator, client, credentials, edge, local, nodes, run, server
+
+
+def build_app() -> typer.Typer:
+    root = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                       help="Orchard: hierarchical federated learning with secure aggregation and compressed updates.")
+    for name, sub in [("server", server.app), ("aggregator", aggregator.app), ("client", client.app),
+                      ("run", run.app), ("nodes", nodes.app), ("certs", credentials.certs_app),
+                      ("tokens", credentials.tokens_app), ("edge", edge.app)]:
+        root.add_typer(sub, name=name)
+    root.command("validate")(local.validate)
+    root.command("demo")(local.demo)
+    root.command("baseline")(local.baseline)
+    # The simulator's command is its own module's; importing it loads no simulator code
+    # (its body imports the runner when it runs).
+    from orchard.simulation.cli import simulate
+
+    root.command("simulate", help="Simulate a federation in-process through the real client and tier code.")(simulate)
+    root.command("pretrain", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(local.pretrain)
+    return root
+
+
+app = build_app()
+
+
+def main() -> None:
+    app()
