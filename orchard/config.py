@@ -309,9 +309,17 @@ class RunConfig(_Strict):
         if self.secure_aggregation.over_tree and self.mode.is_async:
             out.append("secure_aggregation.scope 'tree' runs one session per round; asynchronous buffers keep their "
                        "sessions at the lowest tier: use scope 'cohort' in asynchronous mode")
-        if (p.enabled or r.statistic != "mean" or r.norm_bound is not None) and self.mode.is_async:
-            out.append("privacy and robust stages are not supported in asynchronous mode yet (its staleness-"
-                       "weighted folds bypass them): use run.mode.kind = \"sync\" with them, or turn them off")
+        if self.mode.is_async:
+            # Asynchronous buffers fold through the same stack as rounds, with FedBuff's
+            # staleness weight as its innermost stage: clipping, robust.norm_bound and the
+            # root's central DP noise compose with it. What still cannot:
+            if r.statistic != "mean":
+                out.append(f"robust.statistic {r.statistic!r} takes fresh updates only and has no staleness "
+                           "weighting: in asynchronous mode use 'mean', with robust.norm_bound to bound each update")
+            if p.mode == "distributed":
+                out.append("privacy.mode 'distributed' is not supported in asynchronous mode (its noise shares are "
+                           "calibrated to one SecAgg+ session per round, not to a buffer's): use privacy.mode "
+                           "'central', whose noise the root adds to each buffer")
         if r.statistic != "mean":
             # Under secure aggregation: orchard.server.validation.aggregation_problems, from
             # each statistic's declared linearity.

@@ -284,3 +284,17 @@ def test_prometheus_counts_updates_by_staleness() -> None:
     text = generate_latest(reg).decode()
     assert 'orchard_updates_by_staleness_total{role="root",staleness="0",tier="tier"} 3.0' in text
     assert 'orchard_updates_by_staleness_total{role="root",staleness="2",tier="tier"} 1.0' in text
+
+
+def test_asynchronous_mode_takes_clipping_and_central_dp_but_no_robust_statistic_or_distributed_dp() -> None:
+    from orchard.config import PrivacyConfig, RobustConfig
+
+    uniform = CohortConfig(target=2, weighting="uniform")
+    mode = ModeConfig(kind="async", buffer_size=2)
+    RunConfig(cohort=uniform, mode=mode, robust=RobustConfig(norm_bound=1.0),
+              privacy=PrivacyConfig(mode="central", target_epsilon=5.0, clip_norm=1.0))
+    with pytest.raises(ValueError, match="takes fresh updates only"):
+        RunConfig(cohort=uniform, mode=mode, robust=RobustConfig(statistic="median"))
+    with pytest.raises(ValueError, match="'distributed' is not supported in asynchronous mode"):
+        RunConfig(cohort=uniform, mode=mode, secure_aggregation={"enabled": True},
+                  privacy=PrivacyConfig(mode="distributed", target_epsilon=5.0, clip_norm=1.0))
