@@ -47,6 +47,8 @@ typedef enum orchard_status {
   ORCHARD_ERR_PROGRAM = 6,     /* the training program does not match the adapter */
   ORCHARD_ERR_CODEC = 7,       /* an update cannot be encoded with the run's codec */
   ORCHARD_ERR_AUTH = 8,        /* the credential is unusable, or the server refused it */
+  ORCHARD_ERR_DEVICE = 9,      /* the app's device-state callback failed */
+  ORCHARD_ERR_SECAGG = 10,     /* a secure-aggregation message was malformed, or the session aborted */
   ORCHARD_ERR_INTERNAL = 99    /* a bug in the library: the message says where */
 } orchard_status;
 
@@ -77,6 +79,60 @@ ORCHARD_API const char* orchard_device_errmsg(const orchard_device* dev);
 
 /* The status of the last call on `dev`. */
 ORCHARD_API orchard_status orchard_device_errcode(const orchard_device* dev);
+
+/* ---- Device state: the app's sensors, read through a callback ---------------------
+ *
+ * The library decides when the device may train (client.json's policy: charging or
+ * battery above the floor, temperature under the ceiling, unmetered network, idle, the
+ * daily window) and paces training (the governor), with the decisions of Orchard's
+ * Python client (edge_runtime/policy.py, governor.py). The app only says how the
+ * device is. Unknown values: NaN for a double, -1 for a flag. */
+
+/* The OS's own thermal verdict, for a device that gives no temperature (Android's
+ * PowerManager.getCurrentThermalStatus, iOS's ProcessInfo.thermalState). Used only
+ * when temperature_c is NaN: NONE and LIGHT pass, MODERATE counts as inside the
+ * governor's throttle band (it slows down), SEVERE and above as at the ceiling. */
+enum {
+  ORCHARD_THERMAL_UNKNOWN = -1,
+  ORCHARD_THERMAL_NONE = 0,      /* Android NONE, iOS nominal */
+  ORCHARD_THERMAL_LIGHT = 1,     /* Android LIGHT, iOS fair */
+  ORCHARD_THERMAL_MODERATE = 2,  /* Android MODERATE, iOS serious */
+  ORCHARD_THERMAL_SEVERE = 3     /* Android SEVERE and above, iOS critical */
+};
+
+typedef struct orchard_device_state {
+  double battery_percent;  /* 0..100; NaN: no battery (a mains-powered device) */
+  int charging;            /* 1 on external power, 0 not, -1 unknown */
+  double temperature_c;    /* NaN: unknown (then thermal_status is used) */
+  int thermal_status;      /* ORCHARD_THERMAL_*; -1 unknown */
+  int unmetered_network;   /* 1 unmetered (Wi-Fi), 0 metered, -1 unknown */
+  int idle;                /* 1 idle (screen off, not in use), 0 in use, -1 unknown */
+  double energy_j;         /* a cumulative energy counter in joules; NaN: none */
+} orchard_device_state;
+
+/* Fill *state (the library set every field to "unknown" before the call) and return
+ * 0; any other return fails the call that asked with ORCHARD_ERR_DEVICE. Called on the
+ * thread of that call, never after orchard_device_close. */
+typedef int (*orchard_state_fn)(void* user, orchard_device_state* state);
+
+/* Set (or, with fn NULL, remove) the device-state callback. Without one, the device is
+ * taken to be mains powered, idle, on an unmetered network, of unknown temperature. */
+ORCHARD_API orchard_status orchard_device_set_state_source(orchard_device* dev, orchard_state_fn fn, void* user);
+
+/* Why a device is not eligible: a bit per rule of the policy that failed. */
+enum {
+  ORCHARD_INELIGIBLE_POWER = 1 << 0,    /* on battery, and the policy needs external power */
+  ORCHARD_INELIGIBLE_BATTERY = 1 << 1,  /* battery below the floor, not charging */
+  ORCHARD_INELIGIBLE_THERMAL = 1 << 2,  /* at or above the temperature ceiling */
+  ORCHARD_INELIGIBLE_NETWORK = 1 << 3,  /* metered or unknown network, unmetered required */
+  ORCHARD_INELIGIBLE_IDLE = 1 << 4,     /* in use or unknown, idleness required */
+  ORCHARD_INELIGIBLE_WINDOW = 1 << 5    /* outside the daily window */
+};
+
+/* Read the device state once and apply the bundle's policy: *reasons = 0 when the
+ * device may train now, else the ORCHARD_INELIGIBLE_* bits; after a success,
+ * orchard_device_errmsg holds the reasons in words ("" when eligible). */
+ORCHARD_API orchard_status orchard_device_check_eligibility(orchard_device* dev, int* reasons);
 
 #ifdef __cplusplus
 }

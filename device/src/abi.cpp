@@ -1,17 +1,24 @@
 // The C ABI (include/orchard_device.h): handles, status codes and messages around the
 // C++ below it. Every entry point catches everything; nothing unwinds into C.
+#include <chrono>
+#include <cmath>
 #include <new>
+#include <optional>
 #include <string>
 
 #include "bundle.h"
 #include "failure.h"
 #include "orchard_device.h"
+#include "policy.h"
 
 struct orchard_device {
   orchard_status code = ORCHARD_OK;
   std::string message;
   orchard::Bundle bundle;
+  orchard::DevicePolicy policy;
   bool opened = false;
+  orchard_state_fn state_fn = nullptr;
+  void* state_user = nullptr;
 };
 
 namespace {
@@ -45,6 +52,47 @@ orchard_status guarded(orchard_device* dev, F&& body) noexcept {
   return code;
 }
 
+void require_open(const orchard_device* dev) {
+  if (!dev->opened)
+    throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "the bundle did not open: this handle only holds that error");
+}
+
+std::optional<bool> flag(int v) { return v < 0 ? std::nullopt : std::optional<bool>(v != 0); }
+std::optional<double> number(double v) { return std::isnan(v) ? std::nullopt : std::optional<double>(v); }
+
+// The app's reading as the policy's DeviceState. A device that reports only the OS's
+// thermal status gets a temperature standing for it (the header says which).
+orchard::DeviceState read_state(orchard_device* dev) {
+  orchard::DeviceState s;
+  if (dev->state_fn == nullptr) {
+    s.charging = true;
+    s.unmetered_network = true;
+    s.idle = true;
+    return s;
+  }
+  orchard_device_state raw{NAN, -1, NAN, ORCHARD_THERMAL_UNKNOWN, -1, -1, NAN};
+  const int rc = dev->state_fn(dev->state_user, &raw);
+  if (rc != 0)
+    throw orchard::Failure(ORCHARD_ERR_DEVICE, "the device-state callback failed (returned " + std::to_string(rc) + ")");
+  s.battery_percent = number(raw.battery_percent);
+  s.charging = flag(raw.charging);
+  s.temperature_c = number(raw.temperature_c);
+  s.unmetered_network = flag(raw.unmetered_network);
+  s.idle = flag(raw.idle);
+  s.energy_j = number(raw.energy_j);
+  if (!s.temperature_c && raw.thermal_status >= ORCHARD_THERMAL_MODERATE) {
+    const double hard = dev->policy.hard_ceiling_c();
+    s.temperature_c = raw.thermal_status >= ORCHARD_THERMAL_SEVERE
+                          ? std::max(hard, dev->policy.eligibility.max_temperature_c)
+                          : hard - dev->policy.pacing.throttle_band_c / 2;
+  }
+  return s;
+}
+
+double wall_now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
 }  // namespace
 
 extern "C" {
@@ -60,6 +108,8 @@ const char* orchard_status_name(int status) {
     case ORCHARD_ERR_PROGRAM: return "ORCHARD_ERR_PROGRAM";
     case ORCHARD_ERR_CODEC: return "ORCHARD_ERR_CODEC";
     case ORCHARD_ERR_AUTH: return "ORCHARD_ERR_AUTH";
+    case ORCHARD_ERR_DEVICE: return "ORCHARD_ERR_DEVICE";
+    case ORCHARD_ERR_SECAGG: return "ORCHARD_ERR_SECAGG";
     case ORCHARD_ERR_INTERNAL: return "ORCHARD_ERR_INTERNAL";
     default: return "unknown status";
   }
@@ -76,6 +126,7 @@ orchard_status orchard_device_open(const char* bundle_dir, orchard_device** out)
   return guarded(dev, [&] {
     if (bundle_dir == nullptr) throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "bundle_dir is NULL");
     dev->bundle = orchard::read_bundle(bundle_dir);
+    dev->policy = orchard::DevicePolicy::from_json(dev->bundle.config.value("policy", nlohmann::json()));
     dev->opened = true;
   });
 }
@@ -89,6 +140,35 @@ const char* orchard_device_errmsg(const orchard_device* dev) {
 
 orchard_status orchard_device_errcode(const orchard_device* dev) {
   return dev == nullptr ? ORCHARD_ERR_ARGUMENT : dev->code;
+}
+
+orchard_status orchard_device_set_state_source(orchard_device* dev, orchard_state_fn fn, void* user) {
+  if (dev == nullptr) return ORCHARD_ERR_ARGUMENT;
+  return guarded(dev, [&] {
+    dev->state_fn = fn;
+    dev->state_user = fn == nullptr ? nullptr : user;
+  });
+}
+
+orchard_status orchard_device_check_eligibility(orchard_device* dev, int* reasons) {
+  if (dev == nullptr) return ORCHARD_ERR_ARGUMENT;
+  std::string words;
+  orchard_status st = guarded(dev, [&] {
+    if (reasons == nullptr) throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "reasons is NULL");
+    require_open(dev);
+    orchard::Eligibility e = orchard::evaluate(read_state(dev), dev->policy, wall_now());
+    int bits = 0;
+    for (const auto& r : e.reasons) {
+      const std::string& c = r.code;
+      bits |= c == "power" ? ORCHARD_INELIGIBLE_POWER : c == "battery" ? ORCHARD_INELIGIBLE_BATTERY
+            : c == "thermal" ? ORCHARD_INELIGIBLE_THERMAL : c == "network" ? ORCHARD_INELIGIBLE_NETWORK
+            : c == "idle" ? ORCHARD_INELIGIBLE_IDLE : ORCHARD_INELIGIBLE_WINDOW;
+      words += (words.empty() ? "" : "; ") + c + ": " + r.message;
+    }
+    *reasons = bits;
+  });
+  if (st == ORCHARD_OK) dev->message = std::move(words);
+  return st;
 }
 
 }  // extern "C"

@@ -10,6 +10,7 @@ code as it changes; nothing is copied by hand.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -26,7 +27,14 @@ from orchard.compression import build_codec
 from orchard.compression.update import encode_packed
 from orchard.edge_runtime import bundle as bundle_mod
 from orchard.edge_runtime import et_program
+from orchard.edge_runtime.clock import VirtualClock
+from orchard.edge_runtime.governor import Governor
+from orchard.edge_runtime.policy import DevicePolicy, evaluate
 from orchard.errors import AuthError, ConfigError, IntegrityError
+from orchard.secure_agg import SecAggClient, SecAggServer, SessionConfig, Stage, decode, quantize
+from orchard.secure_agg.prg import ByteStream, expand_mask
+from orchard.secure_agg.shamir import share_bytes
+from orchard.typing import DeviceState
 
 
 def _hex_f32(x: np.ndarray) -> str:
@@ -231,12 +239,194 @@ def bundle_vectors(directory: Path) -> list[dict[str, Any]]:
     return out
 
 
+def _state_json(s: DeviceState) -> dict[str, Any]:
+    return {"battery_percent": s.battery_percent, "charging": s.charging, "temperature_c": s.temperature_c,
+            "unmetered_network": s.unmetered_network, "idle": s.idle, "energy_j": s.extra.get("energy_j")}
+
+
+class _Scripted:
+    """A device whose n-th reading is ``states[n]`` (the last one repeats)."""
+
+    def __init__(self, states: list[DeviceState]) -> None:
+        self.states = states
+        self.reads = 0
+
+    def read(self) -> DeviceState:
+        s = self.states[min(self.reads, len(self.states) - 1)]
+        self.reads += 1
+        return s
+
+
+def _run_governor(policy: DevicePolicy, states: list[DeviceState], step_s: float, units: float,
+                  wall_origin: float, max_loops: int = 400) -> dict[str, Any]:
+    """The Python governor over scripted states: every before_step's answer, the clock
+    and the readings taken, then the report."""
+    device, clock = _Scripted(states), VirtualClock(0.0, wall_origin)
+    gov = Governor(device, policy, clock)
+    events = []
+    for _ in range(max_loops):
+        ok = gov.before_step()
+        events.append({"run": ok, "t": clock.monotonic(), "reads": device.reads})
+        if not ok:
+            break
+        clock.advance(step_s)
+        gov.after_step(units)
+    r = gov.report()
+    return {
+        "policy": json.loads(policy.model_dump_json()), "states": [_state_json(x) for x in states],
+        "step_s": step_s, "units": units, "wall_origin": wall_origin, "max_loops": max_loops, "events": events,
+        "report": {"steps_done": r.steps_done, "stop_reason": r.stop_reason.value if r.stop_reason else "",
+                   "elapsed_s": r.elapsed_s, "active_s": r.active_s, "paused_s": r.paused_s, "energy_j": r.energy_j,
+                   "max_temperature_c": r.max_temperature_c, "min_battery_percent": r.min_battery_percent,
+                   "duty": r.duty, "work_units": r.work_units},
+    }
+
+
+def policy_vectors() -> dict[str, Any]:
+    """Device policy decisions: eligibility of single states, and whole governed runs
+    (state sequence -> every before_step decision and the report)."""
+    g = np.random.default_rng(43)
+    maybe = [None, True, False]
+
+    def random_state(i: int, temp: float, battery: float, counter: float | None, flaky: float = 0.1) -> DeviceState:
+        """``flaky``: how often the network or idleness reading is not a plain True."""
+        extra = {} if counter is None else {"energy_j": counter}
+        return DeviceState(battery_percent=None if g.random() < 0.05 else round(battery, 3),
+                           charging=maybe[int(g.integers(0, 3))] if g.random() < 0.1 else (g.random() < 0.3),
+                           temperature_c=None if g.random() < 0.05 else round(temp, 3),
+                           unmetered_network=True if g.random() >= flaky else maybe[int(g.integers(0, 3))],
+                           idle=True if g.random() >= flaky else maybe[int(g.integers(0, 3))], extra=extra)
+
+    def random_policy() -> DevicePolicy:
+        window = None
+        if g.random() < 0.2:
+            tz = ["UTC", "+05:30", "-08:00"][int(g.integers(0, 3))]
+            window = {"start": f"{int(g.integers(0, 24)):02d}:{int(g.integers(0, 60)):02d}",
+                      "end": f"{int(g.integers(0, 24)):02d}:{int(g.integers(0, 60)):02d}", "tz": tz}
+        return DevicePolicy.model_validate({
+            "eligibility": {"min_battery_percent": float(g.uniform(5, 40)), "allow_on_battery": bool(g.random() < 0.8),
+                            "max_temperature_c": float(g.uniform(38, 48)), "require_unmetered": bool(g.random() < 0.5),
+                            "require_idle": bool(g.random() < 0.5)},
+            "window": window,
+            "budget": {"energy_j": None if g.random() < 0.6 else float(g.uniform(5, 200)),
+                       "time_s": None if g.random() < 0.5 else float(g.uniform(5, 300)),
+                       "max_steps": None if g.random() < 0.2 else int(g.integers(1, 60))},
+            "pacing": {"hard_ceiling_c": None if g.random() < 0.5 else float(g.uniform(40, 50)),
+                       "throttle_band_c": float(g.uniform(0.5, 8)), "min_duty": float(g.uniform(0.05, 1)),
+                       "cooldown_quantum_s": float(g.uniform(0.2, 5)), "max_cooldown_s": float(g.uniform(0, 60)),
+                       "prior_rise_c": float(g.uniform(0, 2)), "prior_drop_percent": float(g.uniform(0, 2)),
+                       "safety_factor": float(g.uniform(1, 2)), "history": int(g.integers(1, 20)),
+                       "joules_per_unit": None if g.random() < 0.5 else float(g.uniform(0.1, 3))},
+        })
+
+    eligibility = []
+    for _ in range(300):
+        policy = random_policy()
+        state = random_state(0, float(g.uniform(30, 50)), float(g.uniform(0, 100)), None)
+        wall = float(g.uniform(1.7e9, 1.8e9))
+        d = evaluate(state, policy, wall)
+        eligibility.append({"policy": json.loads(policy.model_dump_json()), "state": _state_json(state), "wall": wall,
+                            "eligible": d.eligible, "codes": [r.code for r in d.reasons]})
+
+    runs = []
+    for _ in range(120):
+        policy = random_policy()
+        if policy.budget.energy_j is not None and policy.pacing.joules_per_unit is None:
+            counter: float | None = 0.0
+        else:
+            counter = None if g.random() < 0.7 else 0.0
+        temp, battery, states = float(g.uniform(25, 44)), float(g.uniform(15, 100)), []
+        heat, drain = float(g.uniform(-0.2, 1.5)), float(g.uniform(-0.5, 2.0))
+        for i in range(int(g.integers(1, 120))):
+            states.append(random_state(i, temp, battery, counter, flaky=0.01))
+            temp += heat * float(g.uniform(0, 1)) - (0.8 if g.random() < 0.2 else 0)
+            battery = min(100.0, max(0.0, battery - drain * float(g.uniform(0, 1))))
+            if counter is not None:
+                counter += float(g.uniform(0, 4)) if g.random() < 0.95 else -50.0  # a wrap now and then
+        runs.append(_run_governor(policy, states, step_s=float(g.uniform(0.1, 6)), units=float(g.integers(1, 9)),
+                                  wall_origin=float(g.uniform(1.7e9, 1.8e9))))
+    # Hand-written cases for each way a run ends.
+    heating = [DeviceState(80.0, False, 38.0 + 0.7 * i, True, True) for i in range(200)]
+    runs.append(_run_governor(DevicePolicy(), heating, 2.0, 4.0, 1.75e9))
+    draining = [DeviceState(30.0 - 1.5 * i, False, 30.0, True, True) for i in range(40)]
+    runs.append(_run_governor(DevicePolicy(), draining, 1.0, 1.0, 1.75e9))
+    unplugged = [DeviceState(90.0, i < 6, 30.0, True, True) for i in range(20)]
+    runs.append(_run_governor(DevicePolicy.model_validate({"eligibility": {"allow_on_battery": False}}),
+                              unplugged, 1.0, 1.0, 1.75e9))
+    steady = [DeviceState(None, None, None, True, True)]
+    runs.append(_run_governor(DevicePolicy.model_validate({"budget": {"time_s": 10.0}}), steady, 3.0, 1.0, 1.75e9))
+    runs.append(_run_governor(DevicePolicy.model_validate({"budget": {"max_steps": 5}}), steady, 0.5, 2.0, 1.75e9))
+    return {"eligibility": eligibility, "runs": runs}
+
+
+def _secagg_session(n: int, d: int, k: int, t: int, bits: int, drop_after_shares: list[str],
+                    seed: int) -> dict[str, Any]:
+    """One whole SecAgg+ session through the Python server and clients, every message in
+    its binary form: each client's entropy, and every broadcast it got with its reply."""
+    ids = [f"client-{i:02d}" for i in range(n)]
+    entropy = {p: hashlib.sha256(f"{p}/{seed}".encode()).digest() for p in ids}
+    config = SessionConfig.create(ids, d, neighbours=k, threshold=t, round_number=seed + 1,
+                                  entropy=hashlib.sha256(f"session/{seed}".encode()).digest(), modulus_bits=bits)
+    g = np.random.default_rng(seed)
+    inputs = {p: g.integers(0, 1 << min(bits, 16), size=d, dtype=np.uint32) for p in ids}
+    server = SecAggServer(config)
+    clients = {p: SecAggClient(p, entropy=entropy[p]) for p in ids}
+    transcripts: dict[str, list[dict[str, Any]]] = {p: [] for p in ids}
+    for stage in (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING):
+        for node in sorted(server.pending()):
+            if stage in (Stage.MASKED_INPUT, Stage.UNMASKING) and node in drop_after_shares:
+                continue
+            raw = server.broadcast_bytes(node)
+            vec = inputs[node] if stage is Stage.MASKED_INPUT else None
+            reply = clients[node].respond(decode(raw), vec).to_bytes()
+            transcripts[node].append({"broadcast": raw.hex(), "reply": reply.hex(),
+                                      "vector": None if vec is None else [int(v) for v in vec]})
+            server.receive(stage, node, reply)
+        server.close_stage()
+    result = server.result()
+    want = sum(inputs[p].astype(np.uint64) for p in result.contributors) % (1 << bits)
+    assert np.array_equal(result.total.astype(np.uint64), want)
+    return {"participants": ids, "entropy": {p: e.hex() for p, e in entropy.items()}, "transcripts": transcripts,
+            "dropped": drop_after_shares, "total": [int(v) for v in result.total]}
+
+
+def secagg_vectors() -> dict[str, Any]:
+    """SecAgg+ from the Python package: whole sessions, Shamir shares, masks and the
+    client's quantiser."""
+    g = np.random.default_rng(7)
+    shamir = []
+    for secret_len, t, xs in ((32, 3, [1, 2, 5, 6]), (16, 1, [3]), (16, 4, [2, 4, 6, 8, 9]), (7, 2, [1, 9])):
+        key = bytes(g.integers(0, 256, 32, dtype=np.uint8))
+        secret = bytes(g.integers(0, 256, secret_len, dtype=np.uint8))
+        shares = share_bytes(secret, t, xs, ByteStream(key))
+        shamir.append({"key": key.hex(), "secret": secret.hex(), "threshold": t, "xs": xs,
+                       "shares": [s.hex() for s in shares]})
+    masks = []
+    for length in (0, 1, 5, 4097):
+        seed = bytes(g.integers(0, 256, 16, dtype=np.uint8))
+        masks.append({"seed": seed.hex(), "length": length,
+                      "mask": expand_mask(seed, length, 32).astype("<u4").tobytes().hex()})
+    quant = []
+    for clip, bits in ((0.5, 16), (2.0, 8), (1e-3, 20)):
+        x = g.standard_normal(300) * clip
+        x[:3] = [clip * 3, -clip * 3, 0.0]
+        seed = int(g.integers(0, 2**31 - 1))
+        q = quantize(x, clip, bits, np.random.default_rng([seed, 0x5EC]))
+        quant.append({"x": x.tolist(), "clip": clip, "bits": bits, "seed": seed, "q": [int(v) for v in q]})
+    sessions = [_secagg_session(6, 37, 4, 3, 32, ["client-04"], 1),
+                _secagg_session(4, 130, 3, 2, 20, [], 2),
+                _secagg_session(9, 5, 6, 4, 24, ["client-00", "client-07"], 3)]
+    return {"shamir": shamir, "masks": masks, "quantize": quant, "sessions": sessions}
+
+
 def write_all(directory: str | Path) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     (d / "numpy_random.json").write_text(json.dumps(numpy_random_vectors()))
     (d / "codec.json").write_text(json.dumps(codec_vectors()))
     (d / "bundle.json").write_text(json.dumps(bundle_vectors(d)))
+    (d / "policy.json").write_text(json.dumps(policy_vectors()))
+    (d / "secagg.json").write_text(json.dumps(secagg_vectors()))
     return d
 
 
