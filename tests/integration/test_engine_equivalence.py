@@ -16,6 +16,13 @@ previous one's upload was folded (:class:`Turnstile`), in partition order, which
 order the simulator folds equal-speed devices in. The root adds two partials to zero,
 which commutes, and secure aggregation sums exactly in its field, so neither depends on
 arrival order.
+
+FedBuff (asynchronous mode) runs on a flat federation, root and 6 clients, as the
+simulator runs it: which buffer an update lands in depends on when it arrives, so the
+gRPC clients upload on the simulator's schedule (:class:`VersionTurnstile`), stale ones
+only once the root moved on. A continuation buffer that takes an update before the next
+version opens hands its sum over whole, into an empty buffer, which is the same float64
+sum as folding the updates there one by one.
 """
 
 from __future__ import annotations
@@ -164,3 +171,92 @@ def test_the_check_can_fail(tmp_path: Path) -> None:
     b = {"w": np.array([1.0, np.nextafter(np.float32(2.0), np.float32(3.0))], np.float32)}
     with pytest.raises(AssertionError):
         _assert_same(a, b)
+
+
+# ---------------------------------------------------------------------- FedBuff
+
+# K = 3 of a concurrency of 6 (ceil(3 x 2.0)), at most 2 versions stale, f(s) = (1 + s)^-1/2.
+# With equal devices the simulator's buffers are: version 1 folds devices 0, 1, 2 fresh
+# while 3, 4, 5 still train on it (carried); version 2 folds 3, 4, 5 at staleness 1 while
+# 0, 1, 2 train on it; version 3 folds 0, 1, 2 at staleness 1. The federation is flat
+# (the simulator runs asynchronous mode for a root and its clients only).
+ASYNC = {"mode": {"kind": "async", "buffer_size": 3, "max_staleness": 2},
+         "cohort": {"over_selection": 2.0, "min_fraction": 1.0, "deadline_s": 600.0, "max_retries": 0}}
+# The uploads of that schedule, (model version, partition), in fold order.
+ASYNC_ORDER = [(1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (2, 0), (2, 1), (2, 2)]
+
+
+def _async_sim_config() -> SimulationConfig:
+    run = _merge({"task": "digits", "task_params": DIGITS,
+                  "train": {"epochs": 1, "batch_size": 10, "learning_rate": 0.1}}, ASYNC)
+    return SimulationConfig.model_validate(dict(
+        clients=CLIENTS, clients_per_round=CLIENTS, rounds=ROUNDS, seed=11, aggregators=0, backend="local",
+        workers=1, vectorize=False, governor=False, progress=False, profiles={"equal": EQUAL},
+        devices={"equal": 1.0}, run=run))
+
+
+class VersionTurnstile:
+    """Uploads in ``ASYNC_ORDER``, each after the one before it was folded; an update of
+    version 1 from devices 3, 4, 5 only once version 2 opened (the simulator's devices
+    finish after the root moved on, so the root carries them, still training, into the
+    next buffer). Any other upload waits for good: it comes after the run's last buffer."""
+
+    def __init__(self, root: Any) -> None:
+        self.root = root
+        self.done = {k: asyncio.Event() for k in ASYNC_ORDER}
+
+    async def _version_open(self, v: int) -> None:
+        while (cr := self.root.coordinator.current) is None or cr.task.round < v:
+            await asyncio.sleep(0.01)
+
+    def wrap(self, link: FleetLink, partition: int) -> None:
+        push = link.push_update
+
+        async def in_turn(header: Any, payload: bytes, *a: Any, **kw: Any) -> Any:
+            key = (header.round, partition)
+            if key not in self.done:
+                await asyncio.Event().wait()
+            i = ASYNC_ORDER.index(key)
+            if i > 0:
+                await self.done[ASYNC_ORDER[i - 1]].wait()
+            if key[0] == 1 and partition >= 3:
+                await self._version_open(2)
+            try:
+                return await push(header, payload, *a, **kw)
+            finally:
+                self.done[key].set()
+
+        link.push_update = in_turn  # type: ignore[method-assign]
+
+
+async def _flat_federation(tmp: Path, run: RunConfig) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    root = await start_root(tmp / "root", insecure=True, server_cfg=FAST, start_grace_s=0.2, seed=run.seed)
+    fed = Federation(root)
+    try:
+        turn = VersionTurnstile(root)
+        parts = list(range(CLIENTS))
+        for rt, k in zip(await add_clients(fed, root.address, parts, CLIENTS, task_params=DIGITS), parts,
+                         strict=True):
+            turn.wrap(rt.link, k)
+        await wait_joined(root, CLIENTS)
+        await start_run(root, run)
+        st = await wait_status(root, lambda s: s.get("status") in ("completed", "failed"), 240)
+        assert st["status"] == "completed" and st["completed_rounds"] == ROUNDS, st
+        ctl = ControlClient(root.address, insecure=True)
+        try:
+            return wire.blob_to_arrays(await asyncio.to_thread(ctl.pull_global)), st
+        finally:
+            ctl.close()
+    finally:
+        await fed.stop()
+
+
+def test_fedbuff_simulator_equals_grpc_federation(tmp_path: Path) -> None:
+    cfg = _async_sim_config()
+    report = run_simulation(cfg)
+    assert report.status == "completed" and len(report.rounds) == ROUNDS
+    want = [{"0": 3}, {"1": 3}, {"1": 3}]
+    assert [r["staleness"] for r in report.rounds] == want, [r["staleness"] for r in report.rounds]
+    grpc_model, st = asyncio.run(_flat_federation(tmp_path, cfg.run_config()))
+    assert [r["staleness"] for r in st["rounds"]] == want, st["rounds"]
+    _assert_same(report.final_arrays, grpc_model)
