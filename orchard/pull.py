@@ -75,11 +75,9 @@ def _shipped_base(task: str, params: dict[str, Any]) -> str | None:
         return str(Path(base).resolve().parent if Path(base).is_file() else Path(base).resolve())
     if base == "random":
         return None
-    import importlib
+    from orchard.tasks.registry import task_module
 
-    from orchard.tasks.registry import _TASK_MODULES
-
-    shipped = getattr(importlib.import_module(_TASK_MODULES[task]), "SHIPPED_BASE", None)
+    shipped = getattr(task_module(task), "SHIPPED_BASE", None)
     return str(shipped) if shipped is not None else None
 
 

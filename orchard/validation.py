@@ -15,12 +15,9 @@ from orchard.errors import ConfigError
 
 def run_problems(cfg: RunConfig) -> list[str]:
     from orchard.server.validation import run_config_problems
-    from orchard.tasks import available_tasks
+    from orchard.tasks.registry import task_problems
 
-    problems = run_config_problems(cfg)
-    if cfg.task not in available_tasks():
-        problems.append(f"task: {cfg.task!r} is not a registered task; available: {', '.join(available_tasks())}")
-    return problems
+    return run_config_problems(cfg) + task_problems(cfg.task, cfg.task_params)
 
 
 def data_problems(data: dict[str, Any]) -> list[str]:

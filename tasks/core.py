@@ -37,11 +37,29 @@ SeededModelFactory = Callable[[int], nn.Module]
 # (model_factory, train, test, trainable, seed) -> Trainer; lets a task swap in a
 # wrapping trainer (LoRA) without a second training loop.
 TrainerFactory = Callable[..., Trainer]
+# (model with the arrays loaded, data) -> metrics ("loss", and "accuracy" for classifiers)
+Evaluator = Callable[[nn.Module, TensorData], dict[str, float]]
 
 
 @runtime_checkable
 class Task(Protocol):
-    """A reference workload: data with client partitions, a model, train and eval."""
+    """What every Orchard command takes: data with client partitions, a model, a client
+    trainer and central evaluation.
+
+    - ``initial_arrays(seed)``: the global model at round 0, the tensors that train and
+      travel, float32, in a fixed order.
+    - ``partition(num_partitions, seed)``: which training (and local test) examples each
+      client holds, a pure function of its arguments.
+    - ``client_trainer(partition_id, num_partitions, seed)``: an
+      :class:`orchard.trainer.Trainer` over that client's data.
+    - ``evaluate(arrays, split)``: central metrics of a global model.
+
+    :func:`orchard.tasks.make_task` builds one from a model factory, a dataset, a loss
+    and a partitioner (:class:`SupervisedTask`, as Orchard's own tasks are). Commands
+    that export or inspect the model (``client bundle``, ``run pull``, ``baseline``)
+    also use ``build_model``, ``trainable``, ``train_data`` and ``pooled_trainer``,
+    which a :class:`SupervisedTask` has.
+    """
 
     name: str
 
@@ -95,6 +113,7 @@ class SupervisedTask:
         trainer_factory: TrainerFactory = TorchTrainer,
         central_test: TensorData | None = None,
         info: dict[str, Any] | None = None,
+        evaluator: Evaluator = evaluate_model,
     ) -> None:
         self.name = name
         self.train_data = train
@@ -110,6 +129,7 @@ class SupervisedTask:
         self._fixed_seed = fixed_seed
         self._trainer_factory = trainer_factory
         self._central_test = central_test if central_test is not None else test
+        self._evaluator = evaluator
         probe = model(fixed_seed)
         self.trainable: list[str] = (
             list(trainable) if trainable is not None else [n for n, _ in probe.named_parameters()]
@@ -185,4 +205,4 @@ class SupervisedTask:
             raise ConfigError(f"unknown split {split!r}; expected 'test' or 'train'")
         model = self._model(self._fixed_seed)
         load_arrays(model, arrays, self.trainable)
-        return evaluate_model(model, data)
+        return self._evaluator(model, data)

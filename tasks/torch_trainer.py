@@ -320,7 +320,7 @@ class TorchTrainer:
                     idx = perm[start : start + config.batch_size]
                     x, y = x_all[idx], y_all[idx]
                 opt.zero_grad(set_to_none=True)
-                loss, hits = _loss_and_correct(model(x), y)
+                loss, hits = self._loss_and_correct(model(x), y)
                 loss.backward()
                 if mu > 0:
                     # FedProx (Li et al., 2020, eq. 2): grad of mu/2 ||w - w_global||^2.
@@ -383,11 +383,100 @@ class TorchTrainer:
             planned_weight=float(n),
         )
 
+    # Cross-entropy over the targets and the argmax hits. A subclass with another
+    # objective (:class:`ObjectiveTrainer`) is not this class, so the simulator's
+    # vectorised path, which computes cross-entropy itself, never takes it.
+    _loss_and_correct = staticmethod(_loss_and_correct)
+
+    def _evaluate(self, model: nn.Module, data: TensorData) -> dict[str, float]:
+        return evaluate_model(model, data)
+
     def evaluate(self, arrays: NDArrays, config: TrainConfig) -> EvalResult:
         model, names, tensors = self._built()
         load_arrays(tensors, arrays, names)
         if len(self.test_data) == 0:
             return EvalResult(num_examples=0, metrics={})
         return EvalResult(
-            num_examples=len(self.test_data), metrics=evaluate_model(model, self.test_data)
+            num_examples=len(self.test_data), metrics=self._evaluate(model, self.test_data)
         )
+
+
+# (outputs, targets) -> a scalar loss tensor, differentiable in outputs.
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (outputs, targets) of a whole evaluation set -> one number.
+MetricFn = Callable[[torch.Tensor, torch.Tensor], float]
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What a task optimises and reports: a loss of (outputs, targets), whether the
+    outputs are class logits (then accuracy is counted, as for cross-entropy), and
+    metrics computed over a whole evaluation set's outputs and targets."""
+
+    loss: LossFn
+    classification: bool
+    metrics: tuple[tuple[str, MetricFn], ...] = ()
+
+    def loss_and_correct(self, out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss = self.loss(out, y)
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            raise ConfigError(
+                f"the task's loss must return a scalar tensor, got "
+                f"{type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else f' of shape {tuple(loss.shape)}'}"
+            )
+        if self.classification:
+            hits = (out.reshape(-1, out.shape[-1]).argmax(dim=-1) == y.reshape(-1)).sum()
+        else:
+            hits = torch.zeros((), dtype=torch.int64)
+        return loss, hits
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, data: TensorData, batch_size: int = _EVAL_BATCH) -> dict[str, float]:
+        """The example-weighted mean loss, accuracy when the outputs are class logits,
+        and each metric over the whole set."""
+        was_training = model.training
+        model.eval()
+        loss_sum, correct, count, outs, ys = 0.0, 0, 0, [], []
+        for start in range(0, len(data), batch_size):
+            x, y = data.x[start : start + batch_size], data.y[start : start + batch_size]
+            out = model(x)
+            loss, hits = self.loss_and_correct(out, y)
+            loss_sum += float(loss) * int(y.shape[0])
+            correct += int(hits)
+            count += int(y.shape[0])
+            if self.metrics:
+                outs.append(out)
+                ys.append(y)
+        model.train(was_training)
+        if count == 0:
+            return {"loss": float("nan")}
+        result = {"loss": loss_sum / count}
+        if self.classification:
+            result["accuracy"] = correct / max(int(data.y.numel()), 1)
+        if self.metrics:
+            all_out, all_y = torch.cat(outs), torch.cat(ys)
+            for name, fn in self.metrics:
+                result[name] = float(fn(all_out, all_y))
+        return result
+
+
+class ObjectiveTrainer(TorchTrainer):
+    """:class:`TorchTrainer` with the task's own :class:`Objective` (loss, metrics)."""
+
+    def __init__(self, model_factory: ModelFactory, train_data: TensorData | TensorRows,
+                 test_data: TensorData | Callable[[], TensorData], *, objective: Objective,
+                 trainable: Sequence[str] | None = None, seed: int = 0) -> None:
+        super().__init__(model_factory, train_data, test_data, trainable=trainable, seed=seed)
+        self.objective = objective
+
+    def _loss_and_correct(self, out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        return self.objective.loss_and_correct(out, y)
+
+    def train(self, arrays: NDArrays, config: TrainConfig, *, gate: StepGate | None = None) -> TrainResult:
+        result = super().train(arrays, config, gate=gate)
+        if not self.objective.classification:  # no classes, no accuracy to report
+            result.metrics.pop("train_accuracy", None)
+        return result
+
+    def _evaluate(self, model: nn.Module, data: TensorData) -> dict[str, float]:
+        return self.objective.evaluate(model, data)
