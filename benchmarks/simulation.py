@@ -197,11 +197,11 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
 #
 # py-spy samples the engine and each worker through the measured rounds (not pausing
 # them); each sample is put in the first of these components, in this order, that one of
-# its frames names (py-spy's qualified function name, e.g. "Engine._dispatch"). A sample in
+# its frames names (py-spy's qualified function name, e.g. "Dispatch.dispatch"). A sample in
 # none of them is "other" (the root's finalize, garbage collection...).
 _COMPONENTS: list[tuple[str, tuple[str, ...]]] = [
-    ("device models (governor)", ("device_training", "run_devices", "_DeviceRuns.results", "_DeviceRuns._send",
-                                  "_DeviceRuns._here", "SimulatedDevice.restore")),
+    ("device models (governor)", ("device_training", "run_devices", "DeviceRuns.results", "DeviceRuns._send",
+                                  "DeviceRuns._here", "SimulatedDevice.restore")),
     ("training", ("train_many", "train_group", "client_trainer", "TorchTrainer.fit", "TorchTrainer.train")),
     ("building uploads", ("build_uploads", "build_upload", "deltas_of", "delta_of", "encode_packed_many")),
     ("client jobs, rest", ("run_jobs",)),
@@ -209,11 +209,11 @@ _COMPONENTS: list[tuple[str, tuple[str, ...]]] = [
     ("job transfer", ("PackedOutputs.__init__", "PackedOutputs.unpack", "_Unpacked._arrived", "WorkerPool.pump",
                       "_Worker.send", "_serve.<locals>.reply", "_serve.<locals>.take", "_attached")),
     ("tier folds", ("Coordinator.upload_now", "Coordinator.complete_upload")),
-    ("check-in", ("Engine._check_in",)),
-    ("opening tiers, selection", ("Engine._open_below", "Engine._open_tier", "Engine._report_pools")),
-    ("hand-out", ("Engine._dispatch",)),
-    ("arrivals, rest", ("Engine._process",)),
-    ("leaving", ("Engine._leave",)),
+    ("check-in", ("CheckIn.check_in",)),
+    ("opening tiers, selection", ("Tree.open_below", "Tree.open_tier", "Tree.report_pools")),
+    ("hand-out", ("Dispatch.dispatch",)),
+    ("arrivals, rest", ("Arrivals.process",)),
+    ("leaving", ("CheckIn.leave",)),
 ]
 _SAMPLE_RATE = 100  # per second
 

@@ -51,15 +51,15 @@ def test_profile_samples_are_put_in_their_components(tmp_path) -> None:
     bench = _bench_module()
     f = "{} (simulation/engine.py:1)"
     engine = [
-        (";".join(f.format(n) for n in ["run_simulation", "Engine.round", "Engine._dispatch", "_DeviceRuns.results",
+        (";".join(f.format(n) for n in ["run_simulation", "Engine.round", "Dispatch.dispatch", "DeviceRuns.results",
                                         "device_training", "Governor.before_step"]), 30),
-        (";".join(f.format(n) for n in ["run_simulation", "Engine.round", "Engine._dispatch", "Coordinator.assign"]), 20),
-        (";".join(f.format(n) for n in ["Engine.round", "Engine._process", "Coordinator.upload_now",
+        (";".join(f.format(n) for n in ["run_simulation", "Engine.round", "Dispatch.dispatch", "Coordinator.assign"]), 20),
+        (";".join(f.format(n) for n in ["Engine.round", "Arrivals.process", "Coordinator.upload_now",
                                         "Coordinator._fold"]), 50),
-        (";".join(f.format(n) for n in ["Engine._process", "ProcessBackend.run_here", "run_jobs", "train_many"]), 10),
+        (";".join(f.format(n) for n in ["Arrivals.process", "ProcessBackend.run_here", "run_jobs", "train_many"]), 10),
         (";".join(f.format(n) for n in ["run_simulation", "Engine._finalize"]), 4),
         # The engine waiting for a worker's result: sampled, but not work.
-        (";".join(f.format(n) for n in ["Engine._process", "Call.result", "WorkerPool.pump", "_wait_ready"]), 8),
+        (";".join(f.format(n) for n in ["Arrivals.process", "Call.result", "WorkerPool.pump", "_wait_ready"]), 8),
     ]
     worker = [
         (";".join(f.format(n) for n in ["_serve", "_process_run", "run_jobs", "build_uploads"]), 40),

@@ -542,7 +542,7 @@ def test_a_sharded_tree_runs_the_round_of_one_process(aggregators: object, extra
     # feedback). Every count, every byte, the simulated time
     # and the model are those of one process running the whole tree, and of workers
     # that only train.
-    import orchard.simulation.engine as engine
+    from orchard.simulation import shards
 
     slow = DeviceProfile(gflops=1e-6, battery=False, availability=[1.0] * 24, dropout=0.1, latency_s=0.05)
     weighting = "uniform" if "privacy" in extra else "examples"  # (central DP bounds each client's share)
@@ -554,20 +554,20 @@ def test_a_sharded_tree_runs_the_round_of_one_process(aggregators: object, extra
                                  profiles={"box": ALWAYS_ON, "slow": slow}, devices={"box": 0.6, "slow": 0.4},
                                  chunk_size=8)
     runs: list[int] = []
-    real = engine.Engine.shard_run
+    real = shards.Shard.run
 
-    def counting(self: engine.Engine, *a: object) -> object:
-        runs.append(len(self._tops or []))
+    def counting(self: shards.Shard, *a: object) -> object:
+        runs.append(len(self._tree.tops or []))
         return real(self, *a)  # type: ignore[arg-type]
 
     local = run_simulation(_sim(**kw))
     whole = run_simulation(_sim(**kw, backend="process", workers=1, shard=False))
     assert not runs
-    engine.Engine.shard_run = counting  # type: ignore[method-assign]
+    shards.Shard.run = counting  # type: ignore[method-assign]
     try:
         sharded = run_simulation(_sim(**kw, backend="process", workers=2))
     finally:
-        engine.Engine.shard_run = real  # type: ignore[method-assign]
+        shards.Shard.run = real  # type: ignore[method-assign]
     assert runs and all(0 < n < (3 if aggregators == 3 else 2) for n in runs)  # the engine ran part of the tree
     assert any(r["closed_because"] != "target reached" for r in local.rounds)
     assert any(r["late"] > 0 for r in local.rounds)
@@ -599,12 +599,12 @@ def test_a_shard_counts_only_what_happened_before_the_root_closed() -> None:
     # ended. What the shard logged from then on is late (clients) or not counted at all
     # (partials), as when one loop stops at the root's close.
     from orchard.server.round import SimulatedCounts
-    from orchard.simulation.engine import _count_log
+    from orchard.simulation.jobs import count_log
 
     log = [(1.0, True, ""), (2.0, True, "failed"), (2.5, False, "LateRoundError"), (3.0, True, "StaleUpdateError"),
            (4.0, True, ""), (4.0, False, "LateRoundError"), (5.0, True, "late")]
     stats = SimulatedCounts()
-    _count_log(stats, log, 4.0)
+    count_log(stats, log, 4.0)
     assert (stats.trained, stats.failed_clients, stats.late) == (3, 1, 2)
     assert stats.rejected == {"LateRoundError": 1, "StaleUpdateError": 1}
 
@@ -614,18 +614,18 @@ def test_clients_trained_ahead_change_nothing(monkeypatch: pytest.MonkeyPatch) -
     # still dispatching devices (small jobs here, so it happens in a 40-client round):
     # some are later expected late and never needed. The model, the participants and the
     # bytes are the same as training every client at its turn, in this process.
-    import orchard.simulation.engine as engine
+    from orchard.simulation import ahead as ahead_module
 
-    monkeypatch.setattr(engine, "_AHEAD_BATCH", 4)
-    monkeypatch.setattr(engine, "_AHEAD_MAX", 24)
+    monkeypatch.setattr(ahead_module, "_AHEAD_BATCH", 4)
+    monkeypatch.setattr(ahead_module, "_AHEAD_MAX", 24)
     ahead: list[int] = []
-    real = engine.Engine._train_ahead
+    real = ahead_module.TrainingAhead.send
 
-    def counting(self: engine.Engine, queued: list, *a: object) -> list:
-        ahead.append(len(self._ahead_parts))
+    def counting(self: ahead_module.TrainingAhead, queued: list, *a: object) -> list:
+        ahead.append(len(self.parts))
         return real(self, queued, *a)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(engine.Engine, "_train_ahead", counting)
+    monkeypatch.setattr(ahead_module.TrainingAhead, "send", counting)
     local = run_simulation(_sim(rounds=2, chunk_size=16))
     assert not ahead  # in-process backends train nothing ahead
     remote = run_simulation(_sim(rounds=2, chunk_size=16, backend="process", workers=1, shard=False))
@@ -643,25 +643,25 @@ def test_device_models_run_on_a_worker_change_nothing(monkeypatch: pytest.Monkey
     # then while it runs the others (small batches here, so it happens in a 40-client
     # round). Every device's steps, time and state -- so the fates, the uploads and the
     # model -- are those of running each one here.
-    import orchard.simulation.engine as engine
+    import orchard.simulation.device_model as device_model
     from orchard.simulation.backends import ProcessBackend
 
-    monkeypatch.setattr(engine, "_DEVICE_BATCH", 4)
+    monkeypatch.setattr(device_model, "_DEVICE_BATCH", 4)
     sent: list[int] = []
     during_hand_out: list[int] = []
     real = ProcessBackend.run_devices
-    real_results = engine._DeviceRuns.results
+    real_results = device_model.DeviceRuns.results
 
     def counting(self: ProcessBackend, params: dict, batch: list) -> object:
         sent.append(len(batch))
         return real(self, params, batch)
 
-    def results(self: engine._DeviceRuns) -> list[tuple[float, int]]:
+    def results(self: device_model.DeviceRuns) -> list[tuple[float, int]]:
         during_hand_out.append(self._sent)
         return real_results(self)
 
     monkeypatch.setattr(ProcessBackend, "run_devices", counting)
-    monkeypatch.setattr(engine._DeviceRuns, "results", results)
+    monkeypatch.setattr(device_model.DeviceRuns, "results", results)
     local = run_simulation(_sim(rounds=2, chunk_size=16))
     remote = run_simulation(_sim(rounds=2, chunk_size=16, backend="process", workers=1, shard=False))
     assert sum(sent) >= sum(during_hand_out) > 0  # some went while the cohort was handed out
