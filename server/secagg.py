@@ -17,7 +17,7 @@ Stage deadlines, as fractions of the round's time: keys 15% each, masked input u
 
 With ``secure_aggregation.scope = "tree"`` the session is the root's, over every client
 selected anywhere below it, and the tiers between relay (``TreeRoster``,
-``SecureUpstream``; the coordinator's "secure aggregation over the whole tree"). A relay
+``SecureUpstream``; the tier's side is ``orchard.server.tier.secure_tree``). A relay
 sees a subset of what the root's session sees (its own clients' messages: keys, shares
 encrypted to their neighbours, masked inputs, unmasking shares), and the root's view
 reveals only the sum over the whole round (SecAgg+'s guarantee, see
