@@ -30,6 +30,7 @@ from orchard.heap import keep_freed_memory
 from orchard.simulation.clients import ClientJob, ClientOutput, PackedOutputs, run_jobs
 from orchard.simulation.workers import WorkerPool
 from orchard.tasks import Task, get_task
+from orchard.tasks.registry import extend_search_path, search_path
 from orchard.typing import NDArrays, TensorSpec
 
 
@@ -75,9 +76,12 @@ _WORKER: dict[str, Any] = {}  # per worker process: the task, config and codec i
 
 
 def _process_init(task_name: str, task_params: dict[str, Any], cfg_json: str, population: int,
-                  vectorize: bool, device: str = "cpu") -> None:
+                  vectorize: bool, device: str = "cpu", search_path: list[str] | None = None) -> None:
     import torch
 
+    # A user's task module imports here as it did in the engine's process (from the
+    # folder the command ran in, say), whatever this process was started with.
+    extend_search_path(search_path or [])
     keep_freed_memory()  # as the engine: pickled batches of outputs reuse the heap
     torch.set_num_threads(1)
     cfg = RunConfig.model_validate_json(cfg_json)
@@ -297,7 +301,8 @@ class ProcessBackend:
         self._device = device
         self._workers = workers
         self._pool = WorkerPool(workers, _process_init,
-                                (task_name, dict(task_params), cfg.model_dump_json(), population, vectorize, device))
+                                (task_name, dict(task_params), cfg.model_dump_json(), population, vectorize, device,
+                                 search_path()))
 
     def submit(self, jobs: list[ClientJob], global_arrays: NDArrays,
                starts: Mapping[str, NDArrays] | None = None) -> Future[list[ClientOutput]]:
@@ -369,11 +374,14 @@ class RayBackend:
         if not ray.is_initialized():
             ray.init(num_cpus=None, include_dashboard=False, log_to_driver=False)
 
+        paths = search_path()
+
         @ray.remote
         class _Worker:
             def __init__(self, cfg_json: str) -> None:
                 import torch
 
+                extend_search_path(paths)  # a user's task module, as it imported in the driver
                 keep_freed_memory()
                 torch.set_num_threads(1)
                 self.cfg = RunConfig.model_validate_json(cfg_json)

@@ -17,7 +17,7 @@ print(task.evaluate(arrays))   # {"accuracy": ..., "loss": ...}
 """
 
 from orchard.tasks.core import SupervisedTask, Task
-from orchard.tasks.data import Arrays, Csv, DataError, ImageFolder, Npz, Parquet, Text
+from orchard.tasks.data import Arrays, Csv, DataError, ImageFolder, Npz, Parquet, Text, load_data
 from orchard.tasks.make import LoRA, TaskSpecError, make_task
 from orchard.tasks.partition import LabelSkew, Partition
 from orchard.tasks.partitioners import IID, ByColumn, Dirichlet, Shards
@@ -53,6 +53,7 @@ __all__ = [
     "Text",
     "available_tasks",
     "get_task",
+    "load_data",
     "make_task",
     "task_params",
 ]

@@ -285,7 +285,7 @@ def _read_dataset(ds: Any, where: str) -> Arrays:
     return Arrays(np.stack(xs), np.stack(ys))
 
 
-def load(source: Any, where: str = "data") -> Arrays:
+def load_data(source: Any, where: str = "data") -> Arrays:
     """``source`` as :class:`Arrays` (see the module docstring for what it may be)."""
     if isinstance(source, Arrays):
         out = source

@@ -32,7 +32,7 @@ from torch import nn
 
 from orchard.errors import ConfigError
 from orchard.tasks.core import SupervisedTask, seeded_model
-from orchard.tasks.data import SOURCES, Arrays, load, take
+from orchard.tasks.data import SOURCES, Arrays, load_data, take
 from orchard.tasks.partition import stratified_split
 from orchard.tasks.partitioners import IID, PARTITIONERS, ByColumn, Dirichlet, Shards, bind
 from orchard.tasks.torch_trainer import (
@@ -142,7 +142,7 @@ def make_task(
         problems.append(f"name: expected a non-empty string, got {name!r}")
     probe = _check_model(model, problems)
     try:
-        train = load(data, "data")
+        train = load_data(data, "data")
     except ConfigError as err:
         problems += err.problems
         train = None
@@ -152,7 +152,7 @@ def make_task(
             problems.append(f"test: a held-out fraction must be in (0, 1), got {test}")
     else:
         try:
-            test_data = load(test, "test")
+            test_data = load_data(test, "test")
         except ConfigError as err:
             problems += err.problems
     if not (loss in ("cross_entropy", "mse") or (callable(loss) and not isinstance(loss, str))):

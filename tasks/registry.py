@@ -146,7 +146,7 @@ def task_module(ref: str) -> ModuleType:
         where = f"task {ref!r} ({target})" if target != ref else f"task {ref!r}"
         raise TaskNotFound(
             f"{where}: module {module_name!r} cannot be imported: {err}. Install the package that "
-            f"holds it, or run from the folder it is in (sys.path[0] is {sys.path[0] or '.'!r})"
+            f"holds it, or run from the folder it is in (this one is {os.getcwd()})"
         ) from None
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from orchard.cli import aggregator, client, credentials, edge, local, nodes, run, server
+from orchard.cli import aggregator, client, credentials, edge, local, nodes, run, server, tasks
 
 
 def build_app() -> typer.Typer:
@@ -12,7 +12,7 @@ def build_app() -> typer.Typer:
                        help="Orchard: hierarchical federated learning with secure aggregation and compressed updates.")
     for name, sub in [("server", server.app), ("aggregator", aggregator.app), ("client", client.app),
                       ("run", run.app), ("nodes", nodes.app), ("certs", credentials.certs_app),
-                      ("tokens", credentials.tokens_app), ("edge", edge.app)]:
+                      ("tokens", credentials.tokens_app), ("edge", edge.app), ("tasks", tasks.app)]:
         root.add_typer(sub, name=name)
     root.command("validate")(local.validate)
     root.command("demo")(local.demo)

@@ -21,7 +21,7 @@ from orchard.tasks import (
     Text,
     make_task,
 )
-from orchard.tasks.data import load
+from orchard.tasks.data import load_data as load
 from orchard.trainer import TrainConfig
 
 CFG = TrainConfig(epochs=3, batch_size=8, learning_rate=0.2)
