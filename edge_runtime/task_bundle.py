@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -35,7 +36,7 @@ from orchard.typing import NDArrays
 from .bundle import CONFIG_FILE, BundleError, ClientBundle, _write_atomic, write_bundle
 from .bundle_task import TASK_FILE, TOKENIZER_FILE, BundleTask
 from .lora import set_arrays
-from .onnx_export import adapter_arrays, export_lora_model
+from .onnx_export import ExportError, adapter_arrays, export_lora_model
 from .policy import DevicePolicy
 
 
@@ -92,6 +93,7 @@ def write_task_bundle(
     training_program: bool = True,
     micro_batch: int = 8,
     overwrite: bool = False,
+    task_ref: str | None = None,
 ) -> ClientBundle:
     """Export ``task``'s base with LoRA inputs and write a bundle for it.
 
@@ -99,6 +101,8 @@ def write_task_bundle(
     the task's initial adapter (``B = 0``: the bare base), version 0. With
     ``training_program`` the bundle also holds the task's ExecuTorch training program
     (``micro_batch`` rows per run of the program), for ``--runtime executorch``.
+    ``task_ref`` is how the task was named (a registered name or ``module:build``), what a
+    client started from the bundle builds its task from; the task's own name otherwise.
     """
     root = Path(bundle_dir)
     if (root / CONFIG_FILE).exists() and not overwrite:
@@ -117,7 +121,7 @@ def write_task_bundle(
 
     root.mkdir(parents=True, exist_ok=True)
     os.chmod(root, 0o700)
-    _write_atomic(root / TASK_FILE, BundleTask(task.name, dict(task.params), context).to_json().encode())
+    _write_atomic(root / TASK_FILE, BundleTask(task_ref or task.name, dict(task.params), context).to_json().encode())
     vocab = task.info.get("vocab")
     if vocab is not None:
         tok = CharTokenizer(vocab)
@@ -139,7 +143,10 @@ def write_task_bundle(
         )
         program_manifest = MANIFEST_FILE
     with tempfile.TemporaryDirectory(prefix="orchard-export-") as tmp:
-        info = export_lora_model(model, example, Path(tmp) / "model.onnx", dynamic_axes=axes)
+        try:
+            info = export_lora_model(model, example, Path(tmp) / "model.onnx", dynamic_axes=axes)
+        except ExportError as err:
+            raise BundleError(_export_refusal(task.name, err)) from err
         return write_bundle(
             root,
             model_path=info.path,
@@ -152,3 +159,23 @@ def write_task_bundle(
             training_program=program_manifest,
             overwrite=overwrite,
         )
+
+
+# How torch's ONNX exporter names an operator it has no translation for.
+_UNSUPPORTED_OP = (re.compile(r"No ONNX function found for <OpOverload\(op='([^']+)'"),
+                   re.compile(r"target=torch\.ops\.([\w.]+?)(?:\.default)?\]"),
+                   re.compile(r"[Uu]nsupported (?:operator|FX nodes)[^\n]*?'(aten[\w.:]+|[\w]+::[\w.]+)'"))
+
+
+def _export_refusal(task_name: str, err: ExportError) -> str:
+    """One line that names the operator the model's graph holds and ONNX cannot express,
+    when the exporter's report says which; the exporter's first line otherwise."""
+    text = str(err)
+    for pattern in _UNSUPPORTED_OP:
+        m = pattern.search(text)
+        if m:
+            return (f"task {task_name!r}: its model does not export to ONNX: operator {m.group(1)} has no ONNX "
+                    "translation. Replace it in the model's forward with operators ONNX has, or register an "
+                    "ONNX function for it (torch.onnx), and bundle again")
+    first = text.strip().splitlines()[0] if text.strip() else type(err).__name__
+    return f"task {task_name!r}: its model does not export to ONNX: {first}"

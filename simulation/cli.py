@@ -23,7 +23,7 @@ from orchard.errors import OrchardError
 
 def simulate(
     config: Annotated[Path | None, typer.Option("--config", help="TOML with a \\[simulation] table.")] = None,
-    task: Annotated[str | None, typer.Option("--task")] = None,
+    task: Annotated[str | None, typer.Option("--task", help="A task: a registered name (orchard tasks list) or an import path package.module:build.")] = None,
     clients: Annotated[int | None, typer.Option("--clients", help="Population size.")] = None,
     clients_per_round: Annotated[int | None, typer.Option("--clients-per-round")] = None,
     rounds: Annotated[int | None, typer.Option("--rounds")] = None,

@@ -63,10 +63,12 @@ def run_baseline(
         "task": task_name,
         "params": task.params,
         "config": asdict(config),
-        "accuracy": after["accuracy"],
+        # A regression task of a user's has a loss and its own metrics, no accuracy.
+        "accuracy": after.get("accuracy"),
         "loss": after["loss"],
-        "initial_accuracy": before["accuracy"],
+        "initial_accuracy": before.get("accuracy"),
         "initial_loss": before["loss"],
+        "metrics": after,
         "train_metrics": result.metrics,
         "num_examples": result.num_examples,
         "num_steps": result.num_steps,
@@ -75,6 +77,9 @@ def run_baseline(
 
 
 def format_baseline(result: dict[str, Any]) -> str:
+    if result["accuracy"] is None:
+        return (f"{result['task']}: test loss {result['loss']:.4f} (initial {result['initial_loss']:.4f}) after "
+                f"{result['num_steps']} steps on {result['num_examples']} examples in {result['seconds']:.1f} s")
     return (
         f"{result['task']}: test accuracy {result['accuracy']:.4f} (loss {result['loss']:.4f}; "
         f"initial {result['initial_accuracy']:.4f}) after {result['num_steps']} steps on "

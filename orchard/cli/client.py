@@ -32,7 +32,8 @@ app = typer.Typer(no_args_is_help=True, help="An edge client.")
 @app.command("start")
 def client_start(
     server: Annotated[str | None, typer.Option("--server", help="HOST:PORT of an aggregator or the root.")] = None,
-    task: Annotated[str | None, typer.Option("--task", help="Reference task whose data this client holds.")] = None,
+    task: Annotated[str | None, typer.Option("--task", help="The task whose data this client holds: a registered name "
+                                             "(orchard tasks list) or an import path package.module:build.")] = None,
     partition: Annotated[int, typer.Option("--partition", help="This client's partition index K.")] = 0,
     num_partitions: Annotated[int, typer.Option("--num-partitions", help="N partitions in all.")] = 1,
     flower_app: Annotated[str | None, typer.Option("--flower-app", help="module:attr of a Flower ClientApp.")] = None,
@@ -117,7 +118,8 @@ def client_health(
 def client_bundle(
     server: Annotated[str, typer.Option("--server", help="HOST:PORT the device will dial.")],
     out_dir: Annotated[Path, typer.Option("--out", help="Bundle dir to write.")],
-    task: Annotated[str, typer.Option("--task", help="A LoRA reference task.")] = "shakespeare",
+    task: Annotated[str, typer.Option("--task", help="A task that trains a LoRA adapter: a registered name "
+                                      "(orchard tasks list) or an import path package.module:build.")] = "shakespeare",
     task_params: Annotated[str | None, typer.Option("--task-params", help="Task parameters as JSON, e.g. '{\"lora_rank\": 4}'.")] = None,
     token: Token = None,
     ca_cert: CaCert = None,
@@ -156,7 +158,7 @@ def client_bundle(
         b = write_task_bundle(out_dir, task=get_task(task, **params), server_address=server,
                               global_arrays=adapter.arrays, adapter_version=adapter.version, policy=device_policy,
                               ca_cert=ca_cert, enrollment_token=token, training_program=training_program,
-                              overwrite=overwrite)
+                              overwrite=overwrite, task_ref=task)
     except json.JSONDecodeError as err:
         fail(OrchardError(f"--task-params is not JSON: {err}"))
     except OrchardError as err:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -30,7 +30,7 @@ def demo(
     rounds: Annotated[int, typer.Option("--rounds")] = 5,
     aggregators: Annotated[int, typer.Option("--aggregators")] = 2,
     clients: Annotated[int, typer.Option("--clients")] = 6,
-    task: Annotated[str, typer.Option("--task")] = "digits",
+    task: Annotated[str, typer.Option("--task", help="A task: a registered name (orchard tasks list) or an import path package.module:build.")] = "digits",
     out_dir: Annotated[Path, typer.Option("--out")] = Path("demo-out"),
     codec: Annotated[str | None, typer.Option("--codec")] = None,
     secure_aggregation: Annotated[bool, typer.Option("--secure-aggregation/--no-secure-aggregation")] = False,
@@ -58,14 +58,17 @@ def demo(
     out.print(f"report: {out_dir / 'report.json'}; plot: {report.get('plot')}")
 
 
-def baseline(task: Annotated[str, typer.Option("--task")],
-             epochs: Annotated[int | None, typer.Option("--epochs")] = None) -> None:
+def baseline(task: Annotated[str, typer.Option("--task", help="A task: a registered name (orchard tasks list) or an import path package.module:build.")],
+             epochs: Annotated[int | None, typer.Option("--epochs")] = None,
+             task_param: Annotated[list[str] | None, typer.Option(
+                 "--task-param", help="KEY=VALUE task parameter (repeatable), e.g. alpha=0.1.")] = None) -> None:
     """Train the task's model centrally on the pooled training data: the reference accuracy."""
     from orchard.tasks.baseline import run_baseline
+    from orchard.tasks.params import parse_task_params
 
-    kw = {} if epochs is None else {"epochs": epochs}
+    kw: dict[str, Any] = {} if epochs is None else {"epochs": epochs}
     try:
-        res = run_baseline(task, **kw)
+        res = run_baseline(task, **kw, **parse_task_params(task_param))
     except OrchardError as err:
         fail(err)
     out.print_json(json.dumps(res))

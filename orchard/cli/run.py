@@ -41,7 +41,8 @@ def _run_arg(run: str) -> str:
 @grpc_guard
 def run_start(
     server: Server,
-    task: Annotated[str | None, typer.Option("--task", help="Task; names the initial model.")] = None,
+    task: Annotated[str | None, typer.Option("--task", help="The task; it makes the initial model. A registered name "
+                                             "(orchard tasks list) or an import path package.module:build.")] = None,
     rounds: Annotated[int | None, typer.Option("--rounds")] = None,
     config: Annotated[Path | None, typer.Option("--config", help="Run config TOML.")] = None,
     clients_per_round: Annotated[int | None, typer.Option("--clients-per-round")] = None,
