@@ -15,8 +15,10 @@
  *     stay the caller's; the library copies what it keeps.
  *
  * Threads: a handle is not thread-safe. Use each handle from one thread at a time
- * (calls on different handles may run at once). orchard_status_name and
- * orchard_version may be called from any thread at any time.
+ * (calls on different handles may run at once). The one exception is
+ * orchard_device_cancel, which any thread may call while another is inside a call on
+ * the same handle. orchard_status_name and orchard_version may be called from any
+ * thread at any time.
  */
 #ifndef ORCHARD_DEVICE_H
 #define ORCHARD_DEVICE_H
@@ -49,6 +51,12 @@ typedef enum orchard_status {
   ORCHARD_ERR_AUTH = 8,        /* the credential is unusable, or the server refused it */
   ORCHARD_ERR_DEVICE = 9,      /* the app's device-state callback failed */
   ORCHARD_ERR_SECAGG = 10,     /* a secure-aggregation message was malformed, or the session aborted */
+  ORCHARD_ERR_UNAVAILABLE = 11, /* the server cannot be reached, or stopped answering */
+  ORCHARD_ERR_TLS = 12,        /* the TLS handshake failed (the server's certificate is not the bundle CA's) */
+  ORCHARD_ERR_REFUSED = 13,    /* the server refused a request or an update; the message says why */
+  ORCHARD_ERR_PROTOCOL = 14,   /* the server's answer breaks the contract (a model that fails its sha256, ...) */
+  ORCHARD_ERR_CANCELLED = 15,  /* orchard_device_cancel was called */
+  ORCHARD_ERR_NO_TASK = 16,    /* no task came within the time the caller allowed */
   ORCHARD_ERR_INTERNAL = 99    /* a bug in the library: the message says where */
 } orchard_status;
 
@@ -133,6 +141,33 @@ enum {
  * device may train now, else the ORCHARD_INELIGIBLE_* bits; after a success,
  * orchard_device_errmsg holds the reasons in words ("" when eligible). */
 ORCHARD_API orchard_status orchard_device_check_eligibility(orchard_device* dev, int* reasons);
+
+/* ---- The federation ------------------------------------------------------------- */
+
+/* Set an option by name; `value` is copied. Names:
+ *   "server_address"  HOST:PORT to dial instead of client.json's
+ *   "node_id"         this device's stable id (default: the server assigns one)
+ *   "attempts"        tries of a call that fails transiently, >= 1 (default 4)
+ *   "insecure"        "1": plaintext gRPC without TLS, for loopback development only;
+ *                     refused unless server_address is a loopback address
+ * ORCHARD_ERR_ARGUMENT for an unknown name or a bad value. */
+ORCHARD_API orchard_status orchard_device_set_option(orchard_device* dev, const char* name, const char* value);
+
+/* Connect (TLS against the bundle's ca.pem, the enrollment token as credential) and
+ * Fleet.Join with the device's state. Fails with ORCHARD_ERR_TLS (the server's
+ * certificate is not the CA's), ORCHARD_ERR_AUTH (token refused or revoked),
+ * ORCHARD_ERR_UNAVAILABLE (nobody answers), ORCHARD_ERR_CANCELLED. */
+ORCHARD_API orchard_status orchard_device_join(orchard_device* dev);
+
+/* The node id the server knows this device by ("" before a join). Valid until the
+ * next call on `dev`. */
+ORCHARD_API const char* orchard_device_node_id(const orchard_device* dev);
+
+/* End the call in flight on `dev` (join, participate) with ORCHARD_ERR_CANCELLED, and
+ * every later call that talks to the server, until orchard_device_reset_cancel. Any
+ * thread may call it, at any time; it returns at once. */
+ORCHARD_API orchard_status orchard_device_cancel(orchard_device* dev);
+ORCHARD_API orchard_status orchard_device_reset_cancel(orchard_device* dev);
 
 #ifdef __cplusplus
 }

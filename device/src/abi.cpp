@@ -1,13 +1,19 @@
 // The C ABI (include/orchard_device.h): handles, status codes and messages around the
 // C++ below it. Every entry point catches everything; nothing unwinds into C.
 #include <chrono>
+#include <cstdlib>
 #include <cmath>
 #include <new>
 #include <optional>
 #include <string>
 
+#include <atomic>
+#include <memory>
+#include <mutex>
+
 #include "bundle.h"
 #include "failure.h"
+#include "link.h"
 #include "orchard_device.h"
 #include "policy.h"
 
@@ -19,6 +25,11 @@ struct orchard_device {
   bool opened = false;
   orchard_state_fn state_fn = nullptr;
   void* state_user = nullptr;
+  orchard::LinkOptions link_options;
+  std::mutex link_mu;  // guards `link` against orchard_device_cancel from another thread
+  std::unique_ptr<orchard::Link> link;
+  std::atomic<bool> cancelled{false};
+  std::string node_id;
 };
 
 namespace {
@@ -89,6 +100,28 @@ orchard::DeviceState read_state(orchard_device* dev) {
   return s;
 }
 
+bool loopback(const std::string& address) {
+  return address.rfind("127.", 0) == 0 || address.rfind("localhost:", 0) == 0 || address.rfind("[::1]:", 0) == 0;
+}
+
+// The link to the server, made on first use from the bundle and the options.
+orchard::Link& link_of(orchard_device* dev) {
+  if (dev->cancelled.load()) throw orchard::Failure(ORCHARD_ERR_CANCELLED, "cancelled");
+  if (!dev->link) {
+    orchard::LinkOptions o = dev->link_options;
+    if (o.target.empty()) o.target = dev->bundle.server_address;
+    if (o.insecure && !loopback(o.target))
+      throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "insecure (plaintext) is for loopback development only, not " + o.target);
+    if (!o.insecure) o.ca_pem = dev->bundle.ca_pem;
+    o.token = dev->bundle.token;
+    o.task = dev->bundle.manifest.task;
+    auto link = std::make_unique<orchard::Link>(o);
+    std::lock_guard<std::mutex> g(dev->link_mu);
+    dev->link = std::move(link);
+  }
+  return *dev->link;
+}
+
 double wall_now() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
@@ -110,6 +143,12 @@ const char* orchard_status_name(int status) {
     case ORCHARD_ERR_AUTH: return "ORCHARD_ERR_AUTH";
     case ORCHARD_ERR_DEVICE: return "ORCHARD_ERR_DEVICE";
     case ORCHARD_ERR_SECAGG: return "ORCHARD_ERR_SECAGG";
+    case ORCHARD_ERR_UNAVAILABLE: return "ORCHARD_ERR_UNAVAILABLE";
+    case ORCHARD_ERR_TLS: return "ORCHARD_ERR_TLS";
+    case ORCHARD_ERR_REFUSED: return "ORCHARD_ERR_REFUSED";
+    case ORCHARD_ERR_PROTOCOL: return "ORCHARD_ERR_PROTOCOL";
+    case ORCHARD_ERR_CANCELLED: return "ORCHARD_ERR_CANCELLED";
+    case ORCHARD_ERR_NO_TASK: return "ORCHARD_ERR_NO_TASK";
     case ORCHARD_ERR_INTERNAL: return "ORCHARD_ERR_INTERNAL";
     default: return "unknown status";
   }
@@ -169,6 +208,66 @@ orchard_status orchard_device_check_eligibility(orchard_device* dev, int* reason
   });
   if (st == ORCHARD_OK) dev->message = std::move(words);
   return st;
+}
+
+orchard_status orchard_device_set_option(orchard_device* dev, const char* name, const char* value) {
+  if (dev == nullptr) return ORCHARD_ERR_ARGUMENT;
+  return guarded(dev, [&] {
+    if (name == nullptr || value == nullptr) throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "name or value is NULL");
+    require_open(dev);
+    const std::string n = name, v = value;
+    orchard::LinkOptions& o = dev->link_options;
+    if (n == "server_address") {
+      o.target = v;
+    } else if (n == "node_id") {
+      o.node_id = v;
+    } else if (n == "attempts") {
+      char* end = nullptr;
+      const long a = std::strtol(v.c_str(), &end, 10);
+      if (v.empty() || *end != '\0' || a < 1 || a > 1000)
+        throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "attempts must be an integer in 1..1000, got '" + v + "'");
+      o.attempts = static_cast<int>(a);
+    } else if (n == "insecure") {
+      if (v != "0" && v != "1") throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "insecure is \"0\" or \"1\"");
+      o.insecure = v == "1";
+    } else {
+      throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "unknown option '" + n +
+                                                       "' (server_address, node_id, attempts, insecure)");
+    }
+    // A new connection with the new options on next use.
+    std::lock_guard<std::mutex> g(dev->link_mu);
+    dev->link.reset();
+  });
+}
+
+orchard_status orchard_device_join(orchard_device* dev) {
+  if (dev == nullptr) return ORCHARD_ERR_ARGUMENT;
+  return guarded(dev, [&] {
+    require_open(dev);
+    orchard::Link& link = link_of(dev);
+    link.join(read_state(dev));
+    dev->node_id = link.node_id();
+  });
+}
+
+const char* orchard_device_node_id(const orchard_device* dev) { return dev == nullptr ? "" : dev->node_id.c_str(); }
+
+orchard_status orchard_device_cancel(orchard_device* dev) {
+  if (dev == nullptr) return ORCHARD_ERR_ARGUMENT;
+  // No errmsg here: another thread may be writing it.
+  dev->cancelled.store(true);
+  std::lock_guard<std::mutex> g(dev->link_mu);
+  if (dev->link) dev->link->cancel();
+  return ORCHARD_OK;
+}
+
+orchard_status orchard_device_reset_cancel(orchard_device* dev) {
+  if (dev == nullptr) return ORCHARD_ERR_ARGUMENT;
+  return guarded(dev, [&] {
+    dev->cancelled.store(false);
+    std::lock_guard<std::mutex> g(dev->link_mu);
+    dev->link.reset();
+  });
 }
 
 }  // extern "C"

@@ -104,15 +104,17 @@ ADAPTER = {
 }
 
 
-def _write_bundle(root: Path) -> None:
+def _write_bundle(root: Path, server_address: str = "localhost:1", ca_pem: str | None = None,
+                  token: str = "secret-token") -> None:
     """A bundle that passes every check the Python client makes before it loads the
-    program (which is not an ExecuTorch program here: these cases are about refusals)."""
+    program (which is not an ExecuTorch program here: these cases are about refusals
+    and the connection)."""
     root.mkdir(parents=True)
     (root / "model.onnx").write_bytes(b"not a model: only its digest is checked here")
     (root / "adapter.onnx_adapter").write_bytes(b"adapter in onnx runtime's format")
     save_file(ADAPTER, str(root / "adapter.safetensors"), metadata={"adapter_version": "0"})
-    (root / "ca.pem").write_text("-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
-    (root / "enrollment.token").write_text("secret-token\n")
+    (root / "ca.pem").write_text(ca_pem or "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n")
+    (root / "enrollment.token").write_text(token + "\n")
     os.chmod(root / "enrollment.token", 0o600)
     (root / et_program.PROGRAM_FILE).write_bytes(b"program bytes")
     manifest = et_program.TrainingManifest(
@@ -128,7 +130,13 @@ def _write_bundle(root: Path) -> None:
                                                dtype="float32", shape=v.shape) for k, v in ADAPTER.items()),
         loss="mean token cross-entropy", executorch_version="test", base_sha256="0" * 64)
     (root / et_program.MANIFEST_FILE).write_text(manifest.model_dump_json(indent=2))
-    _rewrite_config(root)
+    _rewrite_config(root, server_address=server_address)
+
+
+def connection_bundle(root: Path, server_address: str, ca_pem: str, token: str) -> Path:
+    """A bundle for connection tests: the server's address, its CA and a token."""
+    _write_bundle(root, server_address, ca_pem, token)
+    return root
 
 
 def _rewrite_config(root: Path, **changes: Any) -> None:
@@ -136,8 +144,10 @@ def _rewrite_config(root: Path, **changes: Any) -> None:
     def named(name: str) -> bundle_mod.BundleFile:
         return bundle_mod.BundleFile(name=name, sha256=bundle_mod.file_sha256(root / name))
 
+    old = root / "client.json"
+    address = json.loads(old.read_text())["server_address"] if old.is_file() else "localhost:1"
     config = bundle_mod.ClientBundleConfig(
-        server_address="localhost:1", model=named("model.onnx"), input_name="idx", output_name="logits",
+        server_address=address, model=named("model.onnx"), input_name="idx", output_name="logits",
         adapter_onnx=named("adapter.onnx_adapter"), adapter_safetensors=named("adapter.safetensors"),
         adapter_version=0, ca_cert="ca.pem", enrollment_token="enrollment.token",
         training_program=named(et_program.MANIFEST_FILE))

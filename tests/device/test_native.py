@@ -1,7 +1,10 @@
 """liborchard_device's own tests (device/tests, run by ctest), built here with CMake.
 
 Skipped, with the reason, where the native toolchain is absent; `.ci/run` installs it,
-so in CI they run. The sanitizer build runs the same tests under ASan and UBSan.
+so in CI they run. The sanitizer build runs the same tests under ASan and UBSan; it is a
+second whole build (a few minutes on two cores), so it runs with the slow tests
+(`make test-all`). A build on a machine shared with other work can take longer than
+pytest's default timeout: these tests allow 20 minutes.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import device_vectors
 import pytest
 
 REASON = device_native.skip_reason()
-pytestmark = pytest.mark.skipif(REASON is not None, reason=REASON or "")
+pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.timeout(1200)]
 
 
 def _build(variant: str, **kw: object) -> device_native.Build:
@@ -45,5 +48,6 @@ def test_ctest(native: device_native.Build, vectors: Path) -> None:
     _ctest(native, vectors)
 
 
+@pytest.mark.slow
 def test_ctest_under_sanitizers(vectors: Path) -> None:
     _ctest(_build("sanitize", sanitize=True, build_type="Debug"), vectors)
