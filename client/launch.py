@@ -2,7 +2,8 @@
 the link, the trainer and the device governance that :class:`ClientRuntime` runs.
 
 A bundle (``--bundle DIR``) supplies what the options leave out: the server, the
-enrollment token, the CA, the device policy and the task. Everything is checked before
+enrollment token, the CA, the device policy and the task. The client's key and the
+credential it gets for its enrollment token are kept under ``--state-dir``. Everything is checked before
 the client joins, so a bad bundle or a contradictory option is refused with its reason
 rather than after the first task arrives.
 
@@ -59,7 +60,15 @@ class ClientSetup:
         o = self.options
         assert o.server is not None  # resolve_client refuses a client without one
         return LinkConfig(target=o.server, role=Role.CLIENT, token=o.token, ca_cert=o.ca_cert, insecure=o.insecure,
-                          node_id=o.node_id, capabilities=(("task", o.task or "flower"),))
+                          node_id=o.node_id, capabilities=(("task", o.task or "flower"),),
+                          identity_dir=identity_dir(o.state_dir))
+
+
+def identity_dir(state_dir: Path | None) -> Path | None:
+    """Where a client with this ``--state-dir`` keeps its key and credential
+    (``STATE_DIR/identity``, mode 0700): a restart resumes the same node. Without a
+    state dir the credential lives in memory, and a restarted client needs a new token."""
+    return None if state_dir is None else Path(state_dir) / "identity"
 
 
 def load_policy(path: Path) -> Any:

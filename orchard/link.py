@@ -6,6 +6,12 @@ again, or sent as a delta from the one it holds; see ``orchard.server.downlink``
 pushes updates (chunked). Transient failures (server restarting, network
 gone) are retried with capped exponential backoff and jitter; a server that forgot the
 node (it restarted) gets a fresh Join.
+
+A link enrolls its node (docs/operating.md, "Device credentials"): its first Join sends
+the node's Ed25519 public key (``orchard.identity.NodeIdentity``, generated on the node,
+kept in ``identity_dir``) with the enrollment token, and from the reply on the link
+authenticates with the node's own credential, which it keeps there too. A later start
+with the same ``identity_dir`` resumes that node: same node id, same credential.
 """
 
 from __future__ import annotations
@@ -23,6 +29,14 @@ import grpc
 
 from orchard import wire
 from orchard.errors import JOIN_FIRST, AuthError, IntegrityError, OrchardError, UnknownNodeError
+from orchard.identity import (
+    Enrolled,
+    Enrollment,
+    NodeIdentity,
+    UpstreamUnavailable,
+    enrollment_message,
+    hash_secret,
+)
 from orchard.messages import Idle, TaskAssignment, UploadHeader
 from orchard.typing import DeviceState, Role
 from orchard.v1 import orchard_pb2 as pb
@@ -63,6 +77,9 @@ class LinkConfig:
     # Extra gRPC channel arguments. gRPC shares one TCP connection among channels with
     # identical arguments in a process; a distinct argument gives a link its own.
     channel_options: tuple[tuple[str, str | int], ...] = ()
+    # Where the node keeps its key and credential (mode 0700; files 0600). None: in
+    # memory, for this process only.
+    identity_dir: Path | None = None
 
 
 def make_channel(target: str, ca_cert: Path | None, insecure: bool,
@@ -80,11 +97,17 @@ def make_channel(target: str, ca_cert: Path | None, insecure: bool,
 class FleetLink:
     def __init__(self, cfg: LinkConfig, rng: random.Random | None = None) -> None:
         self.cfg = cfg
-        self.node_id = cfg.node_id
+        self.identity = NodeIdentity(cfg.identity_dir)
+        held = self.identity.enrolled
+        if held is not None and cfg.node_id and cfg.node_id != held.node_id:
+            raise AuthError(f"{cfg.identity_dir} holds node {held.node_id!r}'s identity, not {cfg.node_id!r}'s: "
+                            "drop --node-id or use another data dir")
+        self.node_id = held.node_id if held is not None else cfg.node_id
         self._rng = rng or random.Random()
         self._channel = make_channel(cfg.target, cfg.ca_cert, cfg.insecure, cfg.channel_options)
         self._stub = pbg.FleetStub(self._channel)
-        self._meta = (("authorization", f"Bearer {cfg.token}"),) if cfg.token else ()
+        self._meta: tuple[tuple[str, str], ...] = ()
+        self._use(held.credential if held is not None else cfg.token)
         # model hash -> (the blob held for it, that blob's sha256): they differ when the
         # blob is a reconstruction from a downlink delta.
         self._models: OrderedDict[str, tuple[bytes, str]] = OrderedDict()
@@ -96,6 +119,15 @@ class FleetLink:
 
     async def close(self) -> None:
         await self._channel.close()
+
+    def _use(self, secret: str | None) -> None:
+        self._secret = secret
+        self._meta = (("authorization", f"Bearer {secret}"),) if secret else ()
+
+    @property
+    def certificate(self) -> bytes:
+        """The root's certificate of this node's key (empty until enrolled)."""
+        return self.identity.enrolled.certificate if self.identity.enrolled else b""
 
     # ------------------------------------------------------------------ retry
 
@@ -132,18 +164,42 @@ class FleetLink:
     # ------------------------------------------------------------------ calls
 
     async def join(self, device: DeviceState | None = None) -> str:
-        req = pb.JoinRequest(node_id=self.node_id, role=self.cfg.role.value, device=wire.device_to_proto(device),
-                             capabilities=dict(self.cfg.capabilities))
-
-        async def call() -> pb.JoinReply:
-            return await self._stub.Join(req, metadata=self._meta)
-
-        reply = await self._retry("join", call)
+        try:
+            reply = await self._join(device)
+        except AuthError:
+            held = self.identity.enrolled
+            if held is None or not self.cfg.token or self.cfg.token == held.credential:
+                raise
+            # The credential kept is refused (revoked): a token given now enrolls the node again.
+            log.warning("node %s: its credential was refused; enrolling again with the token given", self.node_id)
+            self.identity.forget()
+            self._use(self.cfg.token)
+            reply = await self._join(device)
         self.node_id = reply.node_id
         self.heartbeat_s = reply.heartbeat_s or self.heartbeat_s
         self.long_poll_s = reply.long_poll_s or self.long_poll_s
         self.joined = True
         return self.node_id
+
+    async def _join(self, device: DeviceState | None) -> pb.JoinReply:
+        """One Join (retried on transient failures); enrolls the node's key when it holds no credential."""
+        req = pb.JoinRequest(node_id=self.node_id, role=self.cfg.role.value, device=wire.device_to_proto(device),
+                             capabilities=dict(self.cfg.capabilities), device_public_key=self.identity.public_key)
+        if self.identity.enrolled is None and self._secret:
+            req.key_proof = self.identity.sign(enrollment_message(self.cfg.role.value, self.node_id, self._secret))
+
+        async def call() -> pb.JoinReply:
+            return await self._stub.Join(req, metadata=self._meta)
+
+        reply = await self._retry("join", call)
+        if reply.credential:
+            # Kept (on disk, with identity_dir) before it is used: a node never holds a
+            # credential it could lose by crashing.
+            self.identity.save(Enrolled(reply.node_id, reply.credential, reply.certificate, reply.root_public_key))
+            self._use(reply.credential)
+        elif reply.certificate:
+            self.identity.refresh(reply.certificate, reply.root_public_key)
+        return reply
 
     async def poll(self, device: DeviceState | None = None, pool_size: int = 0,
                    pool_eligible: int = 0, wait_s: float | None = None) -> TaskAssignment | Idle:
@@ -314,9 +370,23 @@ class FleetLink:
         # Sent once: the server refuses a second roster for the same task, as a repeated message.
         await self._retry("secure aggregation roster", call, attempts=3)
 
-    async def verify_token(self, token: str, role: Role) -> bool:
-        async def call() -> pb.VerifyTokenReply:
-            return await self._stub.VerifyToken(pb.VerifyTokenRequest(token=token, role=role.value),
-                                                metadata=self._meta, timeout=15)
+    async def verify_token(self, token: str, role: Role, *, node_id: str = "", enroll: bool = False,
+                           public_key: bytes = b"", key_proof: bytes = b"") -> Enrollment:
+        """Ask the upstream about a node's token or credential (``enroll``: forward the
+        node's Join, to be enrolled by the root). The root's answer; AuthError with its
+        reason when it refuses; UpstreamUnavailable when it cannot be asked."""
+        req = pb.VerifyTokenRequest(token=token, role=role.value, node_id=node_id, enroll=enroll,
+                                    device_public_key=public_key, key_proof=key_proof)
 
-        return bool((await self._retry("verify token", call, attempts=3)).valid)
+        async def call() -> pb.VerifyTokenReply:
+            return await self._stub.VerifyToken(req, metadata=self._meta, timeout=15)
+
+        try:
+            r = await self._retry("verify token", call, attempts=3)
+        except grpc.aio.AioRpcError as err:
+            raise UpstreamUnavailable(f"cannot ask the upstream about a token: {err.code().name}: "
+                                      f"{err.details()}") from None
+        if not r.valid:
+            raise AuthError(r.reason or "unknown or revoked enrollment token")
+        return Enrollment(r.node_id or node_id, hash_secret(r.credential or token), r.credential, r.certificate,
+                          r.root_public_key)

@@ -36,7 +36,7 @@ from orchard.errors import (
     UpdateSchemaError,
 )
 from orchard.messages import Idle
-from orchard.server.auth import Authenticator, bearer_token
+from orchard.server.auth import Ask, Authenticator, Enrollment, UpstreamUnavailable, bearer_token
 from orchard.server.coordinator import Coordinator
 from orchard.server.downlink import ModelReply
 from orchard.typing import Role
@@ -48,6 +48,7 @@ SERVICE = "orchard.v1.Fleet"
 
 # Most specific first: the first match wins.
 STATUS_OF: list[tuple[type[OrchardError], grpc.StatusCode]] = [
+    (UpstreamUnavailable, grpc.StatusCode.UNAVAILABLE),  # an aggregator could not ask the root: retry
     (AuthError, grpc.StatusCode.UNAUTHENTICATED),
     (UnknownNodeError, grpc.StatusCode.NOT_FOUND),
     (UnknownRunError, grpc.StatusCode.NOT_FOUND),
@@ -131,7 +132,7 @@ class FleetServicer(pbg.FleetServicer):
 
     def __init__(self, coordinator: Coordinator, auth: Authenticator,
                  on_join: Callable[[str, Role, str, dict[str, str]], None] | None = None,
-                 verify_token_upstream: Callable[[str, Role], Awaitable[bool]] | None = None) -> None:
+                 verify_token_upstream: Ask | None = None) -> None:
         self.coord = coordinator
         self.auth = auth
         self._on_join = on_join
@@ -139,30 +140,38 @@ class FleetServicer(pbg.FleetServicer):
         self._chunks = ChunkCache()
 
     async def _caller(self, context: grpc.aio.ServicerContext, node_id: str) -> str:
-        """The token hash of the caller, checked against the node's registration."""
+        """The token hash of the caller, checked against the node's registration (and, for
+        a credential, against the node id it was issued for)."""
         token = bearer_token(context.invocation_metadata())
         c = self.coord.children.get(node_id)
         if c is None:
             # Authenticate before saying anything about which nodes exist.
             try:
-                await self.auth.verify(token, Role.CLIENT)
+                await self.auth.verify(token, Role.CLIENT, node_id)
             except AuthError:
-                await self.auth.verify(token, Role.AGGREGATOR)
+                await self.auth.verify(token, Role.AGGREGATOR, node_id)
             self.coord.child(node_id)  # raises UnknownNodeError
-        token_hash = await self.auth.verify(token, c.role if c else Role.CLIENT)
+        token_hash = await self.auth.verify(token, c.role if c else Role.CLIENT, node_id)
         self.coord.child(node_id, token_hash)
         return token_hash
 
     @mapped
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         role = parse_role(request.role)
-        token_hash = await self.auth.verify(bearer_token(context.invocation_metadata()), role)
-        node_id = self.coord.join(request.node_id, role, token_hash, wire.device_from_proto(request.device))
+        e = await self.auth.enroll(bearer_token(context.invocation_metadata()), role, request.node_id,
+                                   request.device_public_key, request.key_proof)
+        prev = self.coord.children.get(e.node_id)
+        if e.credential and prev is not None and prev.token_hash != e.token_hash:
+            # The root just issued this node id's credential: the registration made with
+            # what it held before (a token it exchanged now, a revoked credential) goes.
+            self.coord.leave(e.node_id)
+        node_id = self.coord.join(e.node_id, role, e.token_hash, wire.device_from_proto(request.device))
         if self._on_join is not None:
-            self._on_join(node_id, role, token_hash, dict(request.capabilities))
+            self._on_join(node_id, role, e.token_hash, dict(request.capabilities))
         cfg = self.coord.cfg
         return pb.JoinReply(node_id=node_id, heartbeat_s=cfg.heartbeat_s, long_poll_s=cfg.long_poll_s,
-                            max_chunk_bytes=cfg.chunk_bytes, server_id=self.coord.name)
+                            max_chunk_bytes=cfg.chunk_bytes, server_id=self.coord.name, credential=e.credential,
+                            certificate=e.certificate, root_public_key=e.root_public_key)
 
     @mapped
     async def Poll(self, request: pb.PollRequest, context: grpc.aio.ServicerContext) -> pb.PollReply:
@@ -249,16 +258,29 @@ class FleetServicer(pbg.FleetServicer):
 
     @mapped
     async def VerifyToken(self, request: pb.VerifyTokenRequest, context: grpc.aio.ServicerContext) -> pb.VerifyTokenReply:
+        """An aggregator below asks about a node's token or credential, or forwards its Join
+        (``enroll``). A tier with an upstream asks its own upstream, uncached, so answers
+        are the root's however deep the tree."""
         # Only an enrolled aggregator may ask, so the call cannot be used to probe tokens.
         await self.auth.verify(bearer_token(context.invocation_metadata()), Role.AGGREGATOR)
         role = parse_role(request.role)
-        if self._verify_upstream is not None:
-            return pb.VerifyTokenReply(valid=await self._verify_upstream(request.token, role))
         try:
-            await self.auth.verify(request.token, role)
-        except AuthError:
-            return pb.VerifyTokenReply(valid=False)
-        return pb.VerifyTokenReply(valid=True)
+            if self._verify_upstream is not None:
+                e = await self._verify_upstream(request.token, role, node_id=request.node_id, enroll=request.enroll,
+                                                public_key=request.device_public_key, key_proof=request.key_proof)
+            elif request.enroll:
+                e = await self.auth.enroll(request.token, role, request.node_id, request.device_public_key,
+                                           request.key_proof)
+            else:
+                h = await self.auth.verify(request.token, role, request.node_id)
+                cert = self.auth.certificate(request.node_id) if request.node_id else None
+                e = Enrollment(request.node_id, h, certificate=cert or b"")
+        except UpstreamUnavailable:
+            raise
+        except AuthError as err:
+            return pb.VerifyTokenReply(valid=False, reason=str(err))
+        return pb.VerifyTokenReply(valid=True, node_id=e.node_id, credential=e.credential, certificate=e.certificate,
+                                   root_public_key=e.root_public_key)
 
 
 def _chunk(reply: ModelReply, offset: int, data: bytes) -> pb.Chunk:

@@ -1,4 +1,4 @@
-"""The root's state: runs, rounds, nodes, tokens and the checkpoint index.
+"""The root's state: runs, rounds, nodes, tokens, device credentials and the checkpoint index.
 
 :class:`Store` is the interface the root, the CLI and the demo use. Two implementations
 keep it: :class:`SQLiteStore`, the durable one every server runs on, and
@@ -11,13 +11,19 @@ rename, fsync of the folder) *before* the index row that names them is committed
 crash at any point leaves either the previous completed round or the new one, never a
 row pointing at a partial file. A restarted root resumes from the last indexed round.
 
+Tokens and credentials (docs/operating.md, "Device credentials"): an enrollment
+token is *shared* (any number of nodes enroll with it) or a *device* token (one node:
+bound to the first node id that uses it, spent once that node exchanged it for its own
+credential). A device row holds a node's credential (as its sha256), its certified
+public key and which token enrolled it; revoking a token revokes every credential it
+enrolled. The root's certificate key is kept beside the store (``signing_key``).
+
 The store is used from the server's event loop only; each method is one short
 transaction.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import secrets
@@ -28,13 +34,19 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from orchard.errors import StoreError
+from orchard.identity import SigningKey, hash_secret
 
 SCHEMA_VERSION = 1
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS tokens(hash TEXT PRIMARY KEY, role TEXT NOT NULL, created REAL NOT NULL,
-    revoked INTEGER NOT NULL DEFAULT 0, label TEXT NOT NULL DEFAULT '');
+    revoked INTEGER NOT NULL DEFAULT 0, label TEXT NOT NULL DEFAULT '', kind TEXT NOT NULL DEFAULT 'shared',
+    node_id TEXT NOT NULL DEFAULT '', spent INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS devices(node_id TEXT PRIMARY KEY, role TEXT NOT NULL, credential_hash TEXT NOT NULL,
+    public_key BLOB NOT NULL, certificate BLOB NOT NULL, token_id TEXT NOT NULL, issued REAL NOT NULL,
+    revoked INTEGER NOT NULL DEFAULT 0);
+CREATE INDEX IF NOT EXISTS devices_by_credential ON devices(credential_hash);
 CREATE TABLE IF NOT EXISTS nodes(node_id TEXT PRIMARY KEY, role TEXT NOT NULL, token_hash TEXT NOT NULL,
     first_seen REAL NOT NULL, last_seen REAL NOT NULL, capabilities_json TEXT NOT NULL DEFAULT '{}');
 CREATE TABLE IF NOT EXISTS runs(run_id TEXT PRIMARY KEY, config_json TEXT NOT NULL, status TEXT NOT NULL,
@@ -52,11 +64,56 @@ CREATE TABLE IF NOT EXISTS checkpoints(run_id TEXT NOT NULL, round INTEGER NOT N
 
 
 def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
+    return hash_secret(token)
 
 
 def new_token() -> str:
     return "orc_" + secrets.token_urlsafe(32)
+
+
+def token_id(token_hash: str) -> str:
+    """A token's public name (listing, revoking): the first 12 hex digits of its hash."""
+    return token_hash[:12]
+
+
+@dataclass(frozen=True)
+class TokenRow:
+    """An enrollment token, as the store knows it (never the token itself)."""
+
+    hash: str
+    role: str
+    kind: str  # "shared" | "device"
+    label: str
+    created: float
+    revoked: bool
+    node_id: str  # a device token: the node it is bound to ('' until first used)
+    spent: bool  # a device token: exchanged for its node's credential
+
+    @property
+    def token_id(self) -> str:
+        return token_id(self.hash)
+
+
+@dataclass(frozen=True)
+class DeviceRow:
+    """An enrolled node: its credential (hashed), its certified key, the token that enrolled it."""
+
+    node_id: str
+    role: str
+    credential_hash: str
+    public_key: bytes
+    certificate: bytes
+    token_id: str
+    issued: float
+    revoked: bool
+
+
+@dataclass(frozen=True)
+class Revoked:
+    """What one revocation covered: token ids and node ids."""
+
+    tokens: tuple[str, ...] = ()
+    nodes: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -96,9 +153,20 @@ class Store(Protocol):
     def close(self) -> None: ...
     def get_meta(self, key: str) -> str | None: ...
     def set_meta(self, key: str, value: str) -> None: ...
-    def issue_token(self, role: str, label: str = "") -> str: ...
+    # Enrollment tokens and device credentials (see the module's docstring).
+    def issue_token(self, role: str, label: str = "", device: bool = False) -> str: ...
+    def token(self, token_hash: str) -> TokenRow | None: ...
     def token_role(self, token_hash: str) -> str | None: ...
+    def bind_token(self, token_hash: str, node_id: str, spent: bool = False) -> None: ...
     def revoke_token(self, token_hash: str) -> bool: ...
+    def revoke(self, token_id: str = "", node_id: str = "") -> Revoked: ...
+    def list_tokens(self) -> list[TokenRow]: ...
+    def enroll_device(self, node_id: str, role: str, credential_hash: str, public_key: bytes, certificate: bytes,
+                      token_id: str) -> None: ...
+    def device(self, node_id: str) -> DeviceRow | None: ...
+    def device_by_credential(self, credential_hash: str) -> DeviceRow | None: ...
+    def list_devices(self) -> list[DeviceRow]: ...
+    def signing_key(self) -> SigningKey: ...
     def upsert_node(self, node_id: str, role: str, token_hash: str, capabilities: dict[str, str]) -> None: ...
     def node_token(self, node_id: str) -> str | None: ...
     def create_run(self, run_id: str, config_json: str) -> None: ...
@@ -142,6 +210,17 @@ class SQLiteStore:
             self.set_meta("schema_version", str(SCHEMA_VERSION))
         elif int(v) != SCHEMA_VERSION:
             raise StoreError(f"store schema version {v}, this Orchard expects {SCHEMA_VERSION}")
+        self._add_token_columns()
+        self._signing_key: SigningKey | None = None
+
+    def _add_token_columns(self) -> None:
+        """A store made before device tokens: its tokens are shared tokens, and the columns
+        they lack take their defaults (an additive change: the schema version stays)."""
+        have = {r[1] for r in self._db.execute("PRAGMA table_info(tokens)")}
+        for col, ddl in (("kind", "TEXT NOT NULL DEFAULT 'shared'"), ("node_id", "TEXT NOT NULL DEFAULT ''"),
+                         ("spent", "INTEGER NOT NULL DEFAULT 0")):
+            if col not in have:
+                self._db.execute(f"ALTER TABLE tokens ADD COLUMN {col} {ddl}")
 
     def close(self) -> None:
         self._db.close()
@@ -155,21 +234,96 @@ class SQLiteStore:
         self._db.execute("INSERT INTO meta(key, value) VALUES(?, ?) ON CONFLICT(key) DO UPDATE SET value=excluded.value",
                          (key, value))
 
-    # ---------------------------------------------------------------- tokens
-    def issue_token(self, role: str, label: str = "") -> str:
+    # ---------------------------------------------------------------- tokens and devices
+    _TOKEN_COLS = "hash, role, kind, label, created, revoked, node_id, spent"
+    _DEVICE_COLS = "node_id, role, credential_hash, public_key, certificate, token_id, issued, revoked"
+
+    def issue_token(self, role: str, label: str = "", device: bool = False) -> str:
         """Create an enrollment token; only its sha256 is stored. Returns the token (shown once)."""
         tok = new_token()
-        self._db.execute("INSERT INTO tokens(hash, role, created, label) VALUES(?, ?, ?, ?)",
-                         (hash_token(tok), role, time.time(), label))
+        self._db.execute("INSERT INTO tokens(hash, role, created, label, kind) VALUES(?, ?, ?, ?, ?)",
+                         (hash_token(tok), role, time.time(), label, "device" if device else "shared"))
         return tok
+
+    @staticmethod
+    def _token_row(r: Any) -> TokenRow:
+        return TokenRow(str(r[0]), str(r[1]), str(r[2]), str(r[3]), float(r[4]), bool(r[5]), str(r[6]), bool(r[7]))
+
+    @staticmethod
+    def _device_row(r: Any) -> DeviceRow:
+        return DeviceRow(str(r[0]), str(r[1]), str(r[2]), bytes(r[3]), bytes(r[4]), str(r[5]), float(r[6]),
+                         bool(r[7]))
+
+    def token(self, token_hash: str) -> TokenRow | None:
+        row = self._db.execute(f"SELECT {self._TOKEN_COLS} FROM tokens WHERE hash=?", (token_hash,)).fetchone()
+        return None if row is None else self._token_row(row)
 
     def token_role(self, token_hash: str) -> str | None:
         row = self._db.execute("SELECT role FROM tokens WHERE hash=? AND revoked=0", (token_hash,)).fetchone()
         return None if row is None else str(row[0])
 
+    def bind_token(self, token_hash: str, node_id: str, spent: bool = False) -> None:
+        self._db.execute("UPDATE tokens SET node_id=?, spent=MAX(spent, ?) WHERE hash=?",
+                         (node_id, int(spent), token_hash))
+
     def revoke_token(self, token_hash: str) -> bool:
-        cur = self._db.execute("UPDATE tokens SET revoked=1 WHERE hash=?", (token_hash,))
-        return cur.rowcount > 0
+        return bool(self.revoke(token_id=token_id(token_hash)).tokens) if self.token(token_hash) else False
+
+    def revoke(self, token_id: str = "", node_id: str = "") -> Revoked:
+        """Revoke a token (by id) and every credential it enrolled, or a node's credential
+        and the device token bound to it: in one transaction."""
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            if token_id:
+                toks = [str(r[0]) for r in self._db.execute(
+                    "SELECT hash FROM tokens WHERE substr(hash, 1, 12)=? AND revoked=0", (token_id,))]
+                nodes = [str(r[0]) for r in self._db.execute(
+                    "SELECT node_id FROM devices WHERE token_id=? AND revoked=0", (token_id,))]
+                self._db.execute("UPDATE tokens SET revoked=1 WHERE substr(hash, 1, 12)=?", (token_id,))
+                self._db.execute("UPDATE devices SET revoked=1 WHERE token_id=?", (token_id,))
+            else:
+                toks = [str(r[0]) for r in self._db.execute(
+                    "SELECT hash FROM tokens WHERE node_id=? AND kind='device' AND revoked=0", (node_id,))]
+                nodes = [str(r[0]) for r in self._db.execute(
+                    "SELECT node_id FROM devices WHERE node_id=? AND revoked=0", (node_id,))]
+                self._db.execute("UPDATE tokens SET revoked=1 WHERE node_id=? AND kind='device'", (node_id,))
+                self._db.execute("UPDATE devices SET revoked=1 WHERE node_id=?", (node_id,))
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        return Revoked(tuple(sorted({t[:12] for t in toks})), tuple(sorted(nodes)))
+
+    def list_tokens(self) -> list[TokenRow]:
+        rows = self._db.execute(f"SELECT {self._TOKEN_COLS} FROM tokens ORDER BY created, rowid").fetchall()
+        return [self._token_row(r) for r in rows]
+
+    def enroll_device(self, node_id: str, role: str, credential_hash: str, public_key: bytes, certificate: bytes,
+                      token_id: str) -> None:
+        """The node's credential and certified key, replacing any it had."""
+        self._db.execute(f"INSERT OR REPLACE INTO devices({self._DEVICE_COLS}) VALUES(?,?,?,?,?,?,?,0)",
+                         (node_id, role, credential_hash, public_key, certificate, token_id, time.time()))
+
+    def device(self, node_id: str) -> DeviceRow | None:
+        row = self._db.execute(f"SELECT {self._DEVICE_COLS} FROM devices WHERE node_id=?", (node_id,)).fetchone()
+        return None if row is None else self._device_row(row)
+
+    def device_by_credential(self, credential_hash: str) -> DeviceRow | None:
+        row = self._db.execute(f"SELECT {self._DEVICE_COLS} FROM devices WHERE credential_hash=?",
+                               (credential_hash,)).fetchone()
+        return None if row is None else self._device_row(row)
+
+    def list_devices(self) -> list[DeviceRow]:
+        rows = self._db.execute(f"SELECT {self._DEVICE_COLS} FROM devices ORDER BY issued, node_id").fetchall()
+        return [self._device_row(r) for r in rows]
+
+    def signing_key(self) -> SigningKey:
+        """The root's certificate key: ``identity/root.key`` beside the store (mode 0600 in
+        a 0700 folder), made on first use; whoever makes it first, every process reads the same."""
+        if self._signing_key is None:
+            d = Path(self.path).parent / "identity"
+            self._signing_key = load_or_create_key(d / "root.key")
+        return self._signing_key
 
     # ---------------------------------------------------------------- nodes
     def upsert_node(self, node_id: str, role: str, token_hash: str, capabilities: dict[str, str]) -> None:
@@ -305,7 +459,9 @@ class MemoryStore:
 
     def __init__(self) -> None:
         self._meta: dict[str, str] = {"schema_version": str(SCHEMA_VERSION)}
-        self._tokens: dict[str, tuple[str, bool]] = {}  # hash -> (role, revoked)
+        self._tokens: dict[str, TokenRow] = {}  # hash -> row, in issue order
+        self._devices: dict[str, DeviceRow] = {}  # node id -> row
+        self._key = SigningKey.generate()
         self._nodes: dict[str, tuple[str, str, dict[str, str]]] = {}  # id -> (role, token hash, capabilities)
         self._runs: dict[str, RunRow] = {}  # in creation order
         # (run, round, attempt) -> (status, started, finished, record)
@@ -322,21 +478,61 @@ class MemoryStore:
     def set_meta(self, key: str, value: str) -> None:
         self._meta[key] = value
 
-    def issue_token(self, role: str, label: str = "") -> str:
+    def issue_token(self, role: str, label: str = "", device: bool = False) -> str:
         tok = new_token()
-        self._tokens[hash_token(tok)] = (role, False)
+        h = hash_token(tok)
+        self._tokens[h] = TokenRow(h, role, "device" if device else "shared", label, time.time(), False, "", False)
         return tok
+
+    def token(self, token_hash: str) -> TokenRow | None:
+        return self._tokens.get(token_hash)
 
     def token_role(self, token_hash: str) -> str | None:
         got = self._tokens.get(token_hash)
-        return None if got is None or got[1] else got[0]
+        return None if got is None or got.revoked else got.role
+
+    def bind_token(self, token_hash: str, node_id: str, spent: bool = False) -> None:
+        got = self._tokens.get(token_hash)
+        if got is not None:
+            self._tokens[token_hash] = replace(got, node_id=node_id, spent=got.spent or spent)
 
     def revoke_token(self, token_hash: str) -> bool:
-        got = self._tokens.get(token_hash)
-        if got is None:
-            return False
-        self._tokens[token_hash] = (got[0], True)
-        return True
+        return bool(self.revoke(token_id=token_id(token_hash)).tokens) if token_hash in self._tokens else False
+
+    def revoke(self, token_id: str = "", node_id: str = "") -> Revoked:
+        if token_id:
+            toks = [t for t in self._tokens.values() if t.token_id == token_id]
+            devs = [d for d in self._devices.values() if d.token_id == token_id]
+        else:
+            toks = [t for t in self._tokens.values() if t.node_id == node_id and t.kind == "device"]
+            devs = [d for d in self._devices.values() if d.node_id == node_id]
+        for t in toks:
+            self._tokens[t.hash] = replace(t, revoked=True)
+        for d in devs:
+            self._devices[d.node_id] = replace(d, revoked=True)
+        return Revoked(tuple(sorted({t.token_id for t in toks if not t.revoked})),
+                       tuple(sorted(d.node_id for d in devs if not d.revoked)))
+
+    def list_tokens(self) -> list[TokenRow]:
+        return list(self._tokens.values())
+
+    def enroll_device(self, node_id: str, role: str, credential_hash: str, public_key: bytes, certificate: bytes,
+                      token_id: str) -> None:
+        self._devices.pop(node_id, None)  # re-enrolled: listed in enrollment order
+        self._devices[node_id] = DeviceRow(node_id, role, credential_hash, bytes(public_key), bytes(certificate),
+                                           token_id, time.time(), False)
+
+    def device(self, node_id: str) -> DeviceRow | None:
+        return self._devices.get(node_id)
+
+    def device_by_credential(self, credential_hash: str) -> DeviceRow | None:
+        return next((d for d in self._devices.values() if d.credential_hash == credential_hash), None)
+
+    def list_devices(self) -> list[DeviceRow]:
+        return list(self._devices.values())
+
+    def signing_key(self) -> SigningKey:
+        return self._key
 
     def upsert_node(self, node_id: str, role: str, token_hash: str, capabilities: dict[str, str]) -> None:
         self._nodes[node_id] = (role, token_hash, dict(capabilities))
@@ -428,6 +624,25 @@ class MemoryStore:
 
     def buffers(self, run_id: str) -> list[BufferRow]:
         return [b for (r, _), b in sorted(self._buffers.items()) if r == run_id]
+
+
+def load_or_create_key(path: Path) -> SigningKey:
+    """The Ed25519 key in ``path`` (32 raw bytes, mode 0600, its folder 0700), made if absent."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        raw = path.read_bytes()
+        if len(raw) != 32:  # another process is writing it this instant, or it is damaged
+            time.sleep(0.2)
+            raw = path.read_bytes()
+        return SigningKey.from_bytes(raw)
+    key = SigningKey.generate()
+    with os.fdopen(fd, "wb") as f:
+        f.write(key.to_bytes())
+        f.flush()
+        os.fsync(f.fileno())
+    return key
 
 
 def atomic_write(path: Path, data: bytes) -> None:

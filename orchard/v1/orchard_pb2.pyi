@@ -41,7 +41,7 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("node_id", "role", "device", "capabilities")
+    __slots__ = ("node_id", "role", "device", "capabilities", "device_public_key", "key_proof")
     class CapabilitiesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -53,25 +53,35 @@ class JoinRequest(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     CAPABILITIES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEY_PROOF_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     role: str
     device: DeviceState
     capabilities: _containers.ScalarMap[str, str]
-    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., device: _Optional[_Union[DeviceState, _Mapping]] = ..., capabilities: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    device_public_key: bytes
+    key_proof: bytes
+    def __init__(self, node_id: _Optional[str] = ..., role: _Optional[str] = ..., device: _Optional[_Union[DeviceState, _Mapping]] = ..., capabilities: _Optional[_Mapping[str, str]] = ..., device_public_key: _Optional[bytes] = ..., key_proof: _Optional[bytes] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("node_id", "heartbeat_s", "long_poll_s", "max_chunk_bytes", "server_id")
+    __slots__ = ("node_id", "heartbeat_s", "long_poll_s", "max_chunk_bytes", "server_id", "credential", "certificate", "root_public_key")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
     LONG_POLL_S_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     SERVER_ID_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    ROOT_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     heartbeat_s: float
     long_poll_s: float
     max_chunk_bytes: int
     server_id: str
-    def __init__(self, node_id: _Optional[str] = ..., heartbeat_s: _Optional[float] = ..., long_poll_s: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., server_id: _Optional[str] = ...) -> None: ...
+    credential: str
+    certificate: bytes
+    root_public_key: bytes
+    def __init__(self, node_id: _Optional[str] = ..., heartbeat_s: _Optional[float] = ..., long_poll_s: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., server_id: _Optional[str] = ..., credential: _Optional[str] = ..., certificate: _Optional[bytes] = ..., root_public_key: _Optional[bytes] = ...) -> None: ...
 
 class PollRequest(_message.Message):
     __slots__ = ("node_id", "device", "pool_size", "pool_eligible", "wait_s")
@@ -322,18 +332,36 @@ class SecAggReply(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., broadcast: _Optional[bytes] = ..., done: _Optional[bool] = ..., aborted: _Optional[str] = ...) -> None: ...
 
 class VerifyTokenRequest(_message.Message):
-    __slots__ = ("token", "role")
+    __slots__ = ("token", "role", "node_id", "enroll", "device_public_key", "key_proof")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ENROLL_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    KEY_PROOF_FIELD_NUMBER: _ClassVar[int]
     token: str
     role: str
-    def __init__(self, token: _Optional[str] = ..., role: _Optional[str] = ...) -> None: ...
+    node_id: str
+    enroll: bool
+    device_public_key: bytes
+    key_proof: bytes
+    def __init__(self, token: _Optional[str] = ..., role: _Optional[str] = ..., node_id: _Optional[str] = ..., enroll: _Optional[bool] = ..., device_public_key: _Optional[bytes] = ..., key_proof: _Optional[bytes] = ...) -> None: ...
 
 class VerifyTokenReply(_message.Message):
-    __slots__ = ("valid",)
+    __slots__ = ("valid", "reason", "node_id", "credential", "certificate", "root_public_key")
     VALID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    ROOT_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     valid: bool
-    def __init__(self, valid: _Optional[bool] = ...) -> None: ...
+    reason: str
+    node_id: str
+    credential: str
+    certificate: bytes
+    root_public_key: bytes
+    def __init__(self, valid: _Optional[bool] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., credential: _Optional[str] = ..., certificate: _Optional[bytes] = ..., root_public_key: _Optional[bytes] = ...) -> None: ...
 
 class StartRunHeader(_message.Message):
     __slots__ = ("config_json", "model_bytes", "model_sha256")
