@@ -19,9 +19,9 @@ from orchard.client.runtime import ClientRuntime
 from orchard.config import CohortConfig, RunConfig, SecureAggregationConfig
 from orchard.link import FleetLink, LinkConfig
 from orchard.ops import ControlClient
-from orchard.server import coordinator
 from orchard.server.app import start_aggregator, start_root
 from orchard.server.maskworkers import MaskWorkers, WorkerSession
+from orchard.server.tier import executor
 from orchard.trainer import EvalResult, TrainResult
 from orchard.typing import Role
 
@@ -156,8 +156,8 @@ def test_a_tier_unmasks_on_its_mask_workers(tmp_path: Path, monkeypatch: pytest.
             self.sessions += session is not None
             return session
 
-    monkeypatch.setattr(coordinator, "MASK_WORKERS_MIN_BYTES", 0)
-    monkeypatch.setattr(coordinator, "MaskWorkers", _Recording)
+    monkeypatch.setattr(executor, "MASK_WORKERS_MIN_BYTES", 0)
+    monkeypatch.setattr(executor, "MaskWorkers", _Recording)
     st, out, w = asyncio.run(_run(tmp_path, 5, aggregators=0, dead={2}, deadline=8.0))
     assert st["status"] == "completed", st
     assert st["rounds"][0]["participants"] == 4
