@@ -21,6 +21,18 @@ from rich.console import Console
 from orchard.errors import OrchardError
 
 
+def flower_app_overrides(app: str | None, initial_arrays: Path | None, task: str | None) -> dict[str, Any]:
+    """``--flower-app`` and ``--initial-arrays`` as the task they name: ``flower``, with
+    the app and its initial arrays as its parameters (``orchard tasks list``)."""
+    if app is None or initial_arrays is None:
+        raise OrchardError("--flower-app module:app and --initial-arrays FILE.safetensors go together: the app "
+                           "holds no initial model of its own")
+    if task not in (None, "flower"):
+        raise OrchardError(f"--flower-app runs a Flower ClientApp as the task; drop --task {task}")
+    return {"run.task": "flower", "run.task_params.app": app,
+            "run.task_params.initial_arrays": str(initial_arrays.resolve())}
+
+
 def simulate(
     config: Annotated[Path | None, typer.Option("--config", help="TOML with a \\[simulation] table.")] = None,
     task: Annotated[str | None, typer.Option("--task", help="A task: a registered name (orchard tasks list) or an import path package.module:build.")] = None,
@@ -48,6 +60,10 @@ def simulate(
         "--base-model", help="Base model dir from `orchard pretrain`: the LoRA task adapts it.")] = None,
     task_param: Annotated[list[str] | None, typer.Option(
         "--task-param", help="KEY=VALUE task parameter (repeatable), e.g. alpha=0.1 or with_replacement=true.")] = None,
+    flower_app: Annotated[str | None, typer.Option(
+        "--flower-app", help="module:app of a Flower ClientApp: every simulated client runs it (the task 'flower').")] = None,
+    initial_arrays: Annotated[Path | None, typer.Option(
+        "--initial-arrays", help="With --flower-app: the initial global model (.safetensors).")] = None,
     tensorboard: Annotated[Path | None, typer.Option(
         "--tensorboard", help="Write per-round metrics, bytes and participation as TensorBoard events here.")] = None,
     mlflow_uri: Annotated[str | None, typer.Option(
@@ -70,6 +86,8 @@ def simulate(
         from orchard.tasks.params import parse_task_params
 
         overrides.update({f"run.task_params.{k}": v for k, v in parse_task_params(task_param).items()})
+        if flower_app is not None or initial_arrays is not None:
+            overrides.update(flower_app_overrides(flower_app, initial_arrays, task))
         data = load_toml(config) if config is not None else {}
         if backend is None and "backend" not in data.get("simulation", {}):
             overrides["backend"] = "auto"  # the fastest this machine and config allow

@@ -16,6 +16,7 @@ client), else one by one.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -156,6 +157,12 @@ def run_jobs(task: Task, population: int, cfg: RunConfig, codec: Codec, global_a
     a downlink delta) and its update is taken against that, as on a device."""
     trainers = [task.client_trainer(j.partition, population, cfg.seed) for j in jobs]
     seeds_cfgs = [_train_config(cfg, j) for j in jobs]
+    for i, (trainer, job) in enumerate(zip(trainers, jobs, strict=True)):
+        if getattr(trainer, "reads_round", False):
+            # A Flower ClientApp reads the round from its config record, where a Flower
+            # strategy puts it ("server-round"); only a trainer that says it reads it gets it.
+            seed, tc = seeds_cfgs[i]
+            seeds_cfgs[i] = (seed, dataclasses.replace(tc, extra={**tc.extra, "server-round": job.assignment.round}))
     models = [global_arrays if not j.start else _start(starts, j.start) for j in jobs]
     results: list[TrainResult | None | str] = [None] * len(jobs)
     groups: dict[int, list[int]] = {}  # jobs by the model they start from
