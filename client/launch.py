@@ -55,13 +55,14 @@ class ClientSetup:
     task_params: dict[str, Any] = field(default_factory=dict)
     policy: Any = None  # DevicePolicy | None
     device_factory: Any = None  # the ExecuTorch trainer factory, already loaded; None: torch
+    root_public_key: bytes | None = None  # the bundle's, when it names the root's certificate key
 
     def link_config(self) -> LinkConfig:
         o = self.options
         assert o.server is not None  # resolve_client refuses a client without one
         return LinkConfig(target=o.server, role=Role.CLIENT, token=o.token, ca_cert=o.ca_cert, insecure=o.insecure,
                           node_id=o.node_id, capabilities=(("task", o.task or "flower"),),
-                          identity_dir=identity_dir(o.state_dir))
+                          identity_dir=identity_dir(o.state_dir), root_public_key=self.root_public_key)
 
 
 def identity_dir(state_dir: Path | None) -> Path | None:
@@ -103,6 +104,7 @@ def resolve_client(opts: ClientOptions) -> ClientSetup:
         device_factory = executorch_trainer_factory(opts.bundle, data_path=opts.data, seed=opts.seed)
     task_params: dict[str, Any] = {}
     policy = None
+    root_key = None
     if opts.bundle is not None:
         from orchard.edge_runtime.bundle import read_bundle
         from orchard.edge_runtime.bundle_task import read_bundle_task
@@ -112,6 +114,7 @@ def resolve_client(opts: ClientOptions) -> ClientSetup:
         opts = replace(opts, server=opts.server or b.config.server_address, token=opts.token or b.enrollment_token(),
                        ca_cert=opts.ca_cert or b.ca_cert_path)
         policy = b.config.policy
+        root_key = b.root_public_key
         if opts.task is None and sidecar is not None and opts.flower_app is None:
             opts = replace(opts, task=sidecar.task)
             task_params = sidecar.task_params
@@ -121,7 +124,7 @@ def resolve_client(opts: ClientOptions) -> ClientSetup:
         raise OrchardError("--server HOST:PORT is required (or --bundle DIR)")
     if opts.task is None and opts.flower_app is None:
         raise OrchardError("pass --task NAME (a reference task) or --flower-app module:app")
-    return ClientSetup(opts, task_params, policy, device_factory)
+    return ClientSetup(opts, task_params, policy, device_factory, root_key)
 
 
 def warm_up(setup: ClientSetup) -> None:

@@ -13,6 +13,11 @@ Layout::
       train_program.json     ExecuTorch training program manifest (if written; it
       train.pte              names the program's digest: see ``et_program``)
 
+``client.json`` may also name the root's Ed25519 public key (``root_public_key``, hex):
+the key that certifies every node's device key (``orchard.identity``). A client run from
+the bundle refuses a root that answers with another key, and can check its peers'
+certificates before it has joined.
+
 ``client.json`` is written last and names the digests of the model and adapter, so a
 directory without it is an unfinished bundle, and a swapped or truncated file is
 caught on read. Every file is written to a temporary name and renamed into place.
@@ -78,6 +83,7 @@ class ClientBundleConfig(_Strict):
     adapter_version: int = Field(ge=0)
     ca_cert: str | None = None
     enrollment_token: str | None = None
+    root_public_key: str | None = Field(default=None, pattern="^[0-9a-f]{64}$")  # hex, 32 bytes
     # The ExecuTorch training program's manifest (which in turn names the program's
     # digest); None in a bundle for inference and torch training only.
     training_program: BundleFile | None = None
@@ -123,6 +129,11 @@ class ClientBundle:
                 f"{p} is accessible by group or others (mode {stat.S_IMODE(mode):o}): run chmod 600 {p}"
             )
         return p.read_text().strip()
+
+    @property
+    def root_public_key(self) -> bytes | None:
+        """The root's certificate key, if the bundle names it."""
+        return None if self.config.root_public_key is None else bytes.fromhex(self.config.root_public_key)
 
 
 def file_sha256(path: Path) -> str:
@@ -191,6 +202,7 @@ def write_bundle(
     enrollment_token: str | None = None,
     training_program: str | None = None,
     overwrite: bool = False,
+    root_public_key: bytes | None = None,
 ) -> ClientBundle:
     """Write a client bundle to ``bundle_dir`` and return it.
 
@@ -198,7 +210,8 @@ def write_bundle(
     holds its LoRA tensors by input name (checked against the model before anything
     is written). ``ca_cert`` is a PEM file path or PEM bytes. ``training_program`` is
     the file name of a training-program manifest already written into ``bundle_dir``
-    (``et_export``); ``client.json`` records its digest.
+    (``et_export``); ``client.json`` records its digest. ``root_public_key`` is the
+    root's 32-byte Ed25519 certificate key (``Store.signing_key().public_key``).
     """
     root = Path(bundle_dir)
     if (root / CONFIG_FILE).exists() and not overwrite:
@@ -238,6 +251,7 @@ def write_bundle(
             adapter_version=adapter_version,
             ca_cert=ca_name,
             enrollment_token=token_name,
+            root_public_key=None if root_public_key is None else root_public_key.hex(),
             training_program=None if training_program is None else BundleFile(
                 name=training_program, sha256=file_sha256(root / training_program)),
         )

@@ -80,6 +80,9 @@ class LinkConfig:
     # Where the node keeps its key and credential (mode 0700; files 0600). None: in
     # memory, for this process only.
     identity_dir: Path | None = None
+    # The root's Ed25519 certificate key, when known beforehand (a bundle names it): a
+    # Join answered with another root key is refused.
+    root_public_key: bytes | None = None
 
 
 def make_channel(target: str, ca_cert: Path | None, insecure: bool,
@@ -192,6 +195,10 @@ class FleetLink:
             return await self._stub.Join(req, metadata=self._meta)
 
         reply = await self._retry("join", call)
+        pinned = self.cfg.root_public_key
+        if pinned and reply.root_public_key and reply.root_public_key != pinned:
+            raise AuthError(f"the server answered with root key {reply.root_public_key.hex()[:16]}…, not the "
+                            f"{pinned.hex()[:16]}… this node was given: another federation, or an impostor")
         if reply.credential:
             # Kept (on disk, with identity_dir) before it is used: a node never holds a
             # credential it could lose by crashing.

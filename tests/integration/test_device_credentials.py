@@ -97,6 +97,13 @@ def test_enroll_resume_impersonate_revoke(tmp_path: Path) -> None:
                         await call
                     assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED, ei.value.details()
                 await ch.close()
+            # A node given the root's key (a bundle names it) refuses a root with another key.
+            pinned = FleetLink(LinkConfig(target=root.address, role=Role.CLIENT, token=t_root, ca_cert=ca,
+                                          node_id="direct-0", root_public_key=b"\x01" * 32))
+            with pytest.raises(AuthError, match="not the 010101"):
+                await pinned.join()
+            await pinned.close()
+            t_root = _device_tokens(data, "client", 1)[0]
             # Another client directly under the root, and one more under the aggregator.
             direct = _link(root.address, ca, t_root, "direct-1")
             await direct.join()

@@ -213,3 +213,19 @@ def test_an_aggregator_rides_out_a_root_restart_on_its_last_positive_answer(root
         run(agg.verify(e.credential, C, "n"))
     with pytest.raises(UpstreamUnavailable):
         run(agg.verify("orc_never_seen", C, "x"))
+
+
+def test_a_bundle_names_the_roots_key(tmp_path) -> None:
+    from pydantic import ValidationError
+
+    from orchard.edge_runtime.bundle import ClientBundle, ClientBundleConfig
+
+    base = {"server_address": "h:1", "model": {"name": "m", "sha256": "0"}, "input_name": "x", "output_name": "y",
+            "adapter_onnx": {"name": "a", "sha256": "0"}, "adapter_safetensors": {"name": "s", "sha256": "0"},
+            "adapter_version": 0}
+    key = NodeIdentity().public_key
+    cfg = ClientBundleConfig.model_validate({**base, "root_public_key": key.hex()})
+    assert ClientBundle(tmp_path, cfg).root_public_key == key
+    assert ClientBundle(tmp_path, ClientBundleConfig.model_validate(base)).root_public_key is None
+    with pytest.raises(ValidationError):
+        ClientBundleConfig.model_validate({**base, "root_public_key": "zz"})
