@@ -76,231 +76,18 @@ import importlib.util
 import itertools
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _procs  # noqa: E402  (a sibling helper module, not a package)
-
-
-def _case(clients_per_round: int, population: int, aggregators: int, rounds: int, vectorize: bool,
-          governor: bool, workers: int, backend: str, task: str = "digits", device: str = "cpu",
-          save: str | None = None, verbose: bool = False, profile: str | None = None) -> dict[str, Any]:
-    import psutil
-    import torch
-
-    torch.set_num_threads(1)
-    from orchard.config import RunConfig
-    from orchard.secure_agg.prg import available_cores
-    from orchard.simulation import SimulationConfig, run_simulation
-
-    run = RunConfig(task=task, task_params={"with_replacement": True, "samples_per_client": 20},
-                    train={"epochs": 1, "batch_size": 10, "learning_rate": 0.1, "optimizer": "sgd"})
-    cfg = SimulationConfig(clients=population, clients_per_round=clients_per_round, rounds=rounds + 1,
-                           aggregators=aggregators, vectorize=vectorize, governor=governor, workers=workers,
-                           backend=backend, chunk_size=512, evaluate_every=0, progress=False, run=run,
-                           device=device)  # type: ignore[arg-type]
-    t0 = time.perf_counter()
-    me = psutil.Process()
-
-    def children_cpu() -> float:
-        """CPU seconds (user + system) of this case's child processes so far: the workers."""
-        total = 0.0
-        for child in me.children(recursive=True):
-            with contextlib.suppress(psutil.Error):  # one that exited meanwhile counts nothing
-                t = child.cpu_times()
-                total += t.user + t.system
-        return total
-
-    # The workers' CPU at the end of each round (progress runs right after a round, before
-    # the next one starts): the difference over the measured rounds is theirs.
-    marks: list[float] = []
-    samplers: dict[str, subprocess.Popen[bytes]] = {}
-
-    def progress(r: dict[str, Any]) -> None:
-        marks.append(children_cpu())
-        if profile and r["round"] == 1:  # the measured rounds only: from the end of the warm-up on
-            workers_now = [c for c in me.children() if _is_worker(c)]
-            pids = {"engine": me.pid, **{f"worker{i}": c.pid for i, c in enumerate(workers_now)}}
-            samplers.update(_start_sampling(pids, Path(profile)))
-        if verbose:  # on stderr: a case that runs out of time still says how far it got
-            print(f"    round {r['round']} ({'warm-up' if r['round'] == 1 else 'measured'}): {r['seconds']:.1f} s, "
-                  f"{r['trained']} trained; {_phases(r.get('phase_seconds', {}))}", file=sys.stderr, flush=True)
-
-    report = run_simulation(cfg, progress=progress)
-    profile_rows = _stop_sampling(samplers, Path(profile), rounds) if samplers and profile else None
-    if save:
-        import numpy as np
-
-        np.savez(save, **report.final_arrays)
-    measured = report.rounds[1:]
-    if len(measured) < rounds or any(r.get("status") == "failed" for r in measured):
-        # The run stopped at a round that did not fill: its status says why and what to change.
-        raise SystemExit(f"{len(report.rounds)} of {rounds + 1} rounds ran: {report.status}")
-    secs = sum(r["seconds"] for r in measured)
-    cpu = sum(r["cpu_seconds"] for r in measured)
-    trained = sum(r["trained"] for r in measured)
-    # Every process of the case (the engine and its workers) over the measured rounds: the
-    # CPU a client costs, and the most clients per second that CPU allows on this many
-    # cores if every core were busy all the time (a perfectly balanced engine and workers).
-    # (In one process there are no children: the difference is 0.)
-    tree_cpu = cpu + (marks[-1] - marks[0] if len(marks) > 1 else 0.0)
-    cores = available_cores()
-    # The engine's own account of where a measured round's wall time went (mean per round).
-    phases: dict[str, float] = {}
-    for r in measured:
-        for k, v in r.get("phase_seconds", {}).items():
-            phases[k] = phases.get(k, 0.0) + v / len(measured)
-    import orchard.simulation.engine as engine_module
-
-    return {
-        "code": str(Path(engine_module.__file__).resolve().parents[1]),  # which checkout ran
-        "task": task,
-        "device": device,
-        "path": "vectorized" if vectorize else "per-client",
-        "clients_per_round": clients_per_round,
-        "population": population,
-        "aggregators": aggregators,
-        "governor": governor,
-        "workers": workers,
-        "backend": backend,
-        "rounds": len(measured),
-        "trained_per_round": trained / len(measured),
-        "participants_per_round": sum(r["participants"] for r in measured) / len(measured),
-        "clients_per_second": round(trained / secs, 1),
-        "cpu_clients_per_second": round(trained / cpu, 1) if cpu > 0 else None,
-        "seconds_per_round": round(secs / len(measured), 3),
-        "tree_cpu_seconds_per_round": round(tree_cpu / len(measured), 3),
-        "tree_cpu_us_per_client": round(1e6 * tree_cpu / trained, 1) if trained else None,
-        "cores": cores,
-        "core_bound_clients_per_second": round(trained * cores / tree_cpu, 1) if tree_cpu > 0 else None,
-        "cpu_seconds_per_round": round(cpu / len(measured), 3),
-        "simulated_seconds_per_round": round(sum(r["simulated_seconds"] for r in measured) / len(measured), 2),
-        "phase_seconds_per_round": {k: round(v, 3) for k, v in phases.items()},
-        "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        # The largest worker's peak (workers have exited: run_simulation closed the backend).
-        "worker_peak_rss_mib": (round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1)
-                                if backend == "process" else None),
-        "total_seconds": round(time.perf_counter() - t0, 2),
-        "final_accuracy": report.final_accuracy,
-        "profile": profile_rows,
-    }
-
-
-# ---------------------------------------------------------------------------- --profile: where a round's CPU goes
-#
-# py-spy samples the engine and each worker through the measured rounds (not pausing
-# them); each sample is put in the first of these components, in this order, that one of
-# its frames names (py-spy's qualified function name, e.g. "Dispatch.dispatch"). A sample in
-# none of them is "other" (the root's finalize, garbage collection...).
-_COMPONENTS: list[tuple[str, tuple[str, ...]]] = [
-    ("device models (governor)", ("device_training", "run_devices", "DeviceRuns.results", "DeviceRuns._send",
-                                  "DeviceRuns._here", "SimulatedDevice.restore")),
-    ("training", ("train_many", "train_group", "client_trainer", "TorchTrainer.fit", "TorchTrainer.train")),
-    ("building uploads", ("build_uploads", "build_upload", "deltas_of", "delta_of", "encode_packed_many")),
-    ("client jobs, rest", ("run_jobs",)),
-    # Jobs out and outputs back: pickling, the pipes, the shared segments.
-    ("job transfer", ("PackedOutputs.__init__", "PackedOutputs.unpack", "_Unpacked._arrived", "WorkerPool.pump",
-                      "_Worker.send", "_serve.<locals>.reply", "_serve.<locals>.take", "_attached")),
-    ("tier folds", ("Coordinator.upload_now", "Coordinator.complete_upload")),
-    ("check-in", ("CheckIn.check_in",)),
-    ("opening tiers, selection", ("Tree.open_below", "Tree.open_tier", "Tree.report_pools")),
-    ("hand-out", ("Dispatch.dispatch",)),
-    ("arrivals, rest", ("Arrivals.process",)),
-    ("leaving", ("CheckIn.leave",)),
-]
-_SAMPLE_RATE = 100  # per second
-
-
-def _is_worker(proc: Any) -> bool:
-    """A worker process of the process backend (not multiprocessing's resource tracker)."""
-    try:
-        cmd = " ".join(proc.cmdline())
-    except Exception:  # exited meanwhile
-        return False
-    return "spawn_main" in cmd
-
-
-def _start_sampling(pids: dict[str, int], out: Path) -> dict[str, subprocess.Popen[bytes]]:
-    out.mkdir(parents=True, exist_ok=True)
-    procs = {name: _procs.py_spy(pid, out / f"{name}.txt", rate=_SAMPLE_RATE) for name, pid in pids.items()}
-    return {name: p for name, p in procs.items() if p is not None}
-
-
-# A thread whose innermost frame is one of these is waiting (for a job, an event or a
-# free pipe) though the sampler, which does not pause the process, saw it as busy.
-_WAITS = {"_wait_ready", "_PollLikeSelector.select", "EpollSelector.select", "Condition.wait", "Queue.get"}
-_WAITING = "waiting (sampled as busy)"
-
-
-def _component(frames: list[str]) -> str:
-    names = [f.split(" (", 1)[0] for f in frames]
-    if names and names[-1] in _WAITS:
-        return _WAITING
-    present = set(names)
-    for label, keys in _COMPONENTS:
-        if any(k in present for k in keys):
-            return label
-    return "other"
-
-
-def _stop_sampling(samplers: dict[str, subprocess.Popen[bytes]], out: Path, rounds: int) -> list[dict[str, Any]]:
-    """Stop the samplers (a worker's stops by itself when its process exits) and read their
-    stacks: CPU seconds per measured round by component, for the engine and the workers."""
-    for proc in samplers.values():
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)  # py-spy writes what it has and exits
-    seconds: dict[tuple[str, str], float] = {}
-    for name, proc in samplers.items():
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        path = out / f"{name}.txt"
-        if not path.is_file():
-            continue
-        side = "engine" if name == "engine" else "workers"
-        for line in path.read_text().splitlines():
-            stack, _, n = line.rpartition(" ")
-            if stack and n.isdigit():
-                key = (_component(stack.split(";")), side)
-                seconds[key] = seconds.get(key, 0.0) + int(n) / _SAMPLE_RATE / rounds
-    labels = [c for c, _ in _COMPONENTS] + ["other", _WAITING]
-    total = sum(v for (c, _), v in seconds.items() if c != _WAITING) or 1.0
-    return [{"component": c, "engine_s": round(seconds.get((c, "engine"), 0.0), 3),
-             "workers_s": round(seconds.get((c, "workers"), 0.0), 3),
-             "share": 0.0 if c == _WAITING else
-             round((seconds.get((c, "engine"), 0.0) + seconds.get((c, "workers"), 0.0)) / total, 3)}
-            for c in labels]
-
-
-def _print_profile(r: dict[str, Any]) -> None:
-    rows = r.get("profile") or []
-    if not rows:
-        return
-    print(f"where a round's CPU went ({r['path']}, {r['clients_per_round']} per round; py-spy samples of the "
-          f"measured rounds, CPU s per round):")
-    print(f"  {'component':<32} {'engine':>7} {'workers':>8} {'share':>6}")
-    busy = [x for x in rows if x["component"] != _WAITING]
-    for row in sorted(busy, key=lambda x: -x["share"]):
-        print(f"  {row['component']:<32} {row['engine_s']:>7.2f} {row['workers_s']:>8.2f} {row['share']:>6.0%}")
-    eng = sum(x["engine_s"] for x in busy)
-    wrk = sum(x["workers_s"] for x in busy)
-    print(f"  {'sampled busy in all':<32} {eng:>7.2f} {wrk:>8.2f}")
-    for row in rows:
-        if row["component"] == _WAITING:
-            print(f"  {row['component']:<32} {row['engine_s']:>7.2f} {row['workers_s']:>8.2f}   (not in the shares)")
-    cpu, tree = r["cpu_seconds_per_round"], r["tree_cpu_seconds_per_round"]
-    print(f"  {'CPU the OS counted':<32} {cpu:>7.2f} {tree - cpu:>8.2f}   (a profiled round took "
-          f"{r['seconds_per_round']:.2f} s; a thread blocked on the pipe between the processes is sampled "
-          "as busy too, so the sampled seconds and the OS's differ a little)")
-
+# Sibling modules (benchmarks/ is not a package): what a case process runs, and the
+# --profile sampling; the names the tests load from this script stay importable here.
+from simulation_case import _case, _phases  # noqa: E402
+from simulation_profile import _SAMPLE_RATE, _print_profile, _stop_sampling  # noqa: E402, F401
 
 # Flower's default size: 1,000 SuperNodes finish three rounds in a few minutes on the
 # two-core benchmark host (Ray start-up and the warm-up round take most of it).
@@ -397,13 +184,6 @@ def _spawn(args: dict[str, Any], env: dict[str, str] | None = None) -> dict[str,
         return {"path": "vectorized" if args["vectorize"] else "per-client", "status": "failed",
                 "clients_per_round": args["clients_per_round"], "error": "".join(err)[-2000:]}
     return json.loads(stdout.strip().splitlines()[-1])
-
-
-def _phases(p: dict[str, float]) -> str:
-    """The engine's round, step by step (wall seconds per round, this process only)."""
-    return (f"engine s/round: check-in {p.get('check_in', 0):.2f}, open and select {p.get('open', 0):.2f}, "
-            f"dispatch {p.get('dispatch', 0):.2f} (device models {p.get('device_models', 0):.2f}), "
-            f"arrivals {p.get('arrivals', 0):.2f}, leave {p.get('leave', 0):.2f}")
 
 
 def _fmt(v: Any, width: int, digits: int) -> str:
