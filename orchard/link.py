@@ -173,22 +173,27 @@ class FleetLink:
             held = self.identity.enrolled
             if held is None or not self.cfg.token or self.cfg.token == held.credential:
                 raise
-            # The credential kept is refused (revoked): a token given now enrolls the node again.
+            # The credential kept is refused (revoked): a token given now enrolls the node
+            # again. The credential is kept until a new one replaces it.
             log.warning("node %s: its credential was refused; enrolling again with the token given", self.node_id)
-            self.identity.forget()
             self._use(self.cfg.token)
-            reply = await self._join(device)
+            try:
+                reply = await self._join(device, enrolling=True)
+            except AuthError:
+                self._use(held.credential)
+                raise
         self.node_id = reply.node_id
         self.heartbeat_s = reply.heartbeat_s or self.heartbeat_s
         self.long_poll_s = reply.long_poll_s or self.long_poll_s
         self.joined = True
         return self.node_id
 
-    async def _join(self, device: DeviceState | None) -> pb.JoinReply:
-        """One Join (retried on transient failures); enrolls the node's key when it holds no credential."""
+    async def _join(self, device: DeviceState | None, enrolling: bool = False) -> pb.JoinReply:
+        """One Join (retried on transient failures); enrolls the node's key when it holds
+        no credential (or ``enrolling``: with the token given, in place of a refused one)."""
         req = pb.JoinRequest(node_id=self.node_id, role=self.cfg.role.value, device=wire.device_to_proto(device),
                              capabilities=dict(self.cfg.capabilities), device_public_key=self.identity.public_key)
-        if self.identity.enrolled is None and self._secret:
+        if (enrolling or self.identity.enrolled is None) and self._secret:
             req.key_proof = self.identity.sign(enrollment_message(self.cfg.role.value, self.node_id, self._secret))
 
         async def call() -> pb.JoinReply:

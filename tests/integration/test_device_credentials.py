@@ -117,6 +117,13 @@ def test_enroll_resume_impersonate_revoke(tmp_path: Path) -> None:
             out["root_s"] = await _refused_within(direct, 10)
             out["agg_s"] = await _refused_within(phone, 15)
             await other.poll(wait_s=0)  # the others are untouched
+            # A new device token enrolls the revoked node again, from its data dir: same id, new credential.
+            await phone.close()
+            phone = _link(agg.address, ca, _device_tokens(data, "client", 1)[0], "", ident_dir)
+            assert await phone.join() == "phone-1"
+            renewed = NodeIdentity(ident_dir).enrolled
+            assert renewed is not None and renewed.credential != held.credential
+            await phone.poll(wait_s=0)
             await asyncio.gather(phone.close(), direct.close(), other.close())
         finally:
             await agg.stop(0.1)
