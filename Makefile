@@ -48,7 +48,8 @@ proto: $(STAMP)
 # runs the same through tests/device/test_native.py (skipped without the toolchain).
 DEVICE_BUILD ?= device/build/default
 device: $(STAMP)
-	cmake -S device -B $(DEVICE_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo
+	cmake -S device -B $(DEVICE_BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+		-Dexecutorch_DIR=$$($(BIN)/python -c 'import importlib.util, pathlib; print(pathlib.Path(importlib.util.find_spec("executorch").submodule_search_locations[0]) / "share" / "cmake")')
 	cmake --build $(DEVICE_BUILD) -j 2
 	$(BIN)/python tests/device/device_vectors.py $(DEVICE_BUILD)/vectors
 	ORCHARD_DEVICE_VECTORS=$(CURDIR)/$(DEVICE_BUILD)/vectors ctest --test-dir $(DEVICE_BUILD) --output-on-failure

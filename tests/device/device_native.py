@@ -9,6 +9,7 @@ says what of the toolchain is absent, so callers can skip with that reason.
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -25,9 +26,21 @@ JOBS = os.environ.get("ORCHARD_DEVICE_JOBS", "2")
 PACKAGES = "cmake g++ pkg-config libssl-dev nlohmann-json3-dev libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev"
 
 
+def executorch_cmake_dir() -> Path | None:
+    """The executorch wheel's CMake package (found, not imported), if it ships one."""
+    spec = importlib.util.find_spec("executorch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    d = Path(next(iter(spec.submodule_search_locations))) / "share" / "cmake"
+    return d if (d / "executorch-config.cmake").is_file() and (d.parent.parent / "lib" / "libexecutorch.so").is_file() \
+        else None
+
+
 def missing() -> list[str]:
     """What is absent to build the library: empty when it can be built here."""
     out = [tool for tool in ("cmake", "ctest", "pkg-config") if shutil.which(tool) is None]
+    if executorch_cmake_dir() is None:
+        out.append("the executorch wheel's C++ runtime (pip install 'orchard-fl[executorch]')")
     if shutil.which(os.environ.get("CXX", "c++")) is None and shutil.which("g++") is None:
         out.append("a C++17 compiler (g++)")
     if shutil.which("pkg-config") is not None:
@@ -63,7 +76,8 @@ def build(variant: str = "default", *, sanitize: bool = False, build_type: str =
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (directory / "CMakeCache.txt").exists():
             _run(["cmake", "-S", str(SOURCE), "-B", str(directory), f"-DCMAKE_BUILD_TYPE={build_type}",
-                  f"-DORCHARD_DEVICE_SANITIZE={'ON' if sanitize else 'OFF'}"])
+                  f"-DORCHARD_DEVICE_SANITIZE={'ON' if sanitize else 'OFF'}",
+                  f"-Dexecutorch_DIR={executorch_cmake_dir()}"])
         _run(["cmake", "--build", str(directory), "-j", JOBS])
     return Build(directory)
 

@@ -429,6 +429,58 @@ def secagg_vectors() -> dict[str, Any]:
     return {"shamir": shamir, "masks": masks, "quantize": quant, "sessions": sessions}
 
 
+# A small random base keeps each export to seconds (as tests/edge_runtime/test_et_trainer.py).
+SMALL_TASK = dict(base="random", seq_len=16, n_layer=1, n_head=2, d_model=16, lora_rank=4, lora_alpha=8)
+
+
+def training_vectors(directory: Path) -> dict[str, Any]:
+    """Local training through a real exported ExecuTorch program by the Python device
+    trainer; the native trainer must give the same result. Needs torch and executorch
+    (to export the program), so it is written only where the training test runs."""
+    from orchard.edge_runtime.et_program import load_training_program
+    from orchard.edge_runtime.et_trainer import DeviceData, ExecuTorchTrainer
+    from orchard.edge_runtime.task_bundle import write_task_bundle
+    from orchard.seeds import derive_seed
+    from orchard.tasks import get_task
+    from orchard.trainer import TrainConfig
+
+    g = np.random.default_rng(11)
+    out: dict[str, Any] = {
+        "derive_seed": [{"parts": p, "bits": b, "seed": derive_seed(*p, bits=b)}
+                        for p, b in (([0, 0], 63), ([1, 2], 31), ([2**64 - 1, 5, 7], 63), ([123], 64))],
+        "permutations": [{"seed": s, "n": n, "perm": np.random.default_rng(s).permutation(n).tolist()}
+                         for s, n in ((0, 10), (2**40 + 3, 97), (9, 2), (77, 1000))],
+        "runs": [],
+    }
+    cases = {"ffa_one_batch": ("ffa", {"batch_size": 32, "epochs": 2}, 9),
+             "full_permuted_fedprox": ("full", {"batch_size": 4, "epochs": 2, "proximal_mu": 0.1}, 13),
+             "full_momentum_steps": ("full", {"batch_size": 5, "steps": 5, "momentum": 0.9, "weight_decay": 0.01}, 11)}
+    for case, (variant, train, rows) in cases.items():
+        task = get_task("shakespeare", **{**SMALL_TASK, "lora_variant": variant})
+        path = directory / "programs" / variant  # one export per variant
+        if not (path / "client.json").is_file():
+            write_task_bundle(path, task=task, server_address="h:1", micro_batch=4)
+        program = load_training_program(path)
+        t = program.seq_len
+        x = g.integers(0, 65, size=(rows, t)).astype(np.int64)
+        y = g.integers(0, 65, size=(rows, t)).astype(np.int64)
+        glob = {n: (0.05 * g.standard_normal(p.shape)).astype(np.float32)
+                for n, p in zip(program.names, program.manifest.parameters, strict=True)}
+        cfg = TrainConfig(learning_rate=0.5, seed=int(g.integers(0, 2**31)), **train)
+        trainer_seed = int(g.integers(0, 2**31))
+        r = ExecuTorchTrainer(program, DeviceData(x, y), seed=trainer_seed).train(glob, cfg)
+        out["runs"].append({
+            "case": case, "bundle": str(path), "rows": rows, "seq_len": t, "x": x.ravel().tolist(),
+            "y": y.ravel().tolist(), "global": {k: _hex_f32(v) for k, v in glob.items()},
+            "run_config": {"train": {**train, "learning_rate": 0.5, "seed": cfg.seed}}, "trainer_seed": trainer_seed,
+            "result": {"arrays": {k: _hex_f32(v) for k, v in r.arrays.items()}, "num_steps": r.num_steps,
+                       "num_examples": r.num_examples, "weight": r.weight,
+                       "train_loss": r.metrics["train_loss"], "train_accuracy": r.metrics["train_accuracy"]},
+        })
+    (directory / "train.json").write_text(json.dumps(out))
+    return out
+
+
 def write_all(directory: str | Path) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
@@ -437,6 +489,7 @@ def write_all(directory: str | Path) -> Path:
     (d / "bundle.json").write_text(json.dumps(bundle_vectors(d)))
     (d / "policy.json").write_text(json.dumps(policy_vectors()))
     (d / "secagg.json").write_text(json.dumps(secagg_vectors()))
+    training_vectors(d)
     return d
 
 
