@@ -104,7 +104,7 @@ class StoreAuthenticator(Authenticator):
             if dev.revoked:
                 raise AuthError(f"node {dev.node_id!r}'s credential is {REVOKED}")
             if dev.role != role.value:
-                raise AuthError(f"this credential is an {dev.role}'s, not a {role.value}'s")
+                raise AuthError(f"this credential is a {dev.role}'s, not a {role.value}'s")
             if node_id and node_id != dev.node_id:
                 raise AuthError(f"this credential is node {dev.node_id!r}'s; it cannot act as {node_id!r}")
             return h
