@@ -1,7 +1,7 @@
 """A user's dataset as rows Orchard can partition: :class:`Arrays` and the sources that
 load into it.
 
-A source is a typed description (a path and which columns mean what); :func:`load`
+A source is a typed description (a path and which columns mean what); :func:`load_data`
 turns any of them, or a pair ``(x, y)`` of tensors or numpy arrays, or a map-style
 ``torch.utils.data.Dataset`` of ``(x, y)`` items, into one :class:`Arrays`: ``x`` (N,
 ...) and ``y`` (N, ...) as numpy arrays plus named per-row ``columns`` (a hospital, a

@@ -124,7 +124,7 @@ def _target(ref: str) -> str:
         hint = (" (no entry points of group 'orchard.tasks' are installed: reinstall Orchard, "
                 "`pip install -e .`, so that its own tasks are registered)")
     raise TaskNotFound(
-        f"task {ref!r} is not a registered task{hint}; registered: {names}. A task of your own is "
+        f"task {ref!r} is not a registered task{hint}; available: {names}. A task of your own is "
         "named by its import path, package.module:build, or registered by its package as an "
         "entry point of group 'orchard.tasks'"
     )

@@ -23,6 +23,8 @@ def test_baseline_takes_a_recipe_override_and_task_params() -> None:
 def test_every_task_has_a_recipe() -> None:
     from orchard.tasks import available_tasks
 
-    assert set(RECIPES) == set(available_tasks())
+    # Orchard's own tasks with data; `flower` (a Flower app's own data) and a user's
+    # registered tasks have none, and train with the default recipe.
+    assert set(RECIPES) == {"digits", "heart", "mnist", "shakespeare"} <= set(available_tasks())
     with pytest.raises(ConfigError):
         run_baseline("nope")

@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -93,7 +92,7 @@ def test_a_grpc_federation_of_root_aggregator_and_three_clients(installed, tmp_p
     finally:
         sys.path.remove(str(REPO / "tests" / "integration"))
     from orchard import wire
-    from orchard.config import CohortConfig, RunConfig, ServerConfig, TrainConfig
+    from orchard.config import ServerConfig
     from orchard.ops import ControlClient
     from orchard.server.app import start_aggregator
     from orchard.tasks import get_task
@@ -108,19 +107,15 @@ def test_a_grpc_federation_of_root_aggregator_and_three_clients(installed, tmp_p
              for k in range(3)]
     try:
         srv.call(wait_joined(agg, 3, timeout=180), timeout=200)
-        run = RunConfig(task="greenhouse", rounds=3, train=TrainConfig(epochs=3, batch_size=16, learning_rate=0.3),
-                        cohort=CohortConfig(target=3, over_selection=1.0, deadline_s=120))
-        task = get_task("greenhouse")
-        initial = task.initial_arrays(run.seed)
+        # The operator's command, with the example's run config naming the task.
+        started = orchard(installed, "run", "start", "--server", srv.root.address, "--insecure", "--config",
+                          str(EXAMPLE / "run.toml"), cwd=tmp_path, timeout=400)
+        assert started.returncode == 0, started.stdout[-2000:] + started.stderr[-2000:]
         with ControlClient(srv.root.address, insecure=True) as ctl:
-            ctl.start_run(run, wire.arrays_to_blob(initial))
-            end = time.monotonic() + 300
-            while time.monotonic() < end:
-                st = ctl.status()
-                if st["status"] != "running":
-                    break
-                time.sleep(0.3)
+            st = ctl.status()
             final = wire.blob_to_arrays(ctl.pull_global())
+        task = get_task("greenhouse")
+        initial = task.initial_arrays(0)
     finally:
         for p in procs:
             try:
@@ -207,5 +202,5 @@ def test_a_model_that_does_not_export_is_refused_naming_the_operator(tmp_path: P
 def test_a_task_that_is_not_installed_says_where_it_looked(tmp_path: Path) -> None:
     from orchard.tasks import get_task
 
-    with pytest.raises(OrchardError, match="registered: .*digits"):
+    with pytest.raises(OrchardError, match="available: .*digits"):
         get_task("greenhouse_not_installed")

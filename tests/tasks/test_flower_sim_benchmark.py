@@ -31,8 +31,8 @@ def test_both_engines_run_the_same_app(tmp_path: Path) -> None:
         assert row["clients_per_second"] > 0 and row["peak_rss_mib"] > 0
         assert 0.0 <= row["final_accuracy"] <= 1.0
     assert res["orchard_vs_flower_clients_per_second_ratio"] == pytest.approx(
-        res["orchard"]["clients_per_second"] / res["flower"]["clients_per_second"], rel=0.01)
+        res["orchard"]["clients_per_second"] / res["flower"]["clients_per_second"], rel=0.05)
     assert res["orchard_vs_flower_peak_rss_ratio"] == pytest.approx(
-        res["orchard"]["peak_rss_mib"] / res["flower"]["peak_rss_mib"], rel=0.01)
+        res["orchard"]["peak_rss_mib"] / res["flower"]["peak_rss_mib"], rel=0.05)
     # The same app from the same start for the same rounds: the same model, near enough.
     assert res["accuracy_difference_points"] <= 5.0
