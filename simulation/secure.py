@@ -34,6 +34,7 @@ class SecureClients:
     def __init__(self, ctx: Context, tree: Tree) -> None:
         self._ctx = ctx
         self._tree = tree
+        self.root = tree.root
 
     def enroll(self, leaf: Tier, node: str, a: TaskAssignment) -> None:
         """A selected client's side of its tier's (or the tree's) session, seeded by its task."""
@@ -44,9 +45,8 @@ class SecureClients:
         """The secure session a tier's clients answer: the tier's own, or with scope "tree"
         the root's (None before it opens, or without secure aggregation)."""
         assert tier.cr is not None
-        root = self._tree.root
-        if tier.cr.tree is not None and root.cr is not None:
-            return root.cr.secure
+        if tier.cr.tree is not None and self.root.cr is not None:
+            return self.root.cr.secure
         return tier.cr.secure
 
     @staticmethod
