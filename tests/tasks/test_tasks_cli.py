@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from orchard.cli.app import app
@@ -47,3 +48,38 @@ def test_a_task_that_does_not_resolve_is_one_line(tmp_path, monkeypatch) -> None
     res = CliRunner().invoke(app, ["baseline", "--task", "nowhere_module:build"])
     assert res.exit_code == 2
     assert "module 'nowhere_module' cannot be imported" in res.output and "Traceback" not in res.output
+
+
+SAMPLED = MODULE.replace("from orchard.tasks import IID, make_task", "from orchard.tasks import Dirichlet, make_task") \
+    .replace("partitioner=IID()", "partitioner=Dirichlet(alpha=1.0, samples_per_client=20)")
+
+
+def _simulate_from_a_folder(tmp_path, backend: str) -> dict:
+    """`orchard simulate` run from the folder that holds the task's module, not installed:
+    every worker must import it as the command did."""
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "blobs_task.py").write_text(SAMPLED)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    res = subprocess.run([sys.executable, "-m", "orchard.cli", "simulate", "--task", "blobs_task:build",
+                          "--backend", backend, "--workers", "2", "--clients", "60", "--clients-per-round", "10",
+                          "--rounds", "2", "--out", "out"],
+                         cwd=tmp_path, env={**env, "RAY_USAGE_STATS_ENABLED": "0"}, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return json.loads((tmp_path / "out" / "report.json").read_text())
+
+
+def test_process_workers_import_a_module_from_the_commands_folder(tmp_path) -> None:
+    report = _simulate_from_a_folder(tmp_path, "process")
+    assert report["backend"] == "process" and report["status"] == "completed"
+    assert report["final_accuracy"] > 0.8
+
+
+@pytest.mark.slow
+def test_ray_workers_import_a_module_from_the_commands_folder(tmp_path) -> None:
+    pytest.importorskip("ray")
+    report = _simulate_from_a_folder(tmp_path, "ray")
+    assert report["backend"] == "ray" and report["status"] == "completed"
