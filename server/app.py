@@ -204,11 +204,17 @@ async def start_aggregator(upstream: str, *, host: str = "127.0.0.1", port: int 
                            token: str | None = None, ca_cert: str | Path | None = None,
                            tls_dir: str | Path | None = None, node_id: str = "",
                            server_cfg: ServerConfig | None = None, metrics_port: int | None = None,
-                           seed: int | None = None) -> TierHandle:
+                           seed: int | None = None, data_dir: str | Path | None = None) -> TierHandle:
+    """An aggregator tier. ``data_dir``: where it keeps its identity (node id, credential,
+    certificate, owner-only), so that a restart resumes the same node and its rounds."""
     check_bind(host, insecure)
     cfg = (server_cfg or ServerConfig()).model_copy(update={"host": host, "port": port})
+    identity_dir = None
+    if data_dir is not None:
+        identity_dir = Path(data_dir) / "identity"
     link = FleetLink(LinkConfig(target=upstream, role=Role.AGGREGATOR, token=token,
-                                ca_cert=Path(ca_cert) if ca_cert else None, insecure=insecure, node_id=node_id))
+                                ca_cert=Path(ca_cert) if ca_cert else None, insecure=insecure, node_id=node_id,
+                                identity_dir=identity_dir))
     await link.join()
     coord = Coordinator(link.node_id, cfg, np.random.default_rng(seed), ClientUpdateDecoder())
     auth: Authenticator = OpenEnrollment() if insecure else UpstreamAuthenticator(link.verify_token)

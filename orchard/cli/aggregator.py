@@ -36,6 +36,8 @@ def aggregator_start(
     config: ServerCfgOpt = None,
     metrics_port: Annotated[int | None, typer.Option("--metrics-port")] = None,
     port_file: Annotated[Path | None, typer.Option("--port-file", help="Write the bound port here.")] = None,
+    data_dir: Annotated[Path | None, typer.Option(
+        "--data-dir", help="Keep this aggregator's identity here (owner-only): a restart resumes the same node.")] = None,
     verbose: Verbose = True,
 ) -> None:
     """Start an aggregator: serves clients below, dials its upstream."""
@@ -47,7 +49,8 @@ def aggregator_start(
 
     async def main() -> None:
         h = await start_aggregator(upstream, host=host, port=port, insecure=insecure, token=token, ca_cert=ca_cert,
-                                   tls_dir=tls_dir, node_id=node_id, metrics_port=metrics_port, server_cfg=scfg)
+                                   tls_dir=tls_dir, node_id=node_id, metrics_port=metrics_port, server_cfg=scfg,
+                                   data_dir=data_dir)
         tune_server_process()
         if port_file is not None:
             port_file.write_text(str(h.port))

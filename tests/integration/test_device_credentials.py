@@ -151,3 +151,31 @@ def test_tokens_commands_refuse_nonsense(tmp_path: Path) -> None:
     assert [(t["kind"], t["state"]) for t in listed["tokens"]] == [("shared", "live")] and listed["nodes"] == []
     tid = listed["tokens"][0]["token_id"]
     assert tid in _cli("tokens", "revoke", "--data-dir", str(tmp_path), tid)
+
+
+def test_a_restarted_aggregator_resumes_its_identity(tmp_path: Path) -> None:
+    """An aggregator started with a data dir keeps its identity there (owner-only): a
+    restart comes back as the same node, without its spent enrollment token."""
+    data = tmp_path / "root"
+    agg_data = tmp_path / "agg"
+
+    async def main() -> tuple[str, str, int]:
+        root = await start_root(data, server_cfg=FAST, start_grace_s=0.2)
+        ca = Path(root.ca_cert)  # type: ignore[arg-type]
+        (agg_tok,) = _device_tokens(data, "aggregator", 1)
+        try:
+            first = await start_aggregator(root.address, token=agg_tok, ca_cert=ca, tls_dir=data / "tls",
+                                           server_cfg=FAST, data_dir=agg_data)
+            name = first.coordinator.name
+            await first.stop(0.1)
+            again = await start_aggregator(root.address, token=None, ca_cert=ca, tls_dir=data / "tls",
+                                           server_cfg=FAST, data_dir=agg_data)
+            resumed = again.coordinator.name
+            await again.stop(0.1)
+        finally:
+            await root.stop(0.1)
+        return name, resumed, stat.S_IMODE((agg_data / "identity").stat().st_mode)
+
+    name, resumed, mode = asyncio.run(main())
+    assert resumed == name and name.startswith("aggregator-")
+    assert mode == 0o700
