@@ -57,7 +57,7 @@ class BackendChoice:
 
 def _why_not_sharded(cfg: SimulationConfig) -> str | None:
     """Why the process backend would not shard ``cfg``'s rounds (None: it would); the
-    engine's own rule (``Engine._can_shard``), read from the config."""
+    engine's own rule (``shards.can_shard``), read from the config."""
     run = cfg.run_config()
     fan = cfg.fanout()
     if not cfg.shard:
