@@ -163,6 +163,35 @@ ORCHARD_API orchard_status orchard_device_join(orchard_device* dev);
  * next call on `dev`. */
 ORCHARD_API const char* orchard_device_node_id(const orchard_device* dev);
 
+/* The device's own training data: UTF-8 text, encoded with the bundle's character
+ * vocabulary (tokenizer.json) and cut into the program's windows as the Python client
+ * cuts it (the first 80 % trains). Copied. ORCHARD_ERR_ARGUMENT for a character the
+ * vocabulary lacks, or text too short for one window. */
+ORCHARD_API orchard_status orchard_device_set_text(orchard_device* dev, const char* text, size_t len);
+
+/* What one participation did. */
+typedef struct orchard_round_report {
+  int64_t round;          /* the round served */
+  int uploaded;           /* 1: the update was sent and accepted */
+  int64_t num_steps;      /* local steps run */
+  int64_t num_examples;   /* distinct windows they drew */
+  double weight;          /* the update's weight */
+  double train_loss;      /* mean token cross-entropy over the steps run (NaN if none) */
+  int stopped_early;      /* 1: the governor stopped before the planned steps */
+} orchard_round_report;
+
+/* Serve one task: wait (up to max_wait_s seconds, on the device's own clock) until the
+ * device is eligible and the server hands out a task, pull the model, train through the
+ * bundle's ExecuTorch program under the governor (pacing, budgets, stops) with
+ * heartbeats, and push the update. *report says what happened; a round served without
+ * an upload (the governor stopped before the first step, the round closed) is
+ * ORCHARD_OK with uploaded = 0 and the reason in orchard_device_errmsg. Joins first if
+ * orchard_device_join was not called. ORCHARD_ERR_NO_TASK when no task came in time;
+ * ORCHARD_ERR_REFUSED when the server refused the update or the run asks for what this
+ * client does not do (the message says which). */
+ORCHARD_API orchard_status orchard_device_participate(orchard_device* dev, double max_wait_s,
+                                                      orchard_round_report* report);
+
 /* End the call in flight on `dev` (join, participate) with ORCHARD_ERR_CANCELLED, and
  * every later call that talks to the server, until orchard_device_reset_cancel. Any
  * thread may call it, at any time; it returns at once. */

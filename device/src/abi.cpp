@@ -1,6 +1,7 @@
 // The C ABI (include/orchard_device.h): handles, status codes and messages around the
 // C++ below it. Every entry point catches everything; nothing unwinds into C.
 #include <chrono>
+#include <thread>
 #include <cstdlib>
 #include <cmath>
 #include <new>
@@ -13,7 +14,10 @@
 
 #include "bundle.h"
 #include "failure.h"
+#include "et_program.h"
 #include "link.h"
+#include "participate.h"
+#include "train.h"
 #include "orchard_device.h"
 #include "policy.h"
 
@@ -30,6 +34,9 @@ struct orchard_device {
   std::unique_ptr<orchard::Link> link;
   std::atomic<bool> cancelled{false};
   std::string node_id;
+  std::unique_ptr<orchard::TrainingProgram> program;  // loaded on first participation
+  orchard::DeviceData data;
+  bool joined = false;
 };
 
 namespace {
@@ -247,7 +254,68 @@ orchard_status orchard_device_join(orchard_device* dev) {
     orchard::Link& link = link_of(dev);
     link.join(read_state(dev));
     dev->node_id = link.node_id();
+    dev->joined = true;
   });
+}
+
+orchard_status orchard_device_set_text(orchard_device* dev, const char* text, size_t len) {
+  if (dev == nullptr) return ORCHARD_ERR_ARGUMENT;
+  return guarded(dev, [&] {
+    if (text == nullptr && len > 0) throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "text is NULL");
+    require_open(dev);
+    const std::string path = dev->bundle.dir + "/tokenizer.json";
+    const nlohmann::json tok = nlohmann::json::parse(orchard::read_file(path, ORCHARD_ERR_BUNDLE, " is missing: the "
+                                                     "bundle is not a text task's"), nullptr, false);
+    if (tok.is_discarded() || !tok.contains("chars") || !tok["chars"].is_array())
+      throw orchard::Failure(ORCHARD_ERR_BUNDLE, path + " holds no character vocabulary (chars)");
+    orchard::DeviceData d = orchard::text_windows(std::string(text == nullptr ? "" : text, len),
+                                                  tok["chars"].get<std::vector<std::string>>(),
+                                                  static_cast<size_t>(dev->bundle.manifest.seq_len));
+    if (d.rows == 0)
+      throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "the text is too short for one training window of " +
+                                                       std::to_string(dev->bundle.manifest.seq_len) + " characters");
+    dev->data = std::move(d);
+  });
+}
+
+orchard_status orchard_device_participate(orchard_device* dev, double max_wait_s, orchard_round_report* report) {
+  if (dev == nullptr) return ORCHARD_ERR_ARGUMENT;
+  std::string reason;
+  orchard_status st = guarded(dev, [&] {
+    if (report == nullptr) throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "report is NULL");
+    if (!(max_wait_s >= 0)) throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "max_wait_s must be >= 0");
+    require_open(dev);
+    *report = orchard_round_report{-1, 0, 0, 0, 0.0, NAN, 0};
+    if (dev->data.rows == 0)
+      throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "no training data: call orchard_device_set_text first");
+    if (!dev->program) dev->program = std::make_unique<orchard::TrainingProgram>(dev->bundle.manifest);
+    orchard::Link& link = link_of(dev);
+    if (!dev->joined) {
+      link.join(read_state(dev));
+      dev->node_id = link.node_id();
+      dev->joined = true;
+    }
+    using clock = std::chrono::steady_clock;
+    const auto t0 = clock::now();
+    orchard::DeviceIO io{[dev] { return read_state(dev); },
+                         [t0] { return std::chrono::duration<double>(clock::now() - t0).count(); }, wall_now,
+                         [dev](double s) {
+                           // Sleep in slices, so a cancel ends a wait at once.
+                           const auto until = clock::now() + std::chrono::duration<double>(s);
+                           while (clock::now() < until) {
+                             if (dev->cancelled.load()) throw orchard::Failure(ORCHARD_ERR_CANCELLED, "cancelled");
+                             const auto rest = std::chrono::duration_cast<std::chrono::milliseconds>(until - clock::now());
+                             std::this_thread::sleep_for(std::min(rest, std::chrono::milliseconds(50)));
+                           }
+                         }};
+    orchard::Participant p{link, dev->bundle, dev->policy, *dev->program, dev->data, io};
+    orchard::RoundReport r = orchard::participate(p, max_wait_s);
+    *report = orchard_round_report{r.round, r.uploaded ? 1 : 0, r.num_steps, r.num_examples, r.weight, r.train_loss,
+                                   r.stop != orchard::StopReason::none && r.stop != orchard::StopReason::completed};
+    reason = r.reason;
+  });
+  if (st == ORCHARD_OK) dev->message = reason;
+  return st;
 }
 
 const char* orchard_device_node_id(const orchard_device* dev) { return dev == nullptr ? "" : dev->node_id.c_str(); }

@@ -146,13 +146,20 @@ struct GovernorReport {
   bool stopped_early() const { return stop_reason != StopReason::none && stop_reason != StopReason::completed; }
 };
 
+// orchard.trainer.StepGate: asked before every local step, told after it.
+struct StepGate {
+  virtual ~StepGate() = default;
+  virtual bool before_step() = 0;
+  virtual void after_step(double work_units) = 0;
+};
+
 // governor.Governor: before_step() may pause (duty cycle, cooling) and says whether
 // the next step may run; after_step(units) records it.
-class Governor {
+class Governor : public StepGate {
  public:
   Governor(DeviceIO io, DevicePolicy policy);
-  bool before_step();
-  void after_step(double work_units = 1.0);
+  bool before_step() override;
+  void after_step(double work_units = 1.0) override;
   bool stopped() const { return stop_.has_value(); }
   GovernorReport report() const;
 

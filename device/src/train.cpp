@@ -164,7 +164,7 @@ TrainConfig TrainConfig::from_json(const nlohmann::json& run) {
 
 TrainResult train(TrainingProgram& program, const DeviceData& data,
                   const std::map<std::string, std::vector<float>>& global, const TrainConfig& config,
-                  uint64_t trainer_seed, Governor* gate) {
+                  uint64_t trainer_seed, StepGate* gate) {
   const Manifest& m = program.manifest();
   std::string opt = config.optimizer;
   for (auto& ch : opt) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));

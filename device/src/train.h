@@ -61,6 +61,6 @@ struct TrainResult {
 // is asked before every step (after_step gets the batch's rows).
 TrainResult train(TrainingProgram& program, const DeviceData& data,
                   const std::map<std::string, std::vector<float>>& global, const TrainConfig& config,
-                  uint64_t trainer_seed, Governor* gate);
+                  uint64_t trainer_seed, StepGate* gate);
 
 }  // namespace orchard

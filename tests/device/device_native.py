@@ -68,16 +68,16 @@ class Build:
 
 
 def build(variant: str = "default", *, sanitize: bool = False, build_type: str = "RelWithDebInfo") -> Build:
-    """Configure (once) and build ``variant``; raises CalledProcessError with the
+    """Configure and build ``variant``; raises CalledProcessError with the
     compiler's output when the build fails."""
     directory = BUILD_ROOT / variant
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (directory / "CMakeCache.txt").exists():
-            _run(["cmake", "-S", str(SOURCE), "-B", str(directory), f"-DCMAKE_BUILD_TYPE={build_type}",
-                  f"-DORCHARD_DEVICE_SANITIZE={'ON' if sanitize else 'OFF'}",
-                  f"-Dexecutorch_DIR={executorch_cmake_dir()}"])
+        # Configured every time (quick once cached): a directory configured before an
+        # option was added gets it.
+        _run(["cmake", "-S", str(SOURCE), "-B", str(directory), f"-DCMAKE_BUILD_TYPE={build_type}",
+              f"-DORCHARD_DEVICE_SANITIZE={'ON' if sanitize else 'OFF'}", f"-Dexecutorch_DIR={executorch_cmake_dir()}"])
         _run(["cmake", "--build", str(directory), "-j", JOBS])
     return Build(directory)
 

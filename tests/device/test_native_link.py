@@ -39,9 +39,7 @@ def command() -> Path:
         pytest.fail(f"building device/ failed:\n{err.stdout}\n{err.stderr}")
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TierHandle, Path]]:
-    data = tmp_path_factory.mktemp("native-root")
+def _serve_root(data: Path) -> Iterator[tuple[TierHandle, Path]]:
     loop = asyncio.new_event_loop()
     handle = loop.run_until_complete(start_root(data / "root", server_cfg=FAST))
     t = threading.Thread(target=loop.run_forever, daemon=True)
@@ -50,6 +48,17 @@ def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TierHandle,
     asyncio.run_coroutine_threadsafe(handle.stop(0.1), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)
     t.join(5)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[TierHandle, Path]]:
+    yield from _serve_root(tmp_path_factory.mktemp("native-root"))
+
+
+@pytest.fixture()
+def fresh_root(tmp_path: Path) -> Iterator[tuple[TierHandle, Path]]:
+    """A root of its own: no node of another test in its pool."""
+    yield from _serve_root(tmp_path / "fresh")
 
 
 def _token(data: Path, revoke: bool = False) -> str:
@@ -119,3 +128,45 @@ def test_damaged_bundle(command: Path, root, tmp_path: Path) -> None:
     res = _run(command, b)
     assert res.returncode == STATUS["ORCHARD_ERR_INTEGRITY"], res.stderr
     assert "adapter.safetensors has sha256" in res.stderr
+
+
+def test_native_client_serves_rounds(command: Path, fresh_root, tmp_path: Path) -> None:
+    """Two rounds of a LoRA run (a small random base, so the program exports in seconds)
+    served by the native client alone: each round's update accepted, the run completed."""
+    import json
+    import time
+
+    import numpy as np
+
+    from orchard import wire
+    from orchard.config import CohortConfig, RunConfig
+    from orchard.edge_runtime.task_bundle import write_task_bundle
+    from orchard.ops import ControlClient
+    from orchard.tasks import get_task
+    from orchard.trainer import TrainConfig
+
+    handle, data = fresh_root
+    task = get_task("shakespeare", **{**device_vectors.SMALL_TASK, "lora_variant": "full"})
+    arrays = task.initial_arrays(0)
+    b = tmp_path / "lora-bundle"
+    write_task_bundle(b, task=task, server_address=handle.address, global_arrays=arrays, ca_cert=handle.ca_cert,
+                      enrollment_token=_token(data), micro_batch=4)
+    chars = json.loads((b / "tokenizer.json").read_text())["chars"]
+    g = np.random.default_rng(5)
+    (tmp_path / "text.txt").write_text("".join(g.choice(chars, size=2000)))
+    cfg = RunConfig(task="shakespeare", task_params=task.params, rounds=2,
+                    cohort=CohortConfig(target=1, min_fraction=1.0),
+                    train=TrainConfig(batch_size=8, steps=3, learning_rate=0.5))
+    admin = (data / "admin.token").read_text().strip()
+    with ControlClient(handle.address, admin_token=admin, ca_cert=handle.ca_cert) as ctl:
+        ctl.start_run(cfg, wire.arrays_to_blob(arrays))
+        res = _run(command, b, "--data", str(tmp_path / "text.txt"), "--rounds", "2", "--wait", "120",
+                   "--node-id", "native-lora")
+        assert res.returncode == 0, res.stdout + res.stderr
+        lines = [ln for ln in res.stdout.splitlines() if ln.startswith("round")]
+        assert len(lines) == 2 and all("uploaded steps=3" in ln for ln in lines), res.stdout
+        deadline = time.monotonic() + 60
+        while (st := ctl.status())["status"] not in ("completed", "failed") and time.monotonic() < deadline:
+            time.sleep(0.5)
+    assert st["status"] == "completed", st
+    assert [r["participants"] for r in st["rounds"]] == [1, 1], st
