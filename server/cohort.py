@@ -425,14 +425,6 @@ class CohortRound:
         else:
             self._state = self._agg.accumulate(self._state, arrays, h.weight, ms)  # the decoder checked it
 
-    def fold_update(self, update: NDArrays, weight: float, metrics: MetricSums) -> None:
-        """A direct client's decoded, checked update."""
-        self._state = self._agg.accumulate(self._state, update, weight, metrics)
-
-    def fold_partial(self, partial: Partial) -> None:
-        """A lower tier's partial sum."""
-        self._state = self._agg.merge(self._state, partial)
-
     def record_fold(self, node_id: str, task_id: str, staleness: Mapping[int, int],
                     totals: dict[int, int] | None = None) -> None:
         """Asynchronous mode: which (node, task) is in the buffer (the journal's, against
