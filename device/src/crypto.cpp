@@ -147,6 +147,7 @@ ByteStream::ByteStream(const Bytes& key) : impl_(new Impl) {
 ByteStream::~ByteStream() = default;
 
 void ByteStream::read_into(uint8_t* out, size_t n) {
+  if (n == 0) return;  // an empty vector's data() may be NULL, which memset must not get
   std::memset(out, 0, n);
   // The keystream is the encryption of zeros, in chunks an int can count.
   for (size_t at = 0; at < n;) {
