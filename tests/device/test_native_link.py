@@ -7,6 +7,7 @@ bundle."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import subprocess
 import threading
@@ -31,9 +32,15 @@ STATUS = {"ORCHARD_OK": 0, "ORCHARD_ERR_BUNDLE": 4, "ORCHARD_ERR_INTEGRITY": 5, 
           "ORCHARD_ERR_UNAVAILABLE": 11, "ORCHARD_ERR_TLS": 12}
 
 
+# ORCHARD_DEVICE_VARIANT=sanitize runs these against the ASan + UBSan build.
+VARIANT = os.environ.get("ORCHARD_DEVICE_VARIANT", "default")
+
+
 @pytest.fixture(scope="module")
 def command() -> Path:
     try:
+        if VARIANT == "sanitize":
+            return device_native.build("sanitize", sanitize=True, build_type="Debug").path("orchard-device")
         return device_native.build("default").path("orchard-device")
     except subprocess.CalledProcessError as err:
         pytest.fail(f"building device/ failed:\n{err.stdout}\n{err.stderr}")
