@@ -84,7 +84,21 @@ def check_exchange(cr: CohortRound, node_id: str, message: bytes, header: Upload
             raise UpdateSchemaError("masked-input header does not match the caller or the round's schema")
 
 
-class NoSecure:
+class NoTree:
+    """The tree-scope hooks of a protocol whose round has no session over the whole tree:
+    no client is relayed, and a roster is refused. (``TreeSecure`` overrides them.)"""
+
+    def relays_for(self, cr: CohortRound, via: str, node_id: str) -> bool:
+        return False
+
+    async def roster(self, cr: CohortRound, a: Assignment, via: str, nodes: list[str], tiers: list[str]) -> None:
+        raise SecAggError(f"round {cr.task.round} runs no secure aggregation over the whole tree")
+
+    async def send_roster(self, cr: CohortRound) -> None:
+        return None
+
+
+class NoSecure(NoTree):
     takes_fill_ins = True
     trims_child_deadline = True
 
@@ -102,14 +116,6 @@ class NoSecure:
     def ended(self, cr: CohortRound) -> SecAggReply | None:
         return None
 
-    def relays_for(self, cr: CohortRound, via: str, node_id: str) -> bool:
-        return False
-
-    async def roster(self, cr: CohortRound, a: Assignment, via: str, nodes: list[str], tiers: list[str]) -> None:
-        raise SecAggError(f"round {cr.task.round} runs no secure aggregation over the whole tree")
-
-    async def send_roster(self, cr: CohortRound) -> None:
-        return None
 
     def sweep(self, cr: CohortRound) -> bool:
         return False
@@ -118,7 +124,7 @@ class NoSecure:
         return False
 
 
-class SessionRole:
+class SessionRole(NoTree):
     """What a tier that holds a round's session does with it (see the module doc). The
     siblings say who the session's members are and whom its sum credits."""
 
@@ -251,11 +257,3 @@ class SessionRole:
     def holds_close(self, cr: CohortRound) -> bool:
         return cr.secure is not None and cr.secure.closing
 
-    def relays_for(self, cr: CohortRound, via: str, node_id: str) -> bool:
-        return False
-
-    async def roster(self, cr: CohortRound, a: Assignment, via: str, nodes: list[str], tiers: list[str]) -> None:
-        raise SecAggError(f"round {cr.task.round} runs no secure aggregation over the whole tree")
-
-    async def send_roster(self, cr: CohortRound) -> None:
-        return None
