@@ -6,6 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from orchard.cli.app import app
+from orchard.cli.common import out
 
 MODULE = '''
 import numpy as np
@@ -25,7 +26,10 @@ def build(*, hidden: int = 8, rows: int = 240):
 def test_tasks_list_shows_builtins_and_an_import_path(tmp_path, monkeypatch) -> None:
     (tmp_path / "blobs_task.py").write_text(MODULE)
     monkeypatch.chdir(tmp_path)  # found from the folder the command runs in, as `python -m` would
-    res = CliRunner().invoke(app, ["tasks", "list", "--task", "blobs_task:build"], env={"COLUMNS": "200"})
+    # The CLI's console takes its width when first built (COLUMNS of whichever test built it
+    # first in this process): set it wide, so no name is folded across lines.
+    monkeypatch.setattr(out, "width", 200)
+    res = CliRunner().invoke(app, ["tasks", "list", "--task", "blobs_task:build"])
     assert res.exit_code == 0, res.output
     for text in ("digits", "shakespeare", "orchard.tasks.heart:build", "blobs_task:build", "hidden=8", "rows=240",
                  "Two blobs, a user's own."):
