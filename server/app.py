@@ -128,7 +128,10 @@ def _admin_token(store: Store, data_dir: Path) -> str | None:
 async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int = 0, insecure: bool = False,
                      server_cfg: ServerConfig | None = None, tls_dir: str | Path | None = None,
                      metrics_port: int | None = None, start_grace_s: float = 5.0, seed: int | None = None,
-                     base_model: str | Path | None = None, dashboard_port: int | None = None) -> TierHandle:
+                     base_model: str | Path | None = None, dashboard_port: int | None = None,
+                     noise_rng: np.random.Generator | None = None) -> TierHandle:
+    """The root. ``noise_rng``: where central DP noise comes from; None (every real root)
+    is OS entropy. Tests that hold a root to a seeded simulation pass the simulator's."""
     from orchard.server.control import ControlServicer
     from orchard.server.root import RootRunner, warm_up
 
@@ -137,7 +140,7 @@ async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int
     data_dir.mkdir(parents=True, exist_ok=True)
     cfg = (server_cfg or ServerConfig()).model_copy(update={"host": host, "port": port})
     store = SQLiteStore(data_dir / "orchard.db")
-    coord = Coordinator("root", cfg, np.random.default_rng(seed), ClientUpdateDecoder())
+    coord = Coordinator("root", cfg, np.random.default_rng(seed), ClientUpdateDecoder(), noise_rng=noise_rng)
     runner = RootRunner(coord, store, data_dir, cfg, start_grace_s=start_grace_s, base_model=base_model)
     auth: Authenticator
     creds = None

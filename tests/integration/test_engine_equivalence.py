@@ -28,6 +28,7 @@ sum as folding the updates there one by one.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -186,9 +187,9 @@ ASYNC = {"mode": {"kind": "async", "buffer_size": 3, "max_staleness": 2},
 ASYNC_ORDER = [(1, 0), (1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (2, 0), (2, 1), (2, 2)]
 
 
-def _async_sim_config() -> SimulationConfig:
-    run = _merge({"task": "digits", "task_params": DIGITS,
-                  "train": {"epochs": 1, "batch_size": 10, "learning_rate": 0.1}}, ASYNC)
+def _async_sim_config(**extra: Any) -> SimulationConfig:
+    run = _merge(_merge({"task": "digits", "task_params": DIGITS,
+                         "train": {"epochs": 1, "batch_size": 10, "learning_rate": 0.1}}, ASYNC), extra)
     return SimulationConfig.model_validate(dict(
         clients=CLIENTS, clients_per_round=CLIENTS, rounds=ROUNDS, seed=11, aggregators=0, backend="local",
         workers=1, vectorize=False, governor=False, progress=False, profiles={"equal": EQUAL},
@@ -229,8 +230,10 @@ class VersionTurnstile:
         link.push_update = in_turn  # type: ignore[method-assign]
 
 
-async def _flat_federation(tmp: Path, run: RunConfig) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    root = await start_root(tmp / "root", insecure=True, server_cfg=FAST, start_grace_s=0.2, seed=run.seed)
+async def _flat_federation(tmp: Path, run: RunConfig, noise_rng: np.random.Generator | None = None
+                           ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    root = await start_root(tmp / "root", insecure=True, server_cfg=FAST, start_grace_s=0.2, seed=run.seed,
+                            noise_rng=noise_rng)
     fed = Federation(root)
     try:
         turn = VersionTurnstile(root)
@@ -259,4 +262,21 @@ def test_fedbuff_simulator_equals_grpc_federation(tmp_path: Path) -> None:
     assert [r["staleness"] for r in report.rounds] == want, [r["staleness"] for r in report.rounds]
     grpc_model, st = asyncio.run(_flat_federation(tmp_path, cfg.run_config()))
     assert [r["staleness"] for r in st["rounds"]] == want, st["rounds"]
+    _assert_same(report.final_arrays, grpc_model)
+
+
+def test_fedbuff_with_central_dp_simulator_equals_grpc_federation(tmp_path: Path) -> None:
+    """FedBuff with the root's central DP noise: the same ledger (noise multiplier and
+    sampling rate stated, so both plan the same noise), the same clip, and the root's noise
+    drawn from the generator the simulator seeds its root with: the same models, bit for bit."""
+    privacy = {"mode": "central", "noise_multiplier": 1.0, "sampling_rate": 0.5, "clip_norm": 0.5}
+    cfg = _async_sim_config(privacy=privacy, cohort={"weighting": "uniform"})
+    report = run_simulation(cfg)
+    assert report.status == "completed" and len(report.rounds) == ROUNDS, report.status
+    assert all(r["privacy"]["noise_stddev"] == 0.5 for r in report.rounds), report.rounds
+    root_h = int(hashlib.sha256(b"root").hexdigest()[:8], 16)  # as simulation.tree seeds its root's noise
+    noise = np.random.default_rng([cfg.seed, 0, root_h, 0xD9])
+    grpc_model, st = asyncio.run(_flat_federation(tmp_path, cfg.run_config(), noise))
+    assert [r["privacy"]["noise_stddev"] for r in st["rounds"]] == [0.5] * ROUNDS, st["rounds"]
+    assert st["privacy"]["epsilon"] == report.privacy["epsilon"]
     _assert_same(report.final_arrays, grpc_model)
