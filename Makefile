@@ -55,4 +55,4 @@ device: $(STAMP)
 	ORCHARD_DEVICE_VECTORS=$(CURDIR)/$(DEVICE_BUILD)/vectors ctest --test-dir $(DEVICE_BUILD) --output-on-failure
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache device/build
