@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Protocol
 
 from orchard.aggregation import Partial
@@ -124,7 +125,7 @@ class NoSecure(NoTree):
         return False
 
 
-class SessionRole(NoTree):
+class SessionRole(NoTree, ABC):
     """What a tier that holds a round's session does with it (see the module doc). The
     siblings say who the session's members are and whom its sum credits."""
 
@@ -212,13 +213,13 @@ class SessionRole(NoTree):
         ch = self.tier.children
         return [a for a in cr.assignments.values() if a.node_id in ch and ch[a.node_id].role is Role.CLIENT]
 
+    @abstractmethod
     def members(self, cr: CohortRound) -> list[Assignment]:
         """The assignments the session's end settles."""
-        raise NotImplementedError
 
+    @abstractmethod
     def credit(self, cr: CohortRound, members: list[Assignment], contributed: set[str], p: Partial) -> None:
         """Settle ``members`` by who contributed, and count the participants by tier."""
-        raise NotImplementedError
 
     def finished(self, cr: CohortRound) -> None:
         """The session ended: keep the round's unmasked sum aside, or record why there is none."""
