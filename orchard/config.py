@@ -375,6 +375,20 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{p} is not valid TOML: {err}") from None
 
 
+def apply_overrides(table: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Set each dotted key of ``overrides`` (``"cohort.target": 10``) in ``table``, in
+    place, making the tables on the way; a None value is not given. Returns ``table``."""
+    for dotted, v in overrides.items():
+        if v is None:
+            continue
+        d = table
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            d = d.setdefault(p, {})
+        d[leaf] = v
+    return table
+
+
 def load_run_config(path: str | Path) -> RunConfig:
     data = load_toml(path)
     # A file may hold the run config at the top or under [run].

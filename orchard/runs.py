@@ -37,21 +37,13 @@ def control_client(server: str, *, admin_token: str | None = None, ca_cert: Path
 def build_run_config(config: Path | None, overrides: dict[str, Any]) -> RunConfig:
     """The run config of ``config`` (its ``[run]`` table, or the whole file) with dotted
     ``overrides`` (``"cohort.target": 10``) applied; None values are not given."""
-    from orchard.config import load_toml, parse_run_config
+    from orchard.config import apply_overrides, load_toml, parse_run_config
 
     data: dict[str, Any] = {}
     if config is not None:
         raw = load_toml(config)
         data = dict(raw.get("run", raw))
-    for dotted, v in overrides.items():
-        if v is None:
-            continue
-        d = data
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            d = d.setdefault(p, {})
-        d[leaf] = v
-    return parse_run_config(data)
+    return parse_run_config(apply_overrides(data, overrides))
 
 
 def with_base_model(ctl: ControlClient, cfg: RunConfig, base_model: Path | None) -> RunConfig:

@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from orchard.config import RunConfig, load_toml
+from orchard.config import RunConfig, apply_overrides, load_toml
 from orchard.errors import ConfigError
 
 
@@ -349,16 +349,7 @@ def merged_simulation_table(data: dict[str, Any], overrides: dict[str, Any]) -> 
     """A copy of ``data``'s ``[simulation]`` table with dotted overrides applied (None skipped)."""
     import copy
 
-    sim = copy.deepcopy(dict(data.get("simulation", {})))
-    for dotted, v in overrides.items():
-        if v is None:
-            continue
-        d = sim
-        *parents, leaf = dotted.split(".")
-        for p in parents:
-            d = d.setdefault(p, {})
-        d[leaf] = v
-    return sim
+    return apply_overrides(copy.deepcopy(dict(data.get("simulation", {}))), overrides)
 
 
 def build_simulation_config(data: dict[str, Any], overrides: dict[str, Any],
