@@ -72,7 +72,6 @@ class RunState:
     stop_requested: bool = False  # an operator's stop, or the caller's stop predicate
     status: str = "running"  # completed | stopped | failed, once the loop returns
     reason: str = ""  # why it stopped or failed
-    last_record: dict[str, Any] | None = None  # the last attempt's record (a failed run's failure)
 
 
 @dataclass(frozen=True)
@@ -182,7 +181,6 @@ async def _attempt(state: RunState, backend: RoundBackend, sink: RunSink, rnd: i
         if not stopped:
             record.reason = (f"{out.partial.count} of the {updates_needed(cfg)} updates needed arrived "
                              f"({out.reason}); global model unchanged, round retried")
-        state.last_record = record.as_dict()
         await sink.failed(state, plan, record, played)
         return False
     new_arrays, metrics = await backend.offload(server_step, out.partial, cfg, state.optimizer)
@@ -196,7 +194,6 @@ async def _attempt(state: RunState, backend: RoundBackend, sink: RunSink, rnd: i
                          adaptive.learning_rate, adapt_rng)
         privacy["next_clip_norm"] = ledger.clip_norm
         record.privacy = privacy
-    state.last_record = record.as_dict()
     await sink.completed(state, plan, record, played, new_arrays)
     state.arrays, state.completed_rounds = new_arrays, rnd
     return True
