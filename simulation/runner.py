@@ -149,6 +149,7 @@ class _SimulatedRounds:
         self.progress, self.stop = progress, stop
         self.trained_total, self.busy_total = 0, 0.0
         self.last_failed: dict[str, Any] | None = None
+        self._cpu0 = 0.0  # process CPU time when the attempt being recorded began
 
     async def play(self, state: RunState, plan: RoundPlan) -> Played:
         t0, c0 = time.perf_counter(), time.process_time()
@@ -158,8 +159,7 @@ class _SimulatedRounds:
                 played = self.engine.buffer(plan.round, plan.attempt, state.arrays, config, plan.noise_stddev)
             else:
                 played = self.engine.round(plan.round, plan.attempt, state.arrays, config, plan.noise_stddev)
-        played.started = t0
-        played.extra["_cpu0"] = c0
+        played.started, self._cpu0 = t0, c0
         self.engine.time.advance_to(self.engine.time.t + self.cfg.round_gap_s)
         return played
 
@@ -170,13 +170,11 @@ class _SimulatedRounds:
         return 0
 
     def _row(self, state: RunState, record: RoundRecord, played: Played) -> dict[str, Any]:
-        extra = dict(played.extra)
-        c0 = extra.pop("_cpu0")
-        rec = {**record.as_dict(), **extra}
+        rec = {**record.as_dict(), **played.extra}
         # The round's wall time: the engine's round and the server step.
         rec["seconds"] = round(time.perf_counter() - played.started, 4)
         # CPU time of the whole process (all workers): what to compare on a busy host.
-        rec["cpu_seconds"] = round(time.process_time() - c0, 4)
+        rec["cpu_seconds"] = round(time.process_time() - self._cpu0, 4)
         if state.privacy is not None:
             self.report.privacy = state.privacy.as_dict()
         return rec
