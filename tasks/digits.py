@@ -17,7 +17,7 @@ import numpy as np
 from torch import nn
 
 from orchard.tasks.core import SupervisedTask, seeded_model
-from orchard.tasks.partition import label_partitioner, stratified_split
+from orchard.tasks.partition import stratified_split, task_label_partitioner
 from orchard.tasks.torch_trainer import TensorData
 
 DATA_DIR = Path(__file__).parent / "data" / "digits"
@@ -56,20 +56,9 @@ def build(
     ``samples_per_client`` training and ``test_samples_per_client`` test examples with
     replacement, so the population is unbounded.
     """
+    params = dict(locals())  # exactly the keyword arguments: the task's parameters
     x, y = load_digits()
     train_idx, test_idx = stratified_split(y, test_fraction, split_seed)
-    params = dict(
-        alpha=alpha,
-        partitioner=partitioner,
-        with_replacement=with_replacement,
-        samples_per_client=samples_per_client,
-        test_samples_per_client=test_samples_per_client,
-        shards_per_client=shards_per_client,
-        min_partition_size=min_partition_size,
-        test_fraction=test_fraction,
-        split_seed=split_seed,
-        hidden=hidden,
-    )
     return SupervisedTask(
         name="digits",
         train=TensorData.from_numpy(x[train_idx], y[train_idx]),
@@ -78,18 +67,7 @@ def build(
         test_labels=y[test_idx],
         num_classes=NUM_CLASSES,
         model=lambda seed: seeded_model(lambda: mlp(hidden), seed),
-        partitioner=label_partitioner(
-            y[train_idx],
-            y[test_idx],
-            NUM_CLASSES,
-            scheme=partitioner,
-            alpha=alpha,
-            min_size=min_partition_size,
-            shards_per_client=shards_per_client,
-            with_replacement=with_replacement,
-            samples_per_client=samples_per_client,
-            test_samples_per_client=test_samples_per_client,
-        ),
+        partitioner=task_label_partitioner(y[train_idx], y[test_idx], NUM_CLASSES, params),
         params=params,
     )
 

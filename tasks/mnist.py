@@ -16,7 +16,7 @@ from torch import nn
 
 from orchard.errors import ConfigError
 from orchard.tasks.core import SupervisedTask, seeded_model
-from orchard.tasks.partition import label_partitioner
+from orchard.tasks.partition import task_label_partitioner
 from orchard.tasks.torch_trainer import TensorData
 
 DATA_DIR = Path(__file__).parent / "data" / "mnist"
@@ -77,6 +77,7 @@ def build(
 ) -> SupervisedTask:
     """Build the MNIST task. ``partitioner``: "dirichlet" (per-class shares ~ Dir(alpha)),
     "shards" (``shards_per_client`` label-sorted shards each) or "iid"."""
+    params = dict(locals())  # exactly the keyword arguments: the task's parameters
     x_train, y_train, x_test, y_test = load_mnist()
     return SupervisedTask(
         name="mnist",
@@ -86,27 +87,6 @@ def build(
         test_labels=y_test,
         num_classes=NUM_CLASSES,
         model=lambda seed: seeded_model(lambda: cnn(channels, hidden), seed),
-        partitioner=label_partitioner(
-            y_train,
-            y_test,
-            NUM_CLASSES,
-            scheme=partitioner,
-            alpha=alpha,
-            min_size=min_partition_size,
-            shards_per_client=shards_per_client,
-            with_replacement=with_replacement,
-            samples_per_client=samples_per_client,
-            test_samples_per_client=test_samples_per_client,
-        ),
-        params=dict(
-            alpha=alpha,
-            partitioner=partitioner,
-            shards_per_client=shards_per_client,
-            with_replacement=with_replacement,
-            samples_per_client=samples_per_client,
-            test_samples_per_client=test_samples_per_client,
-            min_partition_size=min_partition_size,
-            channels=channels,
-            hidden=hidden,
-        ),
+        partitioner=task_label_partitioner(y_train, y_test, NUM_CLASSES, params),
+        params=params,
     )

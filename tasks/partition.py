@@ -31,9 +31,9 @@ exactly what sorting its pieces gave.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import overload
+from typing import Any, overload
 
 import numpy as np
 
@@ -565,3 +565,23 @@ def label_partitioner(
         )
 
     return partition
+
+
+def task_label_partitioner(
+    train_labels: np.ndarray, test_labels: np.ndarray, num_classes: int, params: Mapping[str, Any]
+) -> Callable[[int, int], Partition]:
+    """:func:`label_partitioner` configured by a labelled task's own parameter names
+    (``partitioner``, ``alpha``, ``min_partition_size``, ``shards_per_client``,
+    ``with_replacement``, ``samples_per_client``, ``test_samples_per_client``)."""
+    return label_partitioner(
+        train_labels,
+        test_labels,
+        num_classes,
+        scheme=params["partitioner"],
+        alpha=params["alpha"],
+        min_size=params["min_partition_size"],
+        shards_per_client=params["shards_per_client"],
+        with_replacement=params["with_replacement"],
+        samples_per_client=params["samples_per_client"],
+        test_samples_per_client=params["test_samples_per_client"],
+    )

@@ -151,6 +151,7 @@ def build(
     seeded subset of all clients' test windows) so that central evaluation stays a few
     seconds on a CPU.
     """
+    given = dict(locals())  # exactly the keyword arguments: the task's parameters
     asked = {"seq_len": seq_len, "n_layer": n_layer, "n_head": n_head, "d_model": d_model}
     pretrained = _load_base(base, asked)
     if pretrained is not None:
@@ -263,20 +264,7 @@ def build(
         num_classes=tokenizer.vocab_size,
         model=model,
         partitioner=partitioner,
-        params=dict(
-            **arch,
-            max_chars_per_client=max_chars_per_client,
-            min_chars=min_chars,
-            test_fraction=test_fraction,
-            lora=lora,
-            lora_rank=lora_rank,
-            lora_alpha=lora_alpha,
-            lora_variant=lora_variant,
-            lora_seed=lora_seed,
-            base_seed=base_seed,
-            base=base,
-            central_test_windows=central_test_windows,
-        ),
+        params={**given, **arch, "min_chars": min_chars},  # sizes and min_chars as resolved
         info={"num_natural_clients": num_clients, "vocab": tokenizer.chars},
         trainable=trainable_names(probe, spec) if lora else None,
         trainer_factory=lora_trainer if lora else TorchTrainer,
