@@ -7,3 +7,6 @@ import logging as _logging
 # warns on every import that its CUDA-only kernels (mxfp8, sm90a cutlass) do not load.
 # Nothing in Orchard uses them; its errors still show.
 _logging.getLogger("torchao").setLevel(_logging.ERROR)
+# torchao also registers its Enum types with torch's pytree, which newer torch logs as a
+# deprecation warning on every import (two lines a command). Only that logger is quieted.
+_logging.getLogger("torch.utils._pytree").setLevel(_logging.ERROR)
