@@ -232,25 +232,9 @@ def _follow(ctl: Any, run_id: str, spec: DemoSpec, task: Any, procs: Procs, cons
 
 
 def _plot(rows: list[dict[str, Any]], path: Path, spec: DemoSpec) -> Path:
-    import matplotlib
+    from orchard import plots
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    r = [x["round"] for x in rows]
-    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
-    a1.plot(r, [x["accuracy"] for x in rows], marker="o", label="test accuracy")
-    a1.plot(r, [x["loss"] for x in rows], marker="s", label="test loss")
-    a1.set_xlabel("round")
-    a1.set_title(f"{spec.task}: global model")
-    a1.legend()
-    a2.bar([x - 0.2 for x in r], [x["bytes_up"] / 1e6 for x in rows], width=0.4, label="up")
-    a2.bar([x + 0.2 for x in r], [x["bytes_down"] / 1e6 for x in rows], width=0.4, label="down")
-    a2.set_xlabel("round")
-    a2.set_ylabel("MB")
-    a2.set_title("bytes on the wire")
-    a2.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    fig, (a1, a2) = plots.subplots(2)
+    plots.accuracy(a1, rows, f"{spec.task}: global model", loss=True)
+    plots.bytes_on_the_wire(a2, rows)
+    return plots.save(fig, path)

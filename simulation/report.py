@@ -108,47 +108,13 @@ def write_report(report: SimulationReport, out: Path) -> None:
 
 def plot(rows: list[dict[str, Any]], out: Path, title: str) -> list[Path]:
     """accuracy.png, bytes.png and participation.png against the round number."""
-    import matplotlib
+    from orchard import plots
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    r = [x["round"] for x in rows]
     paths = []
-    fig, ax = plt.subplots(figsize=(6, 4))
-    acc = [(x["round"], x["accuracy"]) for x in rows if x.get("accuracy") is not None]
-    if acc:
-        ax.plot(*zip(*acc, strict=True), marker="o")
-    ax.set_xlabel("round")
-    ax.set_ylabel("test accuracy")
-    ax.set_title(f"{title}: global model")
-    fig.tight_layout()
-    paths.append(out / "accuracy.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar([x - 0.2 for x in r], [x["bytes_up"] / 1e6 for x in rows], width=0.4, label="up")
-    ax.bar([x + 0.2 for x in r], [x["bytes_down"] / 1e6 for x in rows], width=0.4, label="down")
-    ax.set_xlabel("round")
-    ax.set_ylabel("MB")
-    ax.set_title("bytes on the wire (all tiers)")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(out / "bytes.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("selected", "selected"), ("participants", "aggregated"), ("late", "late"),
-                       ("vanished", "vanished")):
-        ax.plot(r, [x.get(key, 0) for x in rows], marker=".", label=label)
-    ax.set_xlabel("round")
-    ax.set_ylabel("clients")
-    ax.set_title("participation")
-    ax.legend()
-    fig.tight_layout()
-    paths.append(out / "participation.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    for name, draw in (("accuracy", lambda ax: plots.accuracy(ax, rows, f"{title}: global model")),
+                       ("bytes", lambda ax: plots.bytes_on_the_wire(ax, rows, "bytes on the wire (all tiers)")),
+                       ("participation", lambda ax: plots.participation(ax, rows))):
+        fig, (ax,) = plots.subplots()
+        draw(ax)
+        paths.append(plots.save(fig, out / f"{name}.png"))
     return paths
