@@ -43,7 +43,22 @@ def build_run_config(config: Path | None, overrides: dict[str, Any]) -> RunConfi
     if config is not None:
         raw = load_toml(config)
         data = dict(raw.get("run", raw))
-    return parse_run_config(apply_overrides(data, overrides))
+    return parse_run_config(with_task_training(apply_overrides(data, overrides)))
+
+
+def with_task_training(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (a ``[run]`` table) training as its task declares (``orchard.tasks.trains_with``)
+    where it sets no ``train`` table of its own: a run started from flags and the demo train a
+    task the same way."""
+    if "train" in data:
+        return data
+    from orchard.tasks import train_defaults
+
+    try:
+        declared = train_defaults(str(data.get("task") or RunConfig.model_fields["task"].default))
+    except OrchardError:  # an unknown task: parsing the config names it with the others
+        return data
+    return {**data, "train": declared} if declared else data
 
 
 def with_base_model(ctl: ControlClient, cfg: RunConfig, base_model: Path | None) -> RunConfig:

@@ -28,6 +28,8 @@ from orchard.tasks.registry import (
     available_tasks,
     get_task,
     task_params,
+    train_defaults,
+    trains_with,
 )
 
 __all__ = [
@@ -56,4 +58,6 @@ __all__ = [
     "load_data",
     "make_task",
     "task_params",
+    "train_defaults",
+    "trains_with",
 ]

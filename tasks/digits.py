@@ -18,6 +18,7 @@ from torch import nn
 
 from orchard.tasks.core import SupervisedTask, seeded_model
 from orchard.tasks.partition import stratified_split, task_label_partitioner
+from orchard.tasks.registry import trains_with
 from orchard.tasks.torch_trainer import TensorData
 
 DATA_DIR = Path(__file__).parent / "data" / "digits"
@@ -36,6 +37,10 @@ def mlp(hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(NUM_FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, NUM_CLASSES))
 
 
+# Three momentum epochs at 0.2: what the digits MLP reaches ~90% with in a few rounds of a
+# handful of clients (a live run or the demo). The simulator's configs set their own
+# (plain SGD, the batched fast path).
+@trains_with(epochs=3, learning_rate=0.2, momentum=0.9, batch_size=16)
 def build(
     *,
     alpha: float = 0.5,

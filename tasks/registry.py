@@ -187,6 +187,31 @@ def task_params(ref: str) -> dict[str, Any]:
     return {name: p.default for name, p in _params_of(task_builder(ref))[0].items()}
 
 
+def trains_with(**fields: Any) -> Callable[[TaskBuilder], TaskBuilder]:
+    """Declare the local training a task's builder is tuned for (``TrainConfig`` fields:
+    ``epochs``, ``learning_rate``, ``momentum``, ...). A live run that does not set its own
+    ``[run.train]`` (``orchard run start`` from flags, ``orchard demo``) trains with these,
+    so that every command gives the task the same recipe.
+
+        @trains_with(epochs=3, learning_rate=0.2, momentum=0.9, batch_size=16)
+        def build(...): ...
+    """
+    from orchard.trainer import TrainConfig
+
+    TrainConfig(**fields)  # a misspelt field fails where the task is defined
+
+    def mark(builder: TaskBuilder) -> TaskBuilder:
+        builder.train_defaults = dict(fields)  # type: ignore[attr-defined]
+        return builder
+
+    return mark
+
+
+def train_defaults(ref: str) -> dict[str, Any]:
+    """The training a task declares with :func:`trains_with` ({} when it declares none)."""
+    return dict(getattr(task_builder(ref), "train_defaults", {}))
+
+
 def get_task(ref: str, **params: Any) -> Task:
     """Build task ``ref`` (a registered name or ``module:function``) with ``params``."""
     builder = task_builder(ref)

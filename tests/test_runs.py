@@ -41,3 +41,18 @@ def test_overrides_land_at_their_dotted_paths() -> None:
                                   "task_params.alpha": 0.5})
     assert (cfg.task, cfg.cohort.target, cfg.task_params) == ("heart", 4, {"alpha": 0.5})
     assert cfg.codec.name == build_run_config(None, {}).codec.name
+
+
+def test_a_run_from_flags_trains_its_task_as_the_task_declares(tmp_path) -> None:
+    """`run start --task digits` and `orchard demo` train digits with the recipe the task
+    declares (tasks.trains_with), not TrainConfig's generic defaults; a [run.train] table wins."""
+    from orchard.tasks import train_defaults
+    from orchard.trainer import TrainConfig
+
+    declared = train_defaults("digits")
+    assert declared and TrainConfig(**declared) != TrainConfig()
+    assert build_run_config(None, {"task": "digits"}).train == TrainConfig(**declared)
+    assert build_run_config(None, {"task": "mnist"}).train == TrainConfig()  # declares none
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('[run]\ntask = "digits"\n[run.train]\nlearning_rate = 0.01\n')
+    assert build_run_config(cfg, {}).train == TrainConfig(learning_rate=0.01)
