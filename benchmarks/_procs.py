@@ -98,11 +98,13 @@ def _wait_for(cond, proc: subprocess.Popen, what: str, timeout_s: float = 60.0):
 
 
 def start_root(data_dir: Path, server: dict[str, float | int] | None = None,
-               log: Path | None = None) -> tuple[subprocess.Popen, str]:
-    """``orchard server start --port 0 --insecure``; returns the process and HOST:PORT."""
+               log: Path | None = None, tls_dir: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """``orchard server start --port 0`` with ``--tls-dir tls_dir`` (enrollment tokens then
+    needed: issue them into ``data_dir``'s store first), or ``--insecure`` without one;
+    returns the process and HOST:PORT."""
     data_dir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "orchard.cli", "server", "start", "--data-dir", str(data_dir), "--port", "0",
-           "--insecure"]
+           *(["--tls-dir", str(tls_dir)] if tls_dir else ["--insecure"])]
     if server:
         cmd += ["--config", str(_write_server_toml(data_dir.parent / "root-server.toml", server))]
     out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115 - the child owns it
@@ -121,11 +123,15 @@ def start_root(data_dir: Path, server: dict[str, float | int] | None = None,
     return p, f"{info['host']}:{info['port']}"
 
 
-def start_aggregator(upstream: str, port_file: Path, log: Path | None = None) -> tuple[subprocess.Popen, str]:
-    """``orchard aggregator start --upstream ... --port 0 --insecure``; returns the process and HOST:PORT."""
+def start_aggregator(upstream: str, port_file: Path, log: Path | None = None, tls_dir: Path | None = None,
+                     token: str | None = None) -> tuple[subprocess.Popen, str]:
+    """``orchard aggregator start --upstream ... --port 0``, over TLS with ``tls_dir``'s CA and
+    certificate and an aggregator ``token``, or ``--insecure``; returns the process and HOST:PORT."""
     port_file.unlink(missing_ok=True)
+    tls = (["--tls-dir", str(tls_dir), "--ca-cert", str(tls_dir / "ca.pem"), "--token", str(token)] if tls_dir
+           else ["--insecure"])
     cmd = [sys.executable, "-m", "orchard.cli", "aggregator", "start", "--upstream", upstream, "--port", "0",
-           "--insecure", "--port-file", str(port_file)]
+           *tls, "--port-file", str(port_file)]
     out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
     p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     port = _wait_for(lambda: port_file.is_file() and port_file.read_text().strip(), p, "aggregator")

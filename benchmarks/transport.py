@@ -1,6 +1,8 @@
 """Transport benchmark: one aggregator, N concurrent clients, each pushing a 1 MiB update.
 
-Processes on loopback, all over real gRPC (``--insecure``):
+Processes on loopback, all over real gRPC with TLS, as production runs it (a CA and a
+server certificate made for the run, one enrollment token per client; ``--insecure`` runs
+plaintext instead):
 
 - a root (``orchard server start``) and one aggregator (``orchard aggregator start``)
   below it, each in its own process so that its memory and CPU are its own;
@@ -37,8 +39,9 @@ Primary figures, at N:
 Baseline, in the same run: the same generator drives the same N connections through the
 same pulls and pushes of the same bytes against a bare gRPC Python server (``--sink``:
 pre-serialised model chunks out, raw upload messages in, counted and dropped; the tiers'
-server options). Its CPU seconds per GB are the floor of the transport itself; the
-servers' figure is reported as a ratio to it.
+server options and, with TLS, the same certificate). Its CPU seconds per GB are the floor
+of the transport itself over TLS; the servers' figure is reported as a ratio to it
+(``server_vs_bare_grpc_tls_cpu_ratio`` in the JSON; target at most 1.5).
 
 Also measured: upload and download MB/s (MB = 10^6 bytes), each process's RSS before
 any client connects and with N clients connected and idle, and how the aggregator's and
@@ -189,23 +192,46 @@ def _joined(lg, n: int) -> None:
         raise RuntimeError(f"load generator did not report its clients joined (got {line!r})")
 
 
-def run_scenario(n: int, connections: int, work: Path, verbose: bool, profile: bool = False) -> Row:
+def _issue_tokens(root_dir: Path, clients: int) -> tuple[str, Path]:
+    """An aggregator token and ``clients`` single-device client tokens in the root's store,
+    before it starts (as ``orchard tokens issue`` would); the client tokens go to a file
+    for the load generator, one a line."""
+    from orchard.server.store import SQLiteStore
+
+    root_dir.mkdir(parents=True, exist_ok=True)
+    store = SQLiteStore(root_dir / "orchard.db")
+    try:
+        agg = store.issue_token("aggregator", "bench-aggregator")
+        tokens = [store.issue_token("client", f"bench-{i:05d}", device=True) for i in range(clients)]
+    finally:
+        store.close()
+    path = root_dir.parent / "client-tokens.txt"
+    path.write_text("\n".join(tokens) + "\n")
+    return agg, path
+
+
+def run_scenario(n: int, connections: int, work: Path, verbose: bool, profile: bool = False,
+                 tls_dir: Path | None = None) -> Row:
     from orchard.ops import ControlClient
 
     work.mkdir(parents=True, exist_ok=True)
     logs = work if verbose else None
-    root, root_addr = _procs.start_root(work / "root", {"long_poll_s": 2.0}, log=logs and logs / "root.log")
+    agg_token, tokens = _issue_tokens(work / "root", n) if tls_dir else (None, None)
+    root, root_addr = _procs.start_root(work / "root", {"long_poll_s": 2.0}, log=logs and logs / "root.log",
+                                        tls_dir=tls_dir)
     procs = [root]
     try:
-        agg, agg_addr = _procs.start_aggregator(root_addr, work / "agg.port", log=logs and logs / "aggregator.log")
+        agg, agg_addr = _procs.start_aggregator(root_addr, work / "agg.port", log=logs and logs / "aggregator.log",
+                                                tls_dir=tls_dir, token=agg_token)
         procs.append(agg)
-        ctl = ControlClient(root_addr, insecure=True)
+        ctl = (ControlClient(root_addr, admin_token=(work / "root" / "admin.token").read_text().strip(),
+                             ca_cert=tls_dir / "ca.pem") if tls_dir else ControlClient(root_addr, insecure=True))
         with _procs.RssSampler({"root": root.pid, "aggregator": agg.pid}) as sampler:
             _wait(lambda: any(nd["role"] == "aggregator" for nd in ctl.nodes()), "the aggregator to join the root")
             time.sleep(1.0)
             t_base = time.time()
             cpu_before_joins = _procs.cpu_seconds(agg.pid) or 0.0
-            lg = _spawn_loadgen(agg_addr, n, connections, work / "loadgen.json")
+            lg = _spawn_loadgen(agg_addr, n, connections, work / "loadgen.json", tls_dir=tls_dir, tokens=tokens)
             procs.append(lg)
             sampler.add("loadgen", lg.pid)
             _joined(lg, n)
@@ -260,13 +286,14 @@ def run_scenario(n: int, connections: int, work: Path, verbose: bool, profile: b
         run_started_unix=t0, load_average_1m=load1, rss_timeline={name: _timeline(sampler.series[name], t0) for name in sampler.series})
 
 
-def run_baseline(n: int, connections: int, work: Path) -> Row:
+def run_baseline(n: int, connections: int, work: Path, tls_dir: Path | None = None) -> Row:
     """The same generator, connections, pulls and pushes against the bare gRPC sink."""
     import subprocess
 
     work.mkdir(parents=True, exist_ok=True)
     port_file = work / "sink.port"
-    sink = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--sink", str(port_file)])
+    sink = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--sink", str(port_file),
+                             *(["--tls-dir", str(tls_dir)] if tls_dir else [])])
     procs = [sink]
     try:
         port = _wait(lambda: port_file.is_file() and port_file.read_text().strip(), "the sink to listen", 60)
@@ -274,7 +301,7 @@ def run_baseline(n: int, connections: int, work: Path) -> Row:
         with _procs.RssSampler({"sink": sink.pid}) as sampler:
             time.sleep(0.5)
             t_base = time.time()
-            lg = _spawn_loadgen(addr, n, connections, work / "loadgen.json", baseline=True)
+            lg = _spawn_loadgen(addr, n, connections, work / "loadgen.json", baseline=True, tls_dir=tls_dir)
             procs.append(lg)
             sampler.add("loadgen", lg.pid)
             _joined(lg, n)
@@ -322,11 +349,16 @@ def _timeline(s: _procs.Series, t0: float, step_s: float = 0.25) -> list[tuple[f
     return [(round(k * step_s, 2), round(v, 1)) for k, v in sorted(out.items())]
 
 
-def _spawn_loadgen(target: str, n: int, connections: int, report: Path, baseline: bool = False):
+def _spawn_loadgen(target: str, n: int, connections: int, report: Path, baseline: bool = False,
+                   tls_dir: Path | None = None, tokens: Path | None = None):
     import subprocess
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--loadgen", target, "--clients", str(n),
            "--connections", str(min(connections, n) if connections else n), "--report", str(report)]
+    if tls_dir:
+        cmd += ["--tls-dir", str(tls_dir)]
+    if tokens:
+        cmd += ["--tokens", str(tokens)]
     if baseline:
         cmd.append("--baseline")
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True)
@@ -407,13 +439,18 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else float("nan")
 
 
-def targets(small: Row, big: Row, base: Row) -> list[dict[str, Any]]:
+TLS_RATIO_TARGET = 1.5  # servers' CPU per GB over bare gRPC's, both over TLS
+
+
+def targets(small: Row, big: Row, base: Row, tls: bool = False) -> list[dict[str, Any]]:
     extra = max(big.clients - small.clients, 1)
     agg_growth = (big.aggregator_peak_rss_mib - small.aggregator_peak_rss_mib) * 1024 / extra
     root_growth = (big.root_peak_rss_mib - small.root_peak_rss_mib) * 1024 / extra
     ok = big.correct and big.failed_clients == 0
     ratio = _ratio(big.server_cpu_s_per_gb, base.server_cpu_s_per_gb)
-    return [
+    vs_bare = [{"target": "servers' CPU per GB against bare gRPC, both over TLS",
+                "limit": f"<= {TLS_RATIO_TARGET}x", "measured": f"{ratio:.2f}x", "ok": ok and ratio <= TLS_RATIO_TARGET}]
+    return [*(vs_bare if tls else []),
         {"target": f"servers' CPU per GB ingested (N={big.clients})", "limit": f"<= {CPU_PER_GB_TARGET:.0f} s/GB",
          "measured": f"{big.server_cpu_s_per_gb:.2f} s/GB ({ratio:.2f}x bare gRPC's {base.server_cpu_s_per_gb:.2f})",
          "ok": ok and big.server_cpu_s_per_gb <= CPU_PER_GB_TARGET},
@@ -452,15 +489,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--report", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--sink", metavar="PORT_FILE", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--insecure", action="store_true",
+                    help="plaintext gRPC (no TLS, no tokens) for the servers and the baseline alike")
+    ap.add_argument("--tls-dir", type=Path, help=argparse.SUPPRESS)  # the child processes' CA and certificate
+    ap.add_argument("--tokens", type=Path, help=argparse.SUPPRESS)  # the load generator's tokens, one a line
     args = ap.parse_args(argv)
     if args.sink:
-        asyncio.run(_sink(args.sink))
+        asyncio.run(_sink(args.sink, args.tls_dir))
         return 0
     if args.loadgen:
         import resource
 
         loadgen_main(args.loadgen, args.clients, args.connections or args.clients, args.report, STEP_TIMEOUT_S,
-                     args.baseline)
+                     args.baseline, args.tls_dir / "ca.pem" if args.tls_dir else None,
+                     args.tokens.read_text().split() if args.tokens else None)
         ru = resource.getrusage(resource.RUSAGE_SELF)
         args.report.with_suffix(".usage").write_text(json.dumps(
             {"cpu_seconds": ru.ru_utime + ru.ru_stime, "max_rss_bytes": ru.ru_maxrss * 1024}))  # Linux: kB
@@ -468,16 +510,21 @@ def main(argv: list[str] | None = None) -> int:
     n = 100 if args.quick else args.clients
     with tempfile.TemporaryDirectory(prefix="orchard-transport-") as tmp:
         work = Path(args.keep) if args.keep else Path(tmp)
+        tls_dir = None
+        if not args.insecure:
+            from orchard.server.tls import init_certs
+
+            tls_dir = init_certs(work / "tls", hosts=["127.0.0.1", "localhost"]).ca_cert.parent
         rows = []
         for k in (args.small, n):
             print(f"running N={k} ...", file=sys.stderr, flush=True)
             rows.append(run_scenario(k, args.connections, work / f"n{k}", verbose=bool(args.keep),
-                                     profile=args.profile and k == n))
+                                     profile=args.profile and k == n, tls_dir=tls_dir))
         print(f"running the bare gRPC baseline, N={n} ...", file=sys.stderr, flush=True)
-        rows.append(run_baseline(n, args.connections, work / f"baseline{n}"))
+        rows.append(run_baseline(n, args.connections, work / f"baseline{n}", tls_dir=tls_dir))
     print(_fmt(rows))
     small, big, base = rows
-    tg = targets(small, big, base)
+    tg = targets(small, big, base, tls=not args.insecure)
     print()
     w = max(len(t["target"]) for t in tg)
     for t in tg:
@@ -491,6 +538,9 @@ def main(argv: list[str] | None = None) -> int:
             "round_seconds": big.round_seconds, "loadgen_cpu_seconds": big.loadgen_cpu_seconds,
             "baseline_cpu_s_per_gb": base.server_cpu_s_per_gb,
             "cpu_per_gb_vs_baseline": _ratio(big.server_cpu_s_per_gb, base.server_cpu_s_per_gb),
+            "tls": not args.insecure,
+            **({} if args.insecure else {
+                "server_vs_bare_grpc_tls_cpu_ratio": _ratio(big.server_cpu_s_per_gb, base.server_cpu_s_per_gb)}),
             "wall_seconds": big.wall_seconds, "upload_mb_s": big.upload_mb_s, "download_mb_s": big.download_mb_s,
             "root_peak_rss_mib": big.root_peak_rss_mib, "clients": big.clients,
             "update_bytes": NUMEL * 4, "rows": [asdict(r) for r in rows], "targets": tg,

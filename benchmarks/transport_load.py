@@ -112,7 +112,7 @@ class ModelPulls:
     def __init__(self) -> None:
         self._refs: dict[str, asyncio.Future[tuple[list[bytes], int]]] = {}
 
-    async def pull(self, channel: Any, node_id: str, model_hash: str) -> int:
+    async def pull(self, channel: Any, node_id: str, model_hash: str, metadata: Any = ()) -> int:
         """Pull ``model_hash`` over ``channel``; returns the model's size in bytes."""
         call = channel.unary_stream(PULL, request_serializer=pb.PullModelRequest.SerializeToString,
                                     response_deserializer=None)  # raw bytes: compared, not parsed
@@ -121,7 +121,7 @@ class ModelPulls:
         if ref is None:
             fut = self._refs[model_hash] = asyncio.get_running_loop().create_future()
             try:
-                msgs = [m async for m in call(req)]
+                msgs = [m async for m in call(req, metadata=metadata)]
                 fut.set_result((msgs, _verify_model(msgs, model_hash)))
             except BaseException as err:
                 fut.set_exception(RuntimeError(f"the reference pull failed: {err}"))
@@ -129,7 +129,7 @@ class ModelPulls:
             return fut.result()[1]
         msgs, size = await asyncio.shield(ref)
         k = 0
-        async for m in call(req):
+        async for m in call(req, metadata=metadata):
             if k >= len(msgs) or m != msgs[k]:
                 raise RuntimeError(f"model pull differs from the verified pull at message {k}")
             k += 1
@@ -154,24 +154,25 @@ def _verify_model(msgs: list[bytes], model_hash: str) -> int:
     return off
 
 
-def _channel(target: str, connection: int):
+def _channel(target: str, connection: int, ca_cert: Path | None):
     """A channel with its own TCP connection: gRPC shares one connection among all channels
     of a process whose arguments are equal, so each connection index is a channel argument.
-    (A FleetLink built with the same argument shares this channel's connection.)"""
+    (A FleetLink built with the same argument shares this channel's connection.) TLS with
+    ``ca_cert``, plaintext without."""
     from orchard import link as link_mod
 
-    return link_mod.make_channel(target, None, True, (("orchard.bench.connection", connection),))
+    return link_mod.make_channel(target, ca_cert, ca_cert is None, (("orchard.bench.connection", connection),))
 
 
-async def _push(channel: Any, parts: list[bytes]) -> None:
+async def _push(channel: Any, parts: list[bytes], metadata: Any = ()) -> None:
     call = channel.stream_unary(PUSH, request_serializer=None, response_deserializer=pb.UploadReply.FromString)
-    reply = await call(iter(parts))
+    reply = await call(iter(parts), metadata=metadata)
     if not reply.accepted:
         raise RuntimeError("upload not accepted")
 
 
 async def _one_client(i: int, target: str, connection: int, uploads: Uploads, pulls: ModelPulls,
-                      t: dict[str, Any], joined: asyncio.Queue) -> None:
+                      t: dict[str, Any], joined: asyncio.Queue, ca_cert: Path | None, token: str | None) -> None:
     """One device against an Orchard tier: join and long-poll with the real client link,
     then pull the model and push its update over the same connection."""
     from orchard import link as link_mod
@@ -179,9 +180,9 @@ async def _one_client(i: int, target: str, connection: int, uploads: Uploads, pu
     from orchard.typing import Role
 
     link = link_mod.FleetLink(link_mod.LinkConfig(
-        target=target, role=Role.CLIENT, insecure=True, node_id=f"bench-{i:05d}", max_backoff_s=2.0,
-        channel_options=(("orchard.bench.connection", connection),)))
-    channel = _channel(target, connection)
+        target=target, role=Role.CLIENT, insecure=ca_cert is None, ca_cert=ca_cert, token=token,
+        node_id=f"bench-{i:05d}", max_backoff_s=2.0, channel_options=(("orchard.bench.connection", connection),)))
+    channel = _channel(target, connection, ca_cert)
     try:
         await link.join()
         t["joined"] = time.time()
@@ -191,11 +192,11 @@ async def _one_client(i: int, target: str, connection: int, uploads: Uploads, pu
             if isinstance(got, TaskAssignment):
                 break
         t["task"] = time.time()
-        t["bytes_down"] = await pulls.pull(channel, link.node_id, got.model_hash)
+        t["bytes_down"] = await pulls.pull(channel, link.node_id, got.model_hash, link.call_metadata)
         t["pulled"] = time.time()
         parts, t["bytes_up"] = uploads.parts(i, link.node_id, got)
         t["push_start"] = time.time()
-        await _push(channel, parts)
+        await _push(channel, parts, link.call_metadata)
         t["pushed"] = time.time()
     finally:
         await channel.close()
@@ -216,10 +217,11 @@ def _baseline_task(n: int) -> Any:
 
 
 async def _one_baseline_client(i: int, target: str, connection: int, uploads: Uploads, pulls: ModelPulls,
-                               task: Any, t: dict[str, Any], joined: asyncio.Queue, go: asyncio.Event) -> None:
+                               task: Any, t: dict[str, Any], joined: asyncio.Queue, go: asyncio.Event,
+                               ca_cert: Path | None) -> None:
     """One device against the bare gRPC sink: connect, wait for the start, then the same pull
     and push as :func:`_one_client`."""
-    channel = _channel(target, connection)
+    channel = _channel(target, connection, ca_cert)
     try:
         await channel.channel_ready()
         t["joined"] = time.time()
@@ -237,7 +239,8 @@ async def _one_baseline_client(i: int, target: str, connection: int, uploads: Up
         await channel.close()
 
 
-async def _loadgen(target: str, n: int, connections: int, timeout_s: float, baseline: bool) -> dict[str, Any]:
+async def _loadgen(target: str, n: int, connections: int, timeout_s: float, baseline: bool,
+                   ca_cert: Path | None = None, tokens: list[str] | None = None) -> dict[str, Any]:
     times: list[dict[str, Any]] = [{} for _ in range(n)]
     joined: asyncio.Queue[int] = asyncio.Queue()
     uploads, pulls, go = Uploads(), ModelPulls(), asyncio.Event()
@@ -246,9 +249,11 @@ async def _loadgen(target: str, n: int, connections: int, timeout_s: float, base
     async def guarded(i: int) -> None:
         try:
             if baseline:
-                client = _one_baseline_client(i, target, i % connections, uploads, pulls, task, times[i], joined, go)
+                client = _one_baseline_client(i, target, i % connections, uploads, pulls, task, times[i], joined, go,
+                                              ca_cert)
             else:
-                client = _one_client(i, target, i % connections, uploads, pulls, times[i], joined)
+                client = _one_client(i, target, i % connections, uploads, pulls, times[i], joined, ca_cert,
+                                     tokens[i] if tokens else None)
             await asyncio.wait_for(client, timeout_s)
         except Exception as err:  # reported per client; the benchmark counts failures
             times[i]["error"] = f"{type(err).__name__}: {err}"[:300]
@@ -268,17 +273,20 @@ async def _loadgen(target: str, n: int, connections: int, timeout_s: float, base
     return {"clients": times, "round_cpu_seconds": time.process_time() - cpu_joined}
 
 
-def loadgen_main(target: str, n: int, connections: int, report: Path, timeout_s: float, baseline: bool) -> None:
-    report.write_text(json.dumps(asyncio.run(_loadgen(target, n, connections, timeout_s, baseline))))
+def loadgen_main(target: str, n: int, connections: int, report: Path, timeout_s: float, baseline: bool,
+                 ca_cert: Path | None = None, tokens: list[str] | None = None) -> None:
+    report.write_text(json.dumps(asyncio.run(_loadgen(target, n, connections, timeout_s, baseline, ca_cert,
+                                                      tokens))))
 
 
 # ---------------------------------------------------------------------------- baseline: a bare gRPC sink (child process)
 
 
-async def _sink(port_file: Path) -> None:
+async def _sink(port_file: Path, tls_dir: Path | None = None) -> None:
     """The floor any gRPC Python server pays for the round's bytes: it serves the model as
     pre-serialised chunks and takes uploads as raw messages, counting their bytes, with the
-    tiers' own server options. No parsing, no checks, no sums."""
+    tiers' own server options and, with ``tls_dir``, the tiers' own TLS credentials. No
+    parsing, no checks, no sums."""
     import signal
 
     import grpc
@@ -303,7 +311,12 @@ async def _sink(port_file: Path) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("orchard.v1.Fleet", {
         "PullModel": grpc.unary_stream_rpc_method_handler(pull),
         "PushUpdate": grpc.stream_unary_rpc_method_handler(push)}),))
-    port = server.add_insecure_port("127.0.0.1:0")
+    if tls_dir is not None:
+        from orchard.server.tls import TlsPaths, server_credentials
+
+        port = server.add_secure_port("127.0.0.1:0", server_credentials(TlsPaths.in_dir(tls_dir)))
+    else:
+        port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     port_file.write_text(str(port))
     stop = asyncio.Event()

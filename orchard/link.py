@@ -128,6 +128,12 @@ class FleetLink:
         self._meta = (("authorization", f"Bearer {secret}"),) if secret else ()
 
     @property
+    def call_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The metadata this link's calls carry (its credential), for a caller that makes
+        its own calls on the same tier (a load generator)."""
+        return self._meta
+
+    @property
     def certificate(self) -> bytes:
         """The root's certificate of this node's key (empty until enrolled)."""
         return self.identity.enrolled.certificate if self.identity.enrolled else b""

@@ -36,6 +36,9 @@ def test_the_benchmark_checks_the_round_and_measures_the_baseline(tmp_path: Path
     assert big["ingested_bytes"] == base["ingested_bytes"] > 24 * (1 << 20)  # the same bytes, all of them (24 clients: the bare sink then uses several ticks of the kernel's CPU clock, never 0)
     assert got["server_cpu_s_per_gb"] > 0 and got["baseline_cpu_s_per_gb"] > 0
     assert got["cpu_per_gb_vs_baseline"] == pytest.approx(got["server_cpu_s_per_gb"] / got["baseline_cpu_s_per_gb"])
+    # TLS by default, as production runs: each client enrolled with its own token, and the
+    # baseline is bare gRPC over the same TLS.
+    assert got["tls"] and got["server_vs_bare_grpc_tls_cpu_ratio"] == got["cpu_per_gb_vs_baseline"]
     ok = {t["target"]: t["ok"] for t in got["targets"]}
     assert ok["every update arrived and the global model is their mean"]
     assert "servers' CPU per GB ingested" in res.stdout and "bare grpc" in res.stdout
