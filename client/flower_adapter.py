@@ -109,6 +109,10 @@ class FlowerTrainer:
     ``context.run_config`` (for example ``{"local-epochs": 1}``).
     """
 
+    # The app reads the round from its config record ("server-round"), live and simulated
+    # alike (orchard.trainer.round_config puts it there).
+    reads_round = True
+
     def __init__(
         self,
         app_ref: str | ClientApp,

@@ -39,7 +39,7 @@ from orchard.edge_runtime.governor import GovernorReport
 from orchard.errors import AuthError, OrchardError
 from orchard.link import FleetLink, UploadRefused
 from orchard.messages import Idle, TaskAssignment, UploadHeader
-from orchard.trainer import TrainConfig, Trainer, TrainResult
+from orchard.trainer import TrainConfig, Trainer, TrainResult, round_config
 from orchard.typing import DeviceState, NDArrays
 
 log = logging.getLogger("orchard.client")
@@ -156,7 +156,7 @@ class ClientRuntime:
         global_arrays = wire.blob_to_arrays(blob)
         trainer = self.trainer_for(cfg)
         seed = train_seed(cfg.seed, t.round, self.partition_id)
-        train_cfg = dataclasses.replace(cfg.train, seed=seed)
+        train_cfg = round_config(trainer, dataclasses.replace(cfg.train, seed=seed), t.round)
         loop = asyncio.get_running_loop()
         beat = asyncio.create_task(self._heartbeats(t))
         report: GovernorReport | None = None

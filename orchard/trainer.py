@@ -16,7 +16,7 @@ runs those as one indivisible step.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, runtime_checkable
 
 from orchard.typing import Metrics, NDArrays
@@ -104,6 +104,16 @@ def accepts_gate(trainer: Trainer) -> bool:
         return False
     p = params.get("gate")
     return p is not None and p.kind is inspect.Parameter.KEYWORD_ONLY
+
+
+def round_config(trainer: object, config: TrainConfig, round_number: int) -> TrainConfig:
+    """``config`` as ``trainer`` takes it in round ``round_number``. A trainer that reads the
+    round (``reads_round``: a Flower ClientApp, which finds it in its config record where a
+    Flower strategy puts it) gets it as ``extra["server-round"]``; any other trainer gets
+    ``config`` itself. A live client and the simulator both ask here."""
+    if not getattr(trainer, "reads_round", False):
+        return config
+    return replace(config, extra={**config.extra, "server-round": round_number})
 
 
 def train_gated(

@@ -16,7 +16,6 @@ client), else one by one.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +29,7 @@ from orchard.errors import OrchardError
 from orchard.messages import TaskAssignment, UploadHeader
 from orchard.simulation import vectorized
 from orchard.tasks import Task
-from orchard.trainer import TrainConfig, TrainResult
+from orchard.trainer import TrainConfig, TrainResult, round_config
 from orchard.typing import NDArrays, TensorSpec
 
 
@@ -158,11 +157,8 @@ def run_jobs(task: Task, population: int, cfg: RunConfig, codec: Codec, global_a
     trainers = [task.client_trainer(j.partition, population, cfg.seed) for j in jobs]
     seeds_cfgs = [_train_config(cfg, j) for j in jobs]
     for i, (trainer, job) in enumerate(zip(trainers, jobs, strict=True)):
-        if getattr(trainer, "reads_round", False):
-            # A Flower ClientApp reads the round from its config record, where a Flower
-            # strategy puts it ("server-round"); only a trainer that says it reads it gets it.
-            seed, tc = seeds_cfgs[i]
-            seeds_cfgs[i] = (seed, dataclasses.replace(tc, extra={**tc.extra, "server-round": job.assignment.round}))
+        seed, tc = seeds_cfgs[i]
+        seeds_cfgs[i] = (seed, round_config(trainer, tc, job.assignment.round))
     models = [global_arrays if not j.start else _start(starts, j.start) for j in jobs]
     results: list[TrainResult | None | str] = [None] * len(jobs)
     groups: dict[int, list[int]] = {}  # jobs by the model they start from

@@ -99,11 +99,8 @@ class FlowerAppTask:
     def client_trainer(self, partition_id: int, num_partitions: int, seed: int) -> Trainer:
         from orchard.client.flower_adapter import FlowerTrainer
 
-        trainer = FlowerTrainer(self.app, partition_id=partition_id, num_partitions=num_partitions)
-        # The simulator then puts the round in the config record as "server-round", as a
-        # Flower strategy does (simulation.clients.run_jobs).
-        trainer.reads_round = True  # type: ignore[attr-defined]
-        return trainer
+        # It reads the round as "server-round" (FlowerTrainer.reads_round), as from a Flower strategy.
+        return FlowerTrainer(self.app, partition_id=partition_id, num_partitions=num_partitions)
 
     def evaluate(self, arrays: NDArrays, split: str = "test") -> dict[str, float]:
         if split != "test":

@@ -58,3 +58,45 @@ def test_flower_quickstart_app_over_grpc(tmp_path: Path) -> None:
     assert set(final) == set(initial)
     assert any(not np.allclose(final[k], initial[k]) for k in initial)
     assert all(p.returncode == 0 for p in procs), [p.returncode for p in procs]
+
+
+def test_a_live_flower_app_reads_the_round_from_its_config_record(tmp_path: Path) -> None:
+    """A live client gives a Flower app the round as "server-round", as a Flower strategy
+    does (and as the simulator does): an app that schedules by round works live too."""
+    import asyncio
+
+    from fed_harness import FAST, Federation, start_run, wait_status
+    from flwr.app import Message, MetricRecord, RecordDict
+    from flwr.clientapp import ClientApp
+
+    from orchard.client.flower_adapter import FlowerTrainer
+    from orchard.client.runtime import ClientRuntime
+    from orchard.link import FleetLink, LinkConfig
+    from orchard.server.app import start_root
+    from orchard.typing import Role
+
+    seen: list[int] = []
+    app = ClientApp()
+
+    @app.train()
+    def train(msg: Message, context):  # type: ignore[no-untyped-def]
+        seen.append(int(msg.content["config"]["server-round"]))
+        return Message(RecordDict({"arrays": msg.content["arrays"], "metrics": MetricRecord({"num-examples": 4})}),
+                       reply_to=msg)
+
+    async def main() -> dict:
+        fed = Federation(await start_root(tmp_path / "root", insecure=True, server_cfg=FAST, start_grace_s=0.1))
+        try:
+            link = FleetLink(LinkConfig(target=fed.root.address, role=Role.CLIENT, insecure=True, node_id="flower-0"))
+            rt = ClientRuntime(link, lambda cfg: FlowerTrainer(app, partition_id=0, num_partitions=1), partition_id=0)
+            fed.clients.append(rt)
+            fed.client_tasks.append(asyncio.create_task(rt.run()))
+            await start_run(fed.root, RunConfig(task="digits", rounds=2,
+                                                cohort=CohortConfig(target=1, over_selection=1.0, deadline_s=30)))
+            return await wait_status(fed.root, lambda s: s.get("status") in ("completed", "failed"), 90)
+        finally:
+            await fed.stop()
+
+    st = asyncio.run(main())
+    assert st["status"] == "completed", st
+    assert seen == [1, 2]
