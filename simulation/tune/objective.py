@@ -4,7 +4,8 @@ The trial draws its parameters from the space, runs the config with them (every 
 evaluated on the task's held-out data), reports the objective to Optuna after each round
 and stops as soon as the pruner says so (the simulator's ``stop`` predicate, so a pruned
 trial spends no further round). Its value is the objective at the last round, or at the
-best round. What it spent, in client-rounds, is kept on the trial as it goes.
+best round. What it spent, in client-rounds, is kept on the trial as it goes; a trial
+running when the study's client-round budget is spent stops there, recorded as pruned.
 """
 
 from __future__ import annotations
@@ -91,7 +92,9 @@ def run_trial(trial: Any, setup: TrialSetup, ticket: str, alive: Callable[[], bo
         trial.report(state[spec.at], row["round"])
 
     def stop(row: dict[str, Any]) -> bool:
-        state["pruned"] = trial.should_prune()
+        # Pruned, or the study's client-round budget spent (by this trial and the others
+        # running beside it): either way this trial ends at the round it reached.
+        state["pruned"] = trial.should_prune() or _budget_spent(trial, spec)
         return bool(state["pruned"])
 
     status = "failed"
@@ -111,6 +114,13 @@ def run_trial(trial: Any, setup: TrialSetup, ticket: str, alive: Callable[[], bo
         raise
     finally:
         track.close(status)
+
+
+def _budget_spent(trial: Any, spec: TuneSpec) -> bool:
+    if spec.client_rounds is None:
+        return False
+    spent = sum(int(t.user_attrs.get(CLIENT_ROUNDS, 0)) for t in trial.study.get_trials(deepcopy=False))
+    return spent >= spec.client_rounds
 
 
 def objective_problems(setup: TrialSetup) -> list[str]:
