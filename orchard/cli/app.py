@@ -22,6 +22,9 @@ def build_app() -> typer.Typer:
     from orchard.simulation.cli import simulate
 
     root.command("simulate", help="Simulate a federation in-process through the real client and tier code.")(simulate)
+    from orchard.cli.tune import tune
+
+    root.command("tune")(tune)
     root.command("pretrain", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(local.pretrain)
     return root
 
