@@ -299,6 +299,35 @@ def _devices(a: argparse.Namespace) -> None:
                        "population": a.population, "workers": a.workers}, f, indent=2)
 
 
+def _variants(a: argparse.Namespace) -> None:
+    """What users turn on, against the float32 case at the same size in one invocation:
+    8-bit qsgd and secure aggregation (SecAgg+ per cohort), each as a ratio of clients/s."""
+    n = a.per_round[0]
+    cases = {"float32": {}, "qsgd": {"codec": {"name": "qsgd", "params": {"bits": 8}}}, "secure": {"secure": True}}
+    rows = {}
+    for name, extra in cases.items():
+        print(f"  {name} at {n} per round ...", file=sys.stderr, flush=True)
+        rows[name] = _spawn(dict(clients_per_round=n, population=a.population, aggregators=max(1, n // 250),
+                                 rounds=1 if a.quick else a.rounds, vectorize=True, governor=not a.no_governor,
+                                 workers=a.workers, backend=a.backend, **extra))
+    base = rows["float32"]
+    out: dict[str, Any] = {"clients_per_round": n, "cases": rows, "load_average": list(os.getloadavg())}
+    print(f"{'case':<9} {'clients/s':>9} {'cpu cl/s':>9} {'x float32':>9} {'x cpu':>7}")
+    for name, r in rows.items():
+        cps, cpu = r.get("clients_per_second"), r.get("cpu_clients_per_second")
+        ratio = cps / base["clients_per_second"] if cps and base.get("clients_per_second") else None
+        cpu_ratio = cpu / base["cpu_clients_per_second"] if cpu and base.get("cpu_clients_per_second") else None
+        if name != "float32":
+            out[f"{name}_vs_float32_ratio"] = ratio
+            out[f"{name}_vs_float32_cpu_ratio"] = cpu_ratio
+        print(f"{name:<9} {_fmt(cps, 9, 0)} {_fmt(cpu, 9, 0)} {_fmt(ratio, 9, 2)} {_fmt(cpu_ratio, 7, 2)}"
+              + ("" if cps else f"  {r.get('status', '')} {r.get('error', '')}"))
+    print("targets (issue: >= 0.8x for qsgd, >= 0.3x for secure aggregation); load average "
+          f"{out['load_average'][0]:.1f}")
+    if a.json_path:
+        Path(a.json_path).write_text(json.dumps(out, indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", dest="json_path", default=None)
@@ -336,6 +365,8 @@ def main() -> None:
     ap.add_argument("--profile", default=None, metavar="DIR",
                     help="sample the vectorised cases' engine and workers with py-spy (if installed) through the "
                          "measured rounds, keep the stacks in DIR and print where a round's CPU went")
+    ap.add_argument("--variants", action="store_true",
+                    help="at the first --per-round: float32 against 8-bit qsgd and secure aggregation, as ratios")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.case:
@@ -343,6 +374,9 @@ def main() -> None:
         return
     if a.against:
         _against(a)
+        return
+    if a.variants:
+        _variants(a)
         return
     if a.device:
         if a.per_round == [1000, 10_000]:  # the default: the GPU case's own size

@@ -18,7 +18,8 @@ from simulation_profile import _is_worker, _start_sampling, _stop_sampling
 
 def _case(clients_per_round: int, population: int, aggregators: int, rounds: int, vectorize: bool,
           governor: bool, workers: int, backend: str, task: str = "digits", device: str = "cpu",
-          save: str | None = None, verbose: bool = False, profile: str | None = None) -> dict[str, Any]:
+          save: str | None = None, verbose: bool = False, profile: str | None = None,
+          codec: dict[str, Any] | None = None, secure: bool = False) -> dict[str, Any]:
     import psutil
     import torch
 
@@ -28,7 +29,8 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
     from orchard.simulation import SimulationConfig, run_simulation
 
     run = RunConfig(task=task, task_params={"with_replacement": True, "samples_per_client": 20},
-                    train={"epochs": 1, "batch_size": 10, "learning_rate": 0.1, "optimizer": "sgd"})
+                    train={"epochs": 1, "batch_size": 10, "learning_rate": 0.1, "optimizer": "sgd"},
+                    codec=codec or {"name": "float32"}, secure_aggregation={"enabled": secure})
     cfg = SimulationConfig(clients=population, clients_per_round=clients_per_round, rounds=rounds + 1,
                            aggregators=aggregators, vectorize=vectorize, governor=governor, workers=workers,
                            backend=backend, chunk_size=512, evaluate_every=0, progress=False, run=run,

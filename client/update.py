@@ -160,13 +160,17 @@ def upload_header(t: TaskAssignment, cfg: RunConfig, node_id: str, payload: byte
 
 
 def build_uploads(ts: Sequence[TaskAssignment], cfg: RunConfig, codec: Codec, node_ids: Sequence[str],
-                  deltas: NDArrays, results: Sequence[TrainResult]) -> list[tuple[UploadHeader, bytes]] | None:
+                  deltas: NDArrays, results: Sequence[TrainResult],
+                  seeds: Sequence[int] | None = None) -> list[tuple[UploadHeader, bytes]] | None:
     """:func:`build_upload` for many clients of one round at once (a simulator's batch):
     ``deltas[name][i]`` is client ``i``'s delta (see :func:`deltas_of`), ``ts[i]`` its
     task. Only where nothing per client touches a delta before it is encoded and
     nothing is kept between rounds: no FedNova (it normalises each delta by its own
     steps), no clipping on the client, and a cast codec, which encodes every client's
-    rows at once (:func:`~orchard.compression.encode_packed_many`). None otherwise: then
+    rows at once (:func:`~orchard.compression.encode_packed_many`), or, given each
+    client's training ``seeds`` (its encoder randomness, :func:`upload_rng`), a
+    quantiser such as ``qsgd``, whose rounding it computes for every client at once.
+    None otherwise: then
     build each upload with :func:`build_upload`. The same headers and bytes as
     :func:`build_upload` gives client by client (a property test holds them together);
     a cast keeps no state, so there are no new states."""
@@ -178,7 +182,9 @@ def build_uploads(ts: Sequence[TaskAssignment], cfg: RunConfig, codec: Codec, no
         return None
     names = [s.name for s in first.schema]
     # Payloads that carry their sha256: hashed once here, not again by a tier in this process.
-    packed = encode_packed_many(codec, {n: deltas[n] for n in names}, names, first.shared_seed, wire.HashedBytes)
+    rngs = None if seeds is None else [upload_rng(s) for s in seeds]
+    packed = encode_packed_many(codec, {n: deltas[n] for n in names}, names, first.shared_seed, wire.HashedBytes,
+                                rngs)
     if packed is None:
         return None
     payloads, sizes = packed

@@ -37,13 +37,14 @@ from orchard.compression.base import (
     Algebra,
     BaseCodec,
     State,
+    as_float32,
     expect_field,
     expect_fields,
     numel,
     peak,
 )
 from orchard.compression.errors import CodecMismatchError, MalformedPayloadError
-from orchard.compression.wire import CODEC_IDS, EncodedTensor, Field
+from orchard.compression.wire import CODEC_IDS, MAX_COUNT, EncodedTensor, Field
 from orchard.errors import CodecError
 
 QUANT_BITS = (1, 2, 4, 8)
@@ -112,6 +113,50 @@ def quantize(
         np.clip(u, 0, 2 * half, out=u)
         np.copyto(codes[start : start + n].reshape(rows, width), u, casting="unsafe")  # floor
     return codes
+
+
+def block_absmax_rows(x: np.ndarray, block: int) -> np.ndarray:
+    """:func:`block_absmax` of every row of a (rows, size) array at once: (rows, blocks)."""
+    count, size = x.shape
+    full, rem = divmod(size, block)
+    parts = []
+    if full:
+        rows = x[:, : full * block].reshape(count, full, block)
+        parts.append(np.maximum(rows.max(axis=2), -rows.min(axis=2)))
+    if rem:
+        tail = x[:, full * block :]
+        parts.append(np.maximum(tail.max(axis=1), -tail.min(axis=1))[:, None])
+    if not parts:
+        return np.zeros((count, 0), np.float32)
+    return np.concatenate(parts, axis=1).astype(np.float32)
+
+
+def quantize_rows(
+    x: np.ndarray,
+    scales: np.ndarray,
+    block: int,
+    bits: int,
+    rngs: list[np.random.Generator] | None,
+) -> np.ndarray:
+    """:func:`quantize` of every row of a (rows, size) float32 array, row ``i`` with
+    ``scales[i]`` and ``rngs[i]``: the same codes, row by row, as ``quantize`` gives (the
+    same float32 operations in the same order, and each row's generator drawn in the
+    same pieces), with the arithmetic done for all rows at once."""
+    count, size = x.shape
+    half = np.float32(((1 << bits) - 1) / 2)
+    with np.errstate(divide="ignore"):
+        inv = np.where(scales > 0, half / scales, np.float32(0)).astype(np.float32)
+    u = np.multiply(x, np.repeat(inv, block, axis=1)[:, :size], dtype=np.float32)
+    u += half if rngs is not None else half + np.float32(0.5)
+    if rngs is not None:
+        r = np.empty((count, size), dtype=np.float32)
+        pieces = [(start, rows * width) for start, _, rows, width in _segments(size, block)]
+        for i, rng in enumerate(rngs):
+            for start, n in pieces:
+                rng.random(out=r[i, start : start + n], dtype=np.float32)
+        u += r
+    np.clip(u, 0, 2 * half, out=u)
+    return u.astype(np.uint8)  # floor, as quantize's unsafe copy
 
 
 def dequantize(
@@ -189,6 +234,34 @@ class QuantCodec(BaseCodec):
         # values (all below FLUSH_SCALE ~ 3e-36) are sent as exact zeros.
         scales[scales < FLUSH_SCALE] = 0
         return scales
+
+    def encode_many(self, x: np.ndarray, rngs: list[np.random.Generator]) -> list[bytes] | None:
+        """The payloads :meth:`encode` gives ``x[i]`` with ``rngs[i]``, for every row of
+        ``x`` (one tensor a row, all of one shape) at once: the same bytes (a property
+        test holds them together), the scales and the rounding computed for all rows
+        together. None where a row would be refused or the codec scales by the mean
+        (sign): then encode the rows one by one, each error its own."""
+        if self.mean_scale or x.ndim < 1 or x.shape[0] == 0 or len(rngs) != x.shape[0]:
+            return None
+        try:
+            x32 = as_float32(x)
+        except CodecError:
+            return None
+        count, shape = x32.shape[0], tuple(x32.shape[1:])
+        flat = x32.reshape(count, -1)
+        if flat.shape[1] == 0 or flat.shape[1] > MAX_COUNT:
+            return None
+        block = self._block_size(flat.shape[1])
+        if self.fixed_scale is not None:
+            scales = np.full((count, 1), self.fixed_scale, dtype=np.float32)
+        else:
+            scales = block_absmax_rows(flat, block)
+            if not np.isfinite(scales).all():
+                return None
+            scales[scales < FLUSH_SCALE] = 0
+        codes = quantize_rows(flat, scales, block, self.bits, rngs if self.stochastic else None)
+        return [self.header(shape, [Field(scales[i]), Field(codes[i], bits=self.bits)]).to_bytes()
+                for i in range(count)]
 
     def encode_parsed(
         self, x: np.ndarray, rng: np.random.Generator, state: State | None, shared_seed: int

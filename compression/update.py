@@ -22,6 +22,7 @@ import numpy as np
 from orchard.compression.base import Codec, State, check_seed, check_shape
 from orchard.compression.casts import CastCodec
 from orchard.compression.errors import MalformedPayloadError, UpdateMismatchError
+from orchard.compression.quantize import QuantCodec
 from orchard.errors import CodecError
 
 States = dict[str, State]
@@ -91,6 +92,7 @@ def encode_packed_many(
     names: list[str],
     shared_seed: int = 0,
     as_bytes: Callable[[np.ndarray], bytes] = np.ndarray.tobytes,
+    rngs: list[np.random.Generator] | None = None,
 ) -> tuple[list[bytes], tuple[int, ...]] | None:
     """:func:`encode_packed` of many updates at once, for a cast codec: ``rows[name][i]``
     is update ``i``'s tensor ``name`` (every update of the same shapes, ``rows`` in
@@ -101,7 +103,14 @@ def encode_packed_many(
     at once, and each payload is made from its row by ``as_bytes`` (a bytes type that
     copies a buffer, such as :class:`bytes`; the default is ``tobytes``). None for any
     other codec, or where a row would not take the cast's framed path: then encode the
-    updates one by one."""
+    updates one by one.
+
+    A quantiser (``qsgd``) takes the same path given ``rngs``, update ``i``'s encoder
+    randomness (``rngs[i]``, drawn tensor by tensor in ``names`` order as
+    :func:`encode_packed` draws it): :meth:`QuantCodec.encode_many` gives each update's
+    payloads, the rounding of all updates computed at once."""
+    if type(codec) is QuantCodec and rngs is not None and list(rows) == names and names:
+        return _quant_packed_many(codec, rows, names, shared_seed, as_bytes, rngs)
     if type(codec) is not CastCodec or list(rows) != names or not names:
         return None
     check_seed(shared_seed)
@@ -124,6 +133,23 @@ def encode_packed_many(
         buf[:, at:at + nbytes] = values.view(np.uint8).reshape(count, nbytes)
         at += nbytes
     return [as_bytes(row) for row in buf], sizes
+
+
+def _quant_packed_many(codec: QuantCodec, rows: Mapping[str, np.ndarray], names: list[str], shared_seed: int,
+                       as_bytes: Callable[[np.ndarray], bytes],
+                       rngs: list[np.random.Generator]) -> tuple[list[bytes], tuple[int, ...]] | None:
+    check_seed(shared_seed)
+    per_tensor = []
+    for name in names:
+        got = codec.encode_many(rows[name], rngs)
+        if got is None:
+            return None
+        per_tensor.append(got)
+    sizes = tuple(len(p[0]) for p in per_tensor)
+    if any(len(payload) != size for p, size in zip(per_tensor, sizes, strict=True) for payload in p):
+        return None  # every update of one shape has payloads of one size; anything else: one by one
+    joined = [b"".join(parts) for parts in zip(*per_tensor, strict=True)]
+    return [as_bytes(np.frombuffer(j, dtype=np.uint8)) for j in joined], sizes
 
 
 def decode_update(

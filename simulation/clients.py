@@ -194,7 +194,7 @@ def run_jobs(task: Task, population: int, cfg: RunConfig, codec: Codec, global_a
                     v[row] *= np.float32(jobs[i].attack)
         try:
             got = build_uploads([jobs[i].assignment for i in ok], cfg, codec, [jobs[i].node_id for i in ok], deltas,
-                                done)
+                                done, [seeds_cfgs[i][0] for i in ok])
         except OrchardError:  # built one by one below, where each client's error is its own
             got = None
         if got is not None:

@@ -106,14 +106,16 @@ def test_an_upload_carries_the_plain_update_and_its_weight(weighting: str) -> No
     scale=st.sampled_from([0.01, 1.0, 3e4, 1e5]),  # float16 holds |x| < 65520: larger rows are refused
     special=st.sampled_from([None, np.nan, np.inf]),
     seed=st.integers(0, 2**16),
+    quant=st.sampled_from([{"bits": 4}, {"bits": 8}, {"bits": 2, "block": 7}, {"bits": 1, "block": 64},
+                           {"bits": 8, "scale": 0.5}]),
 )
 def test_uploads_built_together_are_those_built_one_by_one(clients: int, codec: str, weighting: str, scale: float,
-                                                           special: float | None, seed: int) -> None:
+                                                           special: float | None, seed: int, quant: dict) -> None:
     """build_uploads (a simulator's batch) gives each client the header and bytes that
     build_upload gives it alone, from deltas taken together (deltas_of) as delta_of takes
     them; where it cannot (a codec that draws or keeps state, FedNova, a row a cast
     refuses) it says so with None."""
-    params = {"bits": 4} if codec == "qsgd" else {"fraction": 0.3} if codec == "topk" else {}
+    params = quant if codec == "qsgd" else {"fraction": 0.3} if codec == "topk" else {}
     cfg = RunConfig(codec=CodecSpec(name=codec, params=params), cohort=CohortConfig(weighting=weighting))  # type: ignore[arg-type]
     c = build_codec(cfg.codec)
     rng = np.random.default_rng(seed)
@@ -132,11 +134,14 @@ def test_uploads_built_together_are_those_built_one_by_one(clients: int, codec: 
     for i, r in enumerate(results):
         for k, v in delta_of(t, start, r).items():
             np.testing.assert_array_equal(deltas[k][i], v)
-    got = build_uploads([t] * clients, cfg, c, [f"n{i}" for i in range(clients)], deltas, results)
+    # Each client's encoder randomness comes from its training seed (here i), as build_upload's.
+    got = build_uploads([t] * clients, cfg, c, [f"n{i}" for i in range(clients)], deltas, results,
+                        seeds=list(range(clients)))
     if got is None:  # then every client goes through build_upload; nothing to compare
-        assert codec in ("qsgd", "topk") or weighting == "fednova" or (codec == "float16" and scale > 1e4)
+        assert (codec == "topk" or weighting == "fednova" or (codec == "float16" and scale > 1e4)
+                or (codec == "qsgd" and special is not None and "scale" not in quant))
         return
-    assert codec in ("float32", "float16", "bfloat16") and weighting != "fednova"
+    assert codec in ("float32", "float16", "bfloat16", "qsgd") and weighting != "fednova"
     for i, (r, (header, payload)) in enumerate(zip(results, got, strict=True)):
         h1, p1, states = build_upload(t, cfg, cfg.train, c, f"n{i}", delta_of(t, start, r), r, seed=i, states=None)
         assert payload == p1 and header == h1 and states == {}
