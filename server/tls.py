@@ -2,14 +2,15 @@
 
 The CA signs one server certificate whose subject alternative names cover the given
 hosts (``localhost`` and ``127.0.0.1`` by default). Clients and aggregators trust the CA
-file; keys are written with mode 0600.
+file. Every file is written owner-only (``orchard.files``): the keys are secrets, and the
+certificates, public as they are, sit in a data dir that is owner-only as a whole (copy
+``ca.pem`` to where clients run).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from orchard.errors import ConfigError
+from orchard.files import atomic_write
 
 
 @dataclass(frozen=True)
@@ -35,13 +37,6 @@ class TlsPaths:
 
     def exists(self) -> bool:
         return self.server_cert.is_file() and self.server_key.is_file() and self.ca_cert.is_file()
-
-
-def _write(path: Path, data: bytes, private: bool) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
 
 
 def init_certs(out: str | Path, hosts: list[str] | None = None, days: int = 825) -> TlsPaths:
@@ -75,10 +70,10 @@ def init_certs(out: str | Path, hosts: list[str] | None = None, days: int = 825)
     pem = serialization.Encoding.PEM
     nopw = serialization.NoEncryption()
     pkcs8 = serialization.PrivateFormat.PKCS8
-    _write(paths.ca_cert, ca.public_bytes(pem), private=False)
-    _write(paths.ca_key, ca_key.private_bytes(pem, pkcs8, nopw), private=True)
-    _write(paths.server_cert, cert.public_bytes(pem), private=False)
-    _write(paths.server_key, key.private_bytes(pem, pkcs8, nopw), private=True)
+    atomic_write(paths.ca_cert, ca.public_bytes(pem))
+    atomic_write(paths.ca_key, ca_key.private_bytes(pem, pkcs8, nopw))
+    atomic_write(paths.server_cert, cert.public_bytes(pem))
+    atomic_write(paths.server_key, key.private_bytes(pem, pkcs8, nopw))
     return paths
 
 

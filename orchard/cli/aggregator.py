@@ -19,6 +19,7 @@ from orchard.cli.common import (
     server_config,
     setup_logging,
 )
+from orchard.files import restrict_umask
 
 app = typer.Typer(no_args_is_help=True, help="An aggregator tier.")
 
@@ -41,6 +42,7 @@ def aggregator_start(
     verbose: Verbose = True,
 ) -> None:
     """Start an aggregator: serves clients below, dials its upstream."""
+    restrict_umask()  # whatever it writes is owner-only (orchard.files)
     setup_logging(verbose)
     from orchard.server.app import start_aggregator
     from orchard.server.process import tune_server_process

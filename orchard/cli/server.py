@@ -17,6 +17,7 @@ from orchard.cli.common import (
     server_config,
     setup_logging,
 )
+from orchard.files import restrict_umask
 
 app = typer.Typer(no_args_is_help=True, help="The root server.")
 
@@ -39,6 +40,7 @@ def server_start(
     verbose: Verbose = True,
 ) -> None:
     """Start the root server."""
+    restrict_umask()  # whatever it writes is owner-only (orchard.files)
     setup_logging(verbose)
     from orchard.server.app import start_root
     from orchard.server.process import tune_server_process
