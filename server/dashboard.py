@@ -40,8 +40,8 @@ _RUNNER: web.AppKey[RootRunner] = web.AppKey("runner", RootRunner)
 _AUTH: web.AppKey[Authenticator] = web.AppKey("auth", Authenticator)  # type: ignore[type-abstract]
 _SECURE: web.AppKey[bool] = web.AppKey("secure", bool)
 
-REFUSED = ("The Orchard dashboard needs the admin token (printed at the root's first start, kept in "
-           "DATA_DIR/admin.token): open /?token=ADMIN_TOKEN, or send 'Authorization: Bearer ADMIN_TOKEN'.\n")
+REFUSED = ("The Orchard dashboard needs the admin token (the root keeps it in DATA_DIR/admin.token, "
+           "owner-only): open /?token=ADMIN_TOKEN, or send 'Authorization: Bearer ADMIN_TOKEN'.\n")
 
 
 def _token(request: web.Request) -> str | None:

@@ -53,8 +53,10 @@ def server_start(
         tune_server_process()
         console.print(f"[green]root listening on {h.address}[/] ({'INSECURE' if insecure else 'TLS'}); "
                       f"data in {data_dir}")
-        if h.admin_token:
-            console.print(f"admin token (shown once, also in {data_dir / 'admin.token'}): {h.admin_token}")
+        if not insecure:
+            # Never the token itself: this output often lands in a log file that others can read.
+            console.print(f"admin token: in {data_dir / 'admin.token'} (owner-only; "
+                          f"{'created now' if h.admin_token else 'made at the first start'})", soft_wrap=True)
         if h.ca_cert:
             console.print(f"clients trust the CA at {h.ca_cert}")
         if h.dashboard is not None:
