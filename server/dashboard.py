@@ -23,7 +23,6 @@ internet at run time.
 from __future__ import annotations
 
 import json
-import ssl
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from aiohttp import web
 from orchard.server import observe
 from orchard.server.auth import Authenticator, bearer_token
 from orchard.server.root import RootRunner
-from orchard.server.tls import TlsPaths
+from orchard.server.tls import TlsPaths, https_context
 
 STATIC = Path(__file__).resolve().parent / "dashboard_static"
 COOKIE = "orchard_admin"
@@ -151,10 +150,7 @@ class Dashboard:
 async def serve_dashboard(runner: RootRunner, auth: Authenticator, host: str, port: int,
                           tls: TlsPaths | None) -> Dashboard:
     """Serve the dashboard on ``host:port`` (0: a free port); HTTPS when ``tls`` is given."""
-    ctx = None
-    if tls is not None:
-        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ctx.load_cert_chain(str(tls.server_cert), str(tls.server_key))
+    ctx = https_context(tls) if tls is not None else None
     app_runner = web.AppRunner(build_app(runner, auth, secure=ctx is not None), access_log=None)
     await app_runner.setup()
     site = web.TCPSite(app_runner, host, port, ssl_context=ctx)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import logging
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +21,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from orchard import tlsversion
 from orchard.errors import ConfigError
 from orchard.files import atomic_write
+
+log = logging.getLogger("orchard.server.tls")
 
 
 @dataclass(frozen=True)
@@ -77,9 +82,28 @@ def init_certs(out: str | Path, hosts: list[str] | None = None, days: int = 825)
     return paths
 
 
-def server_credentials(paths: TlsPaths):
-    import grpc
-
+def _check(paths: TlsPaths) -> None:
     if not paths.exists():
         raise ConfigError(f"TLS files missing in {paths.server_cert.parent}: run `orchard certs init --out DIR`")
+
+
+def server_credentials(paths: TlsPaths):
+    """gRPC server credentials: TLS 1.3 only where ``orchard.tlsversion`` holds (it warns here
+    when it does not)."""
+    import grpc
+
+    _check(paths)
+    if not tlsversion.held():
+        log.warning("this gRPC server also accepts TLS 1.2: %s (Orchard makes gRPC refuse TLS 1.2 through %s, "
+                    "which gRPC reads when it is imported; import orchard first and leave %s unset)",
+                    tlsversion.why_not(), tlsversion.ENV, tlsversion.ENV)
     return grpc.ssl_server_credentials([(paths.server_key.read_bytes(), paths.server_cert.read_bytes())])
+
+
+def https_context(paths: TlsPaths) -> ssl.SSLContext:
+    """The server side of an HTTPS listener (the dashboard): TLS 1.3 only."""
+    _check(paths)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(str(paths.server_cert), str(paths.server_key))
+    return ctx
