@@ -8,8 +8,10 @@ privacy budget spent (ε) over rounds as plots, and the list of runs.
 
 Security: it needs the same admin token as the control API, because it shows
 everything the control API's status does. A browser opens ``/?token=ADMIN_TOKEN`` once;
-the token is then kept in an HttpOnly, SameSite=Strict cookie and dropped from the
-address bar. Scripts may send ``Authorization: Bearer ADMIN_TOKEN`` instead. A root
+the answer sets an HttpOnly, SameSite=Strict cookie (Secure under TLS) and redirects to
+``/``, so the token leaves the address bar and history; later requests carry the cookie.
+A token in any other URL is refused. Scripts may send ``Authorization: Bearer
+ADMIN_TOKEN`` instead. A root
 that serves TLS serves the dashboard over HTTPS with the same certificate, so the
 token never crosses the network in clear; an ``--insecure`` root binds loopback only.
 Every route is GET: nothing on the dashboard changes the federation.
@@ -44,8 +46,11 @@ REFUSED = ("The Orchard dashboard needs the admin token (the root keeps it in DA
 
 
 def _token(request: web.Request) -> str | None:
-    return (bearer_token(list(request.headers.items())) or request.query.get("token")
-            or request.cookies.get(COOKIE))
+    # A token in the URL counts on the first load of "/" only, which moves it into the
+    # cookie at once (``_index``): anywhere else it would be left in logs and history.
+    if request.path == "/" and "token" in request.query:
+        return request.query["token"]
+    return bearer_token(list(request.headers.items())) or request.cookies.get(COOKIE)
 
 
 @web.middleware
@@ -58,8 +63,10 @@ async def _admin_only(request: web.Request, handler: Any) -> web.StreamResponse:
 async def _index(request: web.Request) -> web.StreamResponse:
     q = request.query.get("token")
     if q is not None:
-        # Keep the token out of the address bar and history: set the cookie, come back.
-        resp = web.HTTPSeeOther("/")
+        # Keep the token out of the address bar, history and proxy logs: set the cookie
+        # (out of reach of scripts, never sent by another site, over TLS only under TLS)
+        # and come back to "/" without it.
+        resp = web.HTTPSeeOther("/", headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
         resp.set_cookie(COOKIE, q, httponly=True, samesite="Strict", secure=request.app[_SECURE], path="/")
         raise resp
     return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
