@@ -43,6 +43,9 @@ def aggregator_start(
 ) -> None:
     """Start an aggregator: serves clients below, dials its upstream."""
     restrict_umask()  # whatever it writes is owner-only (orchard.files)
+    from orchard.server.corelog import HandshakeLog
+
+    handshakes = HandshakeLog().install()  # failed TLS handshakes: one line a minute, not one each
     setup_logging(verbose)
     from orchard.server.app import start_aggregator
     from orchard.server.process import tune_server_process
@@ -59,4 +62,7 @@ def aggregator_start(
         console.print(f"[green]aggregator {h.coordinator.name} listening on {h.address}[/], upstream {upstream}")
         await serve_until_signal(h)
 
-    run_async(main())
+    try:
+        run_async(main())
+    finally:
+        handshakes.close()

@@ -41,6 +41,9 @@ def server_start(
 ) -> None:
     """Start the root server."""
     restrict_umask()  # whatever it writes is owner-only (orchard.files)
+    from orchard.server.corelog import HandshakeLog
+
+    handshakes = HandshakeLog().install()  # failed TLS handshakes: one line a minute, not one each
     setup_logging(verbose)
     from orchard.server.app import start_root
     from orchard.server.process import tune_server_process
@@ -65,4 +68,7 @@ def server_start(
                           soft_wrap=True)
         await serve_until_signal(h)
 
-    run_async(main())
+    try:
+        run_async(main())
+    finally:
+        handshakes.close()
