@@ -15,13 +15,17 @@ need it, and only for ``runtime="torch"``.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from orchard.errors import ConfigError, OrchardError
+from orchard.files import private_dir, report_loose
 from orchard.link import LinkConfig
 from orchard.typing import Role
+
+log = logging.getLogger("orchard.client")
 
 RUNTIMES = ("torch", "executorch")
 
@@ -177,6 +181,9 @@ async def serve_client(setup: ClientSetup, *, stop: asyncio.Event, max_tasks: in
         # the actual device.
         edge = EdgeGovernance(default_provider(), setup.policy)
     o = setup.options
+    if o.state_dir is not None:  # the device's key, credential and codec state: owner-only
+        report_loose(o.state_dir, "the client's state dir", log)
+        private_dir(o.state_dir)
     link = FleetLink(setup.link_config())
     rt = ClientRuntime(link, trainer_factory(setup), partition_id=o.partition, state_dir=o.state_dir, seed=o.seed,
                        edge=edge)

@@ -37,6 +37,7 @@ from orchard.compression.update import states_from_bytes, states_to_bytes
 from orchard.config import CodecSpec, RunConfig
 from orchard.edge_runtime.governor import GovernorReport
 from orchard.errors import AuthError, OrchardError
+from orchard.files import atomic_write
 from orchard.link import FleetLink, UploadRefused
 from orchard.messages import Idle, TaskAssignment, UploadHeader
 from orchard.trainer import TrainConfig, Trainer, TrainResult, round_config
@@ -237,10 +238,7 @@ class ClientRuntime:
         st = self._codec_state.get(run_id)
         if p is None or not st:
             return
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_suffix(".tmp")
-        tmp.write_bytes(states_to_bytes(st))
-        tmp.replace(p)
+        atomic_write(p, states_to_bytes(st))  # owner-only: the device's own state
 
 
 __all__ = ["ClientRuntime", "OrchardError", "TaskReport"]

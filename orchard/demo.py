@@ -25,6 +25,7 @@ from rich.console import Console
 from orchard import wire
 from orchard.config import CodecSpec, CohortConfig, RunConfig, SecureAggregationConfig
 from orchard.errors import OrchardError
+from orchard.files import open_private, private_dir
 from orchard.trainer import TrainConfig
 
 
@@ -60,7 +61,7 @@ class Procs:
 
     def start(self, name: str, args: list[str]) -> subprocess.Popen[bytes]:
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        log = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115 - closed with the process
+        log = open_private(self.logs / f"{name}.log")  # noqa: SIM115 - closed with the process
         p = subprocess.Popen([sys.executable, "-m", "orchard.cli", *args], stdout=log, stderr=subprocess.STDOUT,
                              env=env, start_new_session=True)
         self.items.append((name, p))
@@ -108,7 +109,7 @@ def run_demo(spec: DemoSpec, console: Console | None = None) -> dict[str, Any]:
         raise DemoError("--clients and --rounds must be >= 1 and --aggregators >= 0")
     out = spec.out
     out.mkdir(parents=True, exist_ok=True)
-    (out / "logs").mkdir(exist_ok=True)
+    private_dir(out / "logs")  # the processes' logs: owner-only, as their data dirs
     root_dir = out / "root"
     if root_dir.exists():
         import shutil
@@ -135,7 +136,7 @@ def run_demo(spec: DemoSpec, console: Console | None = None) -> dict[str, Any]:
         paths = init_certs(out / "tls")
         ca = paths.ca_cert
         tls = ["--tls-dir", str(out / "tls")]
-    root_dir.mkdir(parents=True)
+    private_dir(root_dir)
     store = SQLiteStore(root_dir / "orchard.db")
     agg_tokens = [store.issue_token("aggregator", f"demo-agg-{i}") for i in range(spec.aggregators)]
     client_tokens = [store.issue_token("client", f"demo-client-{i}") for i in range(spec.clients)]

@@ -39,6 +39,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from orchard.errors import AuthError
+from orchard.files import DIR_MODE, atomic_write
 
 CERT_VERSION = 1
 CERT_DOMAIN = b"orchard/device-certificate/v1\x00"
@@ -242,12 +243,6 @@ class NodeIdentity:
 
     def _write(self, name: str, data: bytes) -> None:
         assert self.directory is not None
-        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.directory, 0o700)
-        tmp = self.directory / f".{name}.{os.getpid()}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.directory / name)
+        if self.directory.is_dir():
+            os.chmod(self.directory, DIR_MODE)  # it holds the private key: owner-only even if found open
+        atomic_write(self.directory / name, data)

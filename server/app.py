@@ -22,6 +22,7 @@ import numpy as np
 from orchard import wire
 from orchard.config import ServerConfig
 from orchard.errors import ConfigError
+from orchard.files import atomic_write, private_dir, report_loose
 from orchard.link import FleetLink, LinkConfig
 from orchard.server.aggregator import UpstreamLink
 from orchard.server.auth import (
@@ -33,7 +34,7 @@ from orchard.server.auth import (
 from orchard.server.coordinator import Coordinator
 from orchard.server.decoding import ClientUpdateDecoder
 from orchard.server.servicer import FleetServicer, add_fleet_servicer
-from orchard.server.store import SQLiteStore, Store, atomic_write, hash_token
+from orchard.server.store import SQLiteStore, Store, hash_token
 from orchard.server.tls import TlsPaths, init_certs, server_credentials
 from orchard.typing import Role
 from orchard.v1 import orchard_pb2_grpc as pbg
@@ -118,10 +119,7 @@ def _admin_token(store: Store, data_dir: Path) -> str | None:
         return None
     tok = "orc_admin_" + secrets.token_urlsafe(32)
     store.set_meta("admin_token_hash", hash_token(tok))
-    p = data_dir / "admin.token"
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(tok + "\n")
+    atomic_write(data_dir / "admin.token", (tok + "\n").encode())
     return tok
 
 
@@ -137,7 +135,8 @@ async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int
 
     check_bind(host, insecure)
     data_dir = Path(data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
+    report_loose(data_dir, "the root's data dir", log)
+    private_dir(data_dir)
     cfg = (server_cfg or ServerConfig()).model_copy(update={"host": host, "port": port})
     store = SQLiteStore(data_dir / "orchard.db")
     coord = Coordinator("root", cfg, np.random.default_rng(seed), ClientUpdateDecoder(), noise_rng=noise_rng)
@@ -214,7 +213,8 @@ async def start_aggregator(upstream: str, *, host: str = "127.0.0.1", port: int 
     cfg = (server_cfg or ServerConfig()).model_copy(update={"host": host, "port": port})
     identity_dir = None
     if data_dir is not None:
-        identity_dir = Path(data_dir) / "identity"
+        report_loose(data_dir, "the aggregator's data dir", log)
+        identity_dir = private_dir(data_dir) / "identity"
     link = FleetLink(LinkConfig(target=upstream, role=Role.AGGREGATOR, token=token,
                                 ca_cert=Path(ca_cert) if ca_cert else None, insecure=insecure, node_id=node_id,
                                 identity_dir=identity_dir))

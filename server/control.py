@@ -33,8 +33,8 @@ class ControlServicer(pbg.ControlServicer):
 
     def _admin(self, context: grpc.aio.ServicerContext) -> None:
         if not self.auth.admin_ok(bearer_token(context.invocation_metadata())):
-            raise AuthError("the control API needs the admin token (printed at first server start, "
-                            "stored in DATA_DIR/admin.token); pass --admin-token or set ORCHARD_ADMIN_TOKEN")
+            raise AuthError("the control API needs the admin token (the root keeps it in DATA_DIR/admin.token, "
+                            "owner-only); pass --admin-token or set ORCHARD_ADMIN_TOKEN")
 
     @mapped
     async def StartRun(self, request_iterator: AsyncIterator[pb.StartRunPart],

@@ -8,8 +8,10 @@ privacy budget spent (ε) over rounds as plots, and the list of runs.
 
 Security: it needs the same admin token as the control API, because it shows
 everything the control API's status does. A browser opens ``/?token=ADMIN_TOKEN`` once;
-the token is then kept in an HttpOnly, SameSite=Strict cookie and dropped from the
-address bar. Scripts may send ``Authorization: Bearer ADMIN_TOKEN`` instead. A root
+the answer sets an HttpOnly, SameSite=Strict cookie (Secure under TLS) and redirects to
+``/``, so the token leaves the address bar and history; later requests carry the cookie.
+A token in any other URL is refused. Scripts may send ``Authorization: Bearer
+ADMIN_TOKEN`` instead. A root
 that serves TLS serves the dashboard over HTTPS with the same certificate, so the
 token never crosses the network in clear; an ``--insecure`` root binds loopback only.
 Every route is GET: nothing on the dashboard changes the federation.
@@ -23,7 +25,6 @@ internet at run time.
 from __future__ import annotations
 
 import json
-import ssl
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from aiohttp import web
 from orchard.server import observe
 from orchard.server.auth import Authenticator, bearer_token
 from orchard.server.root import RootRunner
-from orchard.server.tls import TlsPaths
+from orchard.server.tls import TlsPaths, https_context
 
 STATIC = Path(__file__).resolve().parent / "dashboard_static"
 COOKIE = "orchard_admin"
@@ -40,13 +41,16 @@ _RUNNER: web.AppKey[RootRunner] = web.AppKey("runner", RootRunner)
 _AUTH: web.AppKey[Authenticator] = web.AppKey("auth", Authenticator)  # type: ignore[type-abstract]
 _SECURE: web.AppKey[bool] = web.AppKey("secure", bool)
 
-REFUSED = ("The Orchard dashboard needs the admin token (printed at the root's first start, kept in "
-           "DATA_DIR/admin.token): open /?token=ADMIN_TOKEN, or send 'Authorization: Bearer ADMIN_TOKEN'.\n")
+REFUSED = ("The Orchard dashboard needs the admin token (the root keeps it in DATA_DIR/admin.token, "
+           "owner-only): open /?token=ADMIN_TOKEN, or send 'Authorization: Bearer ADMIN_TOKEN'.\n")
 
 
 def _token(request: web.Request) -> str | None:
-    return (bearer_token(list(request.headers.items())) or request.query.get("token")
-            or request.cookies.get(COOKIE))
+    # A token in the URL counts on the first load of "/" only, which moves it into the
+    # cookie at once (``_index``): anywhere else it would be left in logs and history.
+    if request.path == "/" and "token" in request.query:
+        return request.query["token"]
+    return bearer_token(list(request.headers.items())) or request.cookies.get(COOKIE)
 
 
 @web.middleware
@@ -59,8 +63,10 @@ async def _admin_only(request: web.Request, handler: Any) -> web.StreamResponse:
 async def _index(request: web.Request) -> web.StreamResponse:
     q = request.query.get("token")
     if q is not None:
-        # Keep the token out of the address bar and history: set the cookie, come back.
-        resp = web.HTTPSeeOther("/")
+        # Keep the token out of the address bar, history and proxy logs: set the cookie
+        # (out of reach of scripts, never sent by another site, over TLS only under TLS)
+        # and come back to "/" without it.
+        resp = web.HTTPSeeOther("/", headers={"Cache-Control": "no-store", "Referrer-Policy": "no-referrer"})
         resp.set_cookie(COOKIE, q, httponly=True, samesite="Strict", secure=request.app[_SECURE], path="/")
         raise resp
     return web.FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-store"})
@@ -151,10 +157,7 @@ class Dashboard:
 async def serve_dashboard(runner: RootRunner, auth: Authenticator, host: str, port: int,
                           tls: TlsPaths | None) -> Dashboard:
     """Serve the dashboard on ``host:port`` (0: a free port); HTTPS when ``tls`` is given."""
-    ctx = None
-    if tls is not None:
-        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        ctx.load_cert_chain(str(tls.server_cert), str(tls.server_key))
+    ctx = https_context(tls) if tls is not None else None
     app_runner = web.AppRunner(build_app(runner, auth, secure=ctx is not None), access_log=None)
     await app_runner.setup()
     site = web.TCPSite(app_runner, host, port, ssl_context=ctx)

@@ -30,11 +30,12 @@ from orchard.aggregation.server_opt import ServerOptimizer
 from orchard.aggregation.staleness import merge_histograms
 from orchard.config import RunConfig, ServerConfig, ServerOptimizerConfig, base_model_dir
 from orchard.errors import ConfigError, RoundClosedError, StoreError, UpdateSchemaError
+from orchard.files import atomic_write
 from orchard.server.buffer import BufferState
 from orchard.server.coordinator import Coordinator
 from orchard.server.round import RoundRecord, RoundStatus, root_task
 from orchard.server.runloop import Played, RoundPlan, RunState, run_rounds, updates_needed
-from orchard.server.store import Store, atomic_write
+from orchard.server.store import Store
 from orchard.typing import NDArrays, schema_of
 
 T = TypeVar("T")

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from orchard.errors import UnknownRunError
+from orchard.files import open_append
 from orchard.server.root import RootRunner
 
 # Run ids are made by the root (run-YYYYmmdd-HHMMSS-xxxxxx); anything else never names a file.
@@ -52,10 +53,8 @@ class RunLog:
         if event:
             rec["event"] = event  # "run_end": the last line a run's log gets (followers stop there)
         line = json.dumps(rec)
-        with self._lock:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            with open(self.path(run_id), "a", encoding="utf-8") as f:
-                f.write(line + "\n")
+        with self._lock, open_append(self.path(run_id)) as f:  # owner-only, as the whole data dir
+            f.write(line + "\n")
 
     def read(self, run_id: str, after: int = 0, max_bytes: int = MAX_PAGE_BYTES) -> tuple[list[str], int]:
         """Complete lines from byte offset ``after`` (at most about ``max_bytes``), and the

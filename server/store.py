@@ -25,7 +25,6 @@ transaction.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import time
 from dataclasses import dataclass, replace
@@ -33,6 +32,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from orchard.errors import StoreError
+
+# atomic_write is re-exported: the root writes the checkpoints it indexes here with it.
+from orchard.files import atomic_write as atomic_write
+from orchard.files import create_private
 from orchard.identity import SigningKey
 from orchard.server.tokens import (
     DeviceRow,
@@ -154,6 +157,8 @@ class SQLiteStore:
     def __init__(self, path: str | Path) -> None:
         self.path = str(path)
         try:
+            # SQLite gives its -wal and -shm files the database file's mode: owner-only.
+            create_private(self.path)
             self._db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")
@@ -579,19 +584,3 @@ class MemoryStore:
 
     def buffers(self, run_id: str) -> list[BufferRow]:
         return [b for (r, _), b in sorted(self._buffers.items()) if r == run_id]
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves the old file or the new one, never a mix."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)

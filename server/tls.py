@@ -2,14 +2,17 @@
 
 The CA signs one server certificate whose subject alternative names cover the given
 hosts (``localhost`` and ``127.0.0.1`` by default). Clients and aggregators trust the CA
-file; keys are written with mode 0600.
+file. Every file is written owner-only (``orchard.files``): the keys are secrets, and the
+certificates, public as they are, sit in a data dir that is owner-only as a whole (copy
+``ca.pem`` to where clients run).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import ipaddress
-import os
+import logging
+import ssl
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +21,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from orchard import tlsversion
 from orchard.errors import ConfigError
+from orchard.files import atomic_write
+
+log = logging.getLogger("orchard.server.tls")
 
 
 @dataclass(frozen=True)
@@ -35,13 +42,6 @@ class TlsPaths:
 
     def exists(self) -> bool:
         return self.server_cert.is_file() and self.server_key.is_file() and self.ca_cert.is_file()
-
-
-def _write(path: Path, data: bytes, private: bool) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
 
 
 def init_certs(out: str | Path, hosts: list[str] | None = None, days: int = 825) -> TlsPaths:
@@ -75,16 +75,35 @@ def init_certs(out: str | Path, hosts: list[str] | None = None, days: int = 825)
     pem = serialization.Encoding.PEM
     nopw = serialization.NoEncryption()
     pkcs8 = serialization.PrivateFormat.PKCS8
-    _write(paths.ca_cert, ca.public_bytes(pem), private=False)
-    _write(paths.ca_key, ca_key.private_bytes(pem, pkcs8, nopw), private=True)
-    _write(paths.server_cert, cert.public_bytes(pem), private=False)
-    _write(paths.server_key, key.private_bytes(pem, pkcs8, nopw), private=True)
+    atomic_write(paths.ca_cert, ca.public_bytes(pem))
+    atomic_write(paths.ca_key, ca_key.private_bytes(pem, pkcs8, nopw))
+    atomic_write(paths.server_cert, cert.public_bytes(pem))
+    atomic_write(paths.server_key, key.private_bytes(pem, pkcs8, nopw))
     return paths
 
 
-def server_credentials(paths: TlsPaths):
-    import grpc
-
+def _check(paths: TlsPaths) -> None:
     if not paths.exists():
         raise ConfigError(f"TLS files missing in {paths.server_cert.parent}: run `orchard certs init --out DIR`")
+
+
+def server_credentials(paths: TlsPaths):
+    """gRPC server credentials: TLS 1.3 only where ``orchard.tlsversion`` holds (it warns here
+    when it does not)."""
+    import grpc
+
+    _check(paths)
+    if not tlsversion.held():
+        log.warning("this gRPC server also accepts TLS 1.2: %s (Orchard makes gRPC refuse TLS 1.2 through %s, "
+                    "which gRPC reads when it is imported; import orchard first and leave %s unset)",
+                    tlsversion.why_not(), tlsversion.ENV, tlsversion.ENV)
     return grpc.ssl_server_credentials([(paths.server_key.read_bytes(), paths.server_cert.read_bytes())])
+
+
+def https_context(paths: TlsPaths) -> ssl.SSLContext:
+    """The server side of an HTTPS listener (the dashboard): TLS 1.3 only."""
+    _check(paths)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.load_cert_chain(str(paths.server_cert), str(paths.server_key))
+    return ctx

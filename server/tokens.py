@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from orchard.files import private_dir
 from orchard.identity import SigningKey, hash_secret
 
 
@@ -68,7 +69,7 @@ class Revoked:
 
 def load_or_create_key(path: Path) -> SigningKey:
     """The Ed25519 key in ``path`` (32 raw bytes, mode 0600, its folder 0700), made if absent."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_dir(path.parent)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:

@@ -10,6 +10,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+# Before any test module imports grpc, which reads its TLS settings once: the servers the
+# tests start accept TLS 1.3 only, as every `orchard` command's do (orchard.tlsversion).
+import orchard  # noqa: F401
+
 torch.set_num_threads(1)
 
 

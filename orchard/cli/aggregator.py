@@ -19,6 +19,7 @@ from orchard.cli.common import (
     server_config,
     setup_logging,
 )
+from orchard.files import restrict_umask
 
 app = typer.Typer(no_args_is_help=True, help="An aggregator tier.")
 
@@ -41,6 +42,10 @@ def aggregator_start(
     verbose: Verbose = True,
 ) -> None:
     """Start an aggregator: serves clients below, dials its upstream."""
+    restrict_umask()  # whatever it writes is owner-only (orchard.files)
+    from orchard.server.corelog import HandshakeLog
+
+    handshakes = HandshakeLog().install()  # failed TLS handshakes: one line a minute, not one each
     setup_logging(verbose)
     from orchard.server.app import start_aggregator
     from orchard.server.process import tune_server_process
@@ -57,4 +62,7 @@ def aggregator_start(
         console.print(f"[green]aggregator {h.coordinator.name} listening on {h.address}[/], upstream {upstream}")
         await serve_until_signal(h)
 
-    run_async(main())
+    try:
+        run_async(main())
+    finally:
+        handshakes.close()

@@ -25,6 +25,7 @@ from orchard.cli.common import (
     stop_on_signal,
 )
 from orchard.errors import OrchardError
+from orchard.files import restrict_umask
 
 app = typer.Typer(no_args_is_help=True, help="An edge client.")
 
@@ -54,6 +55,7 @@ def client_start(
     verbose: Verbose = True,
 ) -> None:
     """Start an edge client: join, long-poll, train (under the device policy's budgets), push."""
+    restrict_umask()  # whatever it writes is owner-only (orchard.files)
     setup_logging(verbose)
     from orchard.client.launch import ClientOptions, resolve_client, serve_client, warm_up
 

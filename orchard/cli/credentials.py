@@ -20,10 +20,12 @@ tokens_app = typer.Typer(no_args_is_help=True, help="Enrollment tokens.")
 def certs_init(out_dir: Annotated[Path, typer.Option("--out")],
                host: Annotated[list[str] | None, typer.Option("--host", help="Server names/IPs (repeatable).")] = None) -> None:
     """Make a CA and a server certificate (for the root and aggregators)."""
+    from orchard.files import restrict_umask
     from orchard.server.tls import init_certs
 
+    restrict_umask()
     p = init_certs(out_dir, host)
-    out.print(f"CA {p.ca_cert}; server certificate {p.server_cert} (key {p.server_key}, mode 0600)")
+    out.print(f"CA {p.ca_cert}; server certificate {p.server_cert} (key {p.server_key}); all owner-only (0600)")
 
 
 @tokens_app.command("issue")
@@ -35,12 +37,13 @@ def tokens_issue(data_dir: Annotated[Path, typer.Option("--data-dir")],
                      "credential. Without --count: one shared token, which any number of nodes enroll with.")] = None,
                  label: Annotated[str, typer.Option("--label")] = "") -> None:
     """Issue enrollment tokens (stored hashed in the root's store; printed once, one a line)."""
+    from orchard.files import private_dir, restrict_umask
     from orchard.server.store import SQLiteStore
 
+    restrict_umask()
     if role not in ("client", "aggregator"):
         fail(OrchardError(f"--role must be client or aggregator, got {role!r}"))
-    data_dir.mkdir(parents=True, exist_ok=True)
-    st = SQLiteStore(data_dir / "orchard.db")
+    st = SQLiteStore(private_dir(data_dir) / "orchard.db")
     try:
         for _ in range(count or 1):
             out.print(st.issue_token(role, label, device=count is not None), highlight=False)

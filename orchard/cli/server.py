@@ -17,6 +17,7 @@ from orchard.cli.common import (
     server_config,
     setup_logging,
 )
+from orchard.files import restrict_umask
 
 app = typer.Typer(no_args_is_help=True, help="The root server.")
 
@@ -39,6 +40,10 @@ def server_start(
     verbose: Verbose = True,
 ) -> None:
     """Start the root server."""
+    restrict_umask()  # whatever it writes is owner-only (orchard.files)
+    from orchard.server.corelog import HandshakeLog
+
+    handshakes = HandshakeLog().install()  # failed TLS handshakes: one line a minute, not one each
     setup_logging(verbose)
     from orchard.server.app import start_root
     from orchard.server.process import tune_server_process
@@ -51,8 +56,10 @@ def server_start(
         tune_server_process()
         console.print(f"[green]root listening on {h.address}[/] ({'INSECURE' if insecure else 'TLS'}); "
                       f"data in {data_dir}")
-        if h.admin_token:
-            console.print(f"admin token (shown once, also in {data_dir / 'admin.token'}): {h.admin_token}")
+        if not insecure:
+            # Never the token itself: this output often lands in a log file that others can read.
+            console.print(f"admin token: in {data_dir / 'admin.token'} (owner-only; "
+                          f"{'created now' if h.admin_token else 'made at the first start'})", soft_wrap=True)
         if h.ca_cert:
             console.print(f"clients trust the CA at {h.ca_cert}")
         if h.dashboard is not None:
@@ -61,4 +68,7 @@ def server_start(
                           soft_wrap=True)
         await serve_until_signal(h)
 
-    run_async(main())
+    try:
+        run_async(main())
+    finally:
+        handshakes.close()
