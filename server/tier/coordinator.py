@@ -374,7 +374,7 @@ class Coordinator:
         """The result of a closed round (the simulator calls this directly), once its folds
         are done."""
         partial, measurements = cr.result()
-        dropped = sum(1 for a in cr.assignments.values() if a.dropped)
+        dropped = sum(1 for a in cr.assignments.values() if a.dropped) + cr.dropped_below
         return RoundOutcome(task=cr.task, partial=partial, selected=len(cr.assignments), dropped=dropped,
                             bytes_up=cr.bytes_up, bytes_down=cr.bytes_down,
                             tier_participants=dict(cr.tier_participants), reason=cr.close_reason,

@@ -140,6 +140,7 @@ def delivered(tier: Coordinator, slot: UploadSlot) -> None:
     counters["bytes_up"] += n
     if h.kind is UploadKind.PARTIAL_SUM:
         cr.count_bytes(up=n + h.bytes_up, down=h.bytes_down)
+        cr.count_dropped_below(h.dropped)
         for k, v in h.tier_participants.items():
             cr.count_participants(k, v)
     else:
