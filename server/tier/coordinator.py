@@ -73,7 +73,7 @@ class Coordinator:
         self.decode_client = client_decoder
         self.now, self.wall = monotonic, wall
         self.executor: Executor = executor_for(name, cfg, inline)
-        self.registry = Registry(cfg.node_timeout_s, monotonic, ready_s=max(2.0, cfg.heartbeat_s))
+        self.registry = Registry(cfg.node_timeout_s, monotonic, ready_s=max(5.0, cfg.heartbeat_s))
         self.children: dict[str, Child] = self.registry.children
         self.current: CohortRound | None = None
         self._policies: dict[str, RoundPolicy] = {}

@@ -59,7 +59,7 @@ class Registry:
     """A tier's children by node id (``children``: the map itself, read by the servers,
     the simulator and tests)."""
 
-    def __init__(self, node_timeout_s: float, monotonic: Callable[[], float], ready_s: float = 2.0) -> None:
+    def __init__(self, node_timeout_s: float, monotonic: Callable[[], float], ready_s: float = 5.0) -> None:
         self.timeout = node_timeout_s
         self.ready_s = ready_s
         self._mono = monotonic

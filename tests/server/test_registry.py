@@ -129,9 +129,9 @@ def test_a_selected_node_that_stops_waiting_before_it_takes_its_task_is_dropped_
     coord.registry.poll_ended(c, cancelled=False)  # it was between two polls when the round opened
     cr = coord.open_round(_task(1))
     assert "a" in cr.assignments
-    clock.t += 1.0
+    clock.t += 4.0
     coord.sweep()
     assert not cr.assignments["a"].dropped
-    clock.t += 1.5  # no poll since: it does not wait for work any more (not 60 s, its timeout)
+    clock.t += 1.5  # no poll for 5 s: it does not wait for work any more (not 60 s, its timeout)
     coord.sweep()
     assert cr.assignments["a"].dropped
