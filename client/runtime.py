@@ -136,6 +136,9 @@ class ClientRuntime:
         return False
 
     async def do_task(self, t: TaskAssignment) -> TaskReport:
+        # Heartbeats from the task's start until its update is sent (the pull, training,
+        # encoding and upload): a tier drops a node silent for its node timeout.
+        beat = asyncio.create_task(self._heartbeats(t))
         try:
             return await self._do_task(t)
         except (AuthError, asyncio.CancelledError):
@@ -148,6 +151,8 @@ class ClientRuntime:
             if _secure(t):
                 self._lost_secure.add(t.task_id)
             return TaskReport(t.round, False, f"{type(err).__name__}: {err}")
+        finally:
+            beat.cancel()
 
     async def _do_task(self, t: TaskAssignment) -> TaskReport:
         cfg = RunConfig.model_validate_json(t.config_json)
@@ -159,7 +164,6 @@ class ClientRuntime:
         seed = train_seed(cfg.seed, t.round, self.partition_id)
         train_cfg = round_config(trainer, dataclasses.replace(cfg.train, seed=seed), t.round)
         loop = asyncio.get_running_loop()
-        beat = asyncio.create_task(self._heartbeats(t))
         report: GovernorReport | None = None
         secure, upload = self._start_secure(t, cfg, seed)
         try:
@@ -173,8 +177,6 @@ class ClientRuntime:
             if secure is not None:
                 secure.cancel()
             raise
-        finally:
-            beat.cancel()
         if result.num_steps == 0 and report is not None:
             if secure is not None:
                 secure.cancel()

@@ -340,9 +340,17 @@ class ServerConfig(_Strict):
     max_inflight_uploads: int = Field(16, ge=1)  # staged uploads held at once: bounds memory
     max_upload_bytes: int = Field(2 << 30, ge=1)
     chunk_bytes: int = Field(4 << 20, ge=1024, le=4 << 20)  # model chunks sent down (orchard.wire)
-    heartbeat_s: float = Field(10.0, gt=0.0)
-    node_timeout_s: float = Field(60.0, gt=0.0)
+    # Nodes beat every heartbeat_s / 2 while they work on a task; a node silent for
+    # node_timeout_s (no call, no long poll outstanding) is dropped from its round.
+    heartbeat_s: float = Field(4.0, gt=0.0)
+    node_timeout_s: float = Field(12.0, gt=0.0)
     long_poll_s: float = Field(20.0, gt=0.0)
+    # Join's limits per peer address and per credential (orchard.server.ratelimit): a burst,
+    # then a rate per second, of failed joins and of joins whose node has not polled yet.
+    join_failures_burst: int = Field(10, ge=1)
+    join_failures_per_s: float = Field(0.2, gt=0.0)
+    unpolled_joins_burst: int = Field(50, ge=1)
+    unpolled_joins_per_s: float = Field(0.5, gt=0.0)
     # Processes that expand a secure session's masks when it unmasks (None: one per core;
     # 0: threads of the server process). Started with the first session large enough to
     # gain from them (orchard.server.secagg.MASK_WORKERS_MIN_BYTES), kept until shutdown.

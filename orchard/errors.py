@@ -96,3 +96,15 @@ class RoundFailed(OrchardError):
 
 class StoreError(OrchardError):
     """The durable store is missing, corrupt, or from an incompatible version."""
+
+
+class InvalidRequestError(OrchardError):
+    """A request's field is out of its bounds (too long, wrong characters, not a finite number in range)."""
+
+
+class RateLimitedError(OrchardError):
+    """A caller asked more often than a tier allows (failed joins, joins that never poll); ``retry_after_s`` says when."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(f"{message}; retry in {retry_after_s:.1f}s")

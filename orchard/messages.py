@@ -65,6 +65,9 @@ class UploadHeader:
     # Asynchronous mode, partials only: the client updates inside, by the staleness they
     # were folded with below (the tier above adds the partial's own staleness).
     staleness: dict[int, int] = field(default_factory=dict)
+    # Partials only: nodes selected below this tier (at every tier down) that were dropped
+    # (silent past their timeout, or gone), so that the root's record counts them.
+    dropped: int = 0
 
     @property
     def total_bytes(self) -> int:

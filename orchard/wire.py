@@ -315,7 +315,7 @@ def header_to_proto(h: UploadHeader) -> pb.UploadHeader:
         codec=h.codec, payload_sha256=h.payload_sha256, weight=h.weight, count=h.count,
         num_examples=h.num_examples, num_steps=h.num_steps, metric_sums=h.metric_sums,
         metric_weights=h.metric_weights, bytes_up=h.bytes_up, bytes_down=h.bytes_down,
-        tier_participants=h.tier_participants, staleness=h.staleness)
+        tier_participants=h.tier_participants, staleness=h.staleness, dropped=h.dropped)
 
 
 def header_from_proto(m: pb.UploadHeader) -> UploadHeader:
@@ -330,4 +330,4 @@ def header_from_proto(m: pb.UploadHeader) -> UploadHeader:
         weight=m.weight, count=m.count, num_examples=m.num_examples, num_steps=m.num_steps,
         metric_sums=dict(m.metric_sums), metric_weights=dict(m.metric_weights), bytes_up=m.bytes_up,
         bytes_down=m.bytes_down, tier_participants=dict(m.tier_participants),
-        staleness={int(k): int(v) for k, v in m.staleness.items()})
+        staleness={int(k): int(v) for k, v in m.staleness.items()}, dropped=m.dropped)

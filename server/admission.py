@@ -139,11 +139,15 @@ def admit_header(h: UploadHeader, caller: str, role: Role, task: RoundTask, slot
             raise UpdateSchemaError(f"partial count {h.count} is out of range")
         if h.count > 0 and not (math.isfinite(h.weight) and h.weight > 0):
             raise UpdateSchemaError(f"partial weight must be positive and finite, got {h.weight}")
+        if not (0 <= h.dropped <= slot.target * 10 + 10**6):
+            raise UpdateSchemaError(f"partial's dropped count {h.dropped} is out of range (0 to its share's bound)")
     else:
         if h.codec != task.config.codec.name:
             raise UpdateSchemaError(f"update encoded with {h.codec!r}; this round uses {task.config.codec.name!r}")
         if h.count != 1:
             raise UpdateSchemaError(f"a client update counts 1, header says {h.count}")
+        if h.dropped:
+            raise UpdateSchemaError(f"a client update drops no one below it, header says {h.dropped}")
         if not (math.isfinite(h.weight) and h.weight > 0):
             raise UpdateSchemaError(f"update weight must be positive and finite, got {h.weight}")
     if h.staleness and (want_kind is not UploadKind.PARTIAL_SUM or any(k < 0 or v < 0 for k, v in h.staleness.items())

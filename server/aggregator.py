@@ -154,7 +154,7 @@ class UpstreamLink:
     async def _heartbeats(self, t: TaskAssignment, cr) -> None:
         while not cr.closed:
             await asyncio.sleep(self.link.heartbeat_s / 2)
-            if not await self.link.heartbeat(t.task_id, progress=cr.received / max(1, cr.task.target)):
+            if not await self.link.heartbeat(t.task_id, progress=min(1.0, cr.received / max(1, cr.task.target))):
                 self.coord.close_round(cr, "upstream no longer wants this round")
                 return
 

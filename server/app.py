@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import secrets
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -162,7 +163,9 @@ async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int
         ca = paths.ca_cert
 
     def on_join(node_id: str, role: Role, token_hash: str, caps: dict[str, str]) -> None:
-        store.upsert_node(node_id, role.value, token_hash, caps)
+        # Rows of nodes not seen for as long as the registry keeps a node go (the table stays
+        # bounded by the joins of that window: rate-limited, see docs/operating.md).
+        store.upsert_node(node_id, role.value, token_hash, caps, time.time() - 10 * cfg.node_timeout_s)
 
     from orchard.server.runlog import RunLog
     from orchard.server.runlog import attach as attach_runlog

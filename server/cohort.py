@@ -210,6 +210,7 @@ class CohortRound:
         self._bytes_down = 0
         self._tier_participants: dict[str, int] = {}
         self._rejected: dict[str, int] = {}
+        self._dropped_below = 0  # nodes dropped below this tier, as its partials reported
         self._reserved = 0  # updates (counts) folded or being folded: never above target for clients
         self._open = 0  # assignments neither delivered nor dropped
         self._clients_selected = 0
@@ -278,6 +279,10 @@ class CohortRound:
     @property
     def bytes_down(self) -> int:
         return self._bytes_down
+
+    @property
+    def dropped_below(self) -> int:
+        return self._dropped_below
 
     @property
     def reserved(self) -> int:
@@ -375,6 +380,9 @@ class CohortRound:
     def set_participants(self, tier: str, n: int) -> None:
         """A relay's count of its clients in the tree's session, as the session ended."""
         self._tier_participants[tier] = n
+
+    def count_dropped_below(self, n: int) -> None:
+        self._dropped_below += n
 
     def count_rejected(self, reason: str, n: int = 1) -> None:
         self._rejected[reason] = self._rejected.get(reason, 0) + n
@@ -478,6 +486,7 @@ class CohortRound:
         self._reserved += prev._reserved
         self._bytes_up += prev._bytes_up
         self._bytes_down += prev._bytes_down
+        self._dropped_below += prev._dropped_below
         for k, v in prev._tier_participants.items():
             _add(self._tier_participants, k, v)
         for k, v in prev._rejected.items():

@@ -55,11 +55,9 @@ def tree(runner: RootRunner) -> dict[str, Any]:
     children = []
     for c in coord.children.values():
         live = coord.live(c)
-        if c.role is Role.AGGREGATOR:
-            size, elig = (c.pool_size, c.pool_eligible) if live else (0, 0)
-        else:
-            size = int(live)
-            elig = int(live and (cfg is None or c.eligible(cfg.eligibility)))
+        # Eligible: what a round may select there now (waiting for work and eligible).
+        elig = coord.registry.selectable(c, cfg) if live else 0
+        size = (c.pool_size if c.role is Role.AGGREGATOR else 1) if live else 0
         children.append({"node_id": c.node_id, "role": c.role.value, "live": live, "clients": size,
                          "eligible": elig})
     children.sort(key=lambda n: (n["role"] != "aggregator", n["node_id"]))

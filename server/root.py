@@ -36,7 +36,7 @@ from orchard.server.coordinator import Coordinator
 from orchard.server.round import RoundRecord, RoundStatus, root_task
 from orchard.server.runloop import Played, RoundPlan, RunState, run_rounds, updates_needed
 from orchard.server.store import Store
-from orchard.typing import NDArrays, schema_of
+from orchard.typing import NDArrays, Role, schema_of
 
 T = TypeVar("T")
 log = logging.getLogger("orchard.server.root")
@@ -99,6 +99,10 @@ class RootRunner:
             if cfg.mode.is_async:
                 self.run.restore = self._journaled_buffer(self.run)
                 self.coord.journal = self._journal
+                # The nodes still training on the buffer's tasks come back to deliver: they
+                # count as waiting for work (Registry.register) while the root waits for clients.
+                for h in self.run.restore.held if self.run.restore is not None else ():
+                    self.coord.registry.register(h.node_id, Role(h.role), h.token_hash)
             if cfg.downlink_delta and ck.round > 0:
                 self._remember_base(row.run_id, ck.round - 1)
             log.info("resuming run %s after round %d", row.run_id, ck.round)

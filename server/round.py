@@ -70,7 +70,8 @@ def task_from_assignment(a: TaskAssignment, blob: bytes, config: RunConfig | Non
 
 @dataclass
 class RoundOutcome:
-    """How a tier's round ended: its partial sum and what it cost."""
+    """How a tier's round ended: its partial sum and what it cost. ``dropped``: the
+    tier's own selected children dropped, plus those its partials reported from below."""
 
     task: RoundTask
     partial: Partial
@@ -97,7 +98,7 @@ def partial_upload(a: TaskAssignment, node_id: str, out: RoundOutcome) -> tuple[
         payload_sha256=sha256_hex(payload), weight=p.weight, count=p.count,
         metric_sums=dict(p.metrics.sums), metric_weights=dict(p.metrics.weights),
         bytes_up=out.bytes_up, bytes_down=out.bytes_down, tier_participants=dict(out.tier_participants),
-        staleness=dict(out.staleness))
+        staleness=dict(out.staleness), dropped=out.dropped)
     return header, payload
 
 

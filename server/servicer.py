@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -23,9 +24,11 @@ from orchard.errors import (
     DuplicateUploadError,
     FutureModelVersionError,
     IntegrityError,
+    InvalidRequestError,
     NotSelectedError,
     OrchardError,
     PayloadTooLargeError,
+    RateLimitedError,
     RoundClosedError,
     SecAggError,
     StaleUpdateError,
@@ -36,9 +39,12 @@ from orchard.errors import (
     UpdateSchemaError,
 )
 from orchard.messages import Idle
+from orchard.server import bounds
 from orchard.server.auth import Ask, Authenticator, Enrollment, UpstreamUnavailable, bearer_token
 from orchard.server.coordinator import Coordinator
 from orchard.server.downlink import ModelReply
+from orchard.server.ratelimit import JoinLimiter, peer_host
+from orchard.server.store import hash_token
 from orchard.typing import Role
 from orchard.v1 import orchard_pb2 as pb
 from orchard.v1 import orchard_pb2_grpc as pbg
@@ -60,6 +66,8 @@ STATUS_OF: list[tuple[type[OrchardError], grpc.StatusCode]] = [
     (StaleUpdateError, grpc.StatusCode.ABORTED),
     (RoundClosedError, grpc.StatusCode.FAILED_PRECONDITION),
     (PayloadTooLargeError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (RateLimitedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (IntegrityError, grpc.StatusCode.DATA_LOSS),
     (UpdateSchemaError, grpc.StatusCode.INVALID_ARGUMENT),
     (CodecError, grpc.StatusCode.INVALID_ARGUMENT),
@@ -83,6 +91,13 @@ def code_for_error_name(name: str) -> grpc.StatusCode | None:
     return None
 
 
+def trailers(err: OrchardError) -> tuple[tuple[str, str], ...]:
+    """A refusal's trailing metadata: when to ask again (``retry-after-s``), if it says."""
+    if isinstance(err, RateLimitedError):
+        return (("retry-after-s", f"{err.retry_after_s:.3f}"),)
+    return ()
+
+
 def mapped(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
     """Map OrchardErrors to status codes for unary handlers."""
 
@@ -91,7 +106,7 @@ def mapped(fn: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
         try:
             return await fn(self, request, context)
         except OrchardError as err:
-            await context.abort(status_for(err), str(err))
+            await context.abort(status_for(err), str(err), trailers(err))
         except grpc.aio.AbortError:
             raise
         except Exception:  # a bug must not take the server down; the caller sees INTERNAL
@@ -110,7 +125,7 @@ def mapped_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncI
             async for item in fn(self, request, context):
                 yield item
         except OrchardError as err:
-            await context.abort(status_for(err), str(err))
+            await context.abort(status_for(err), str(err), trailers(err))
         except grpc.aio.AbortError:
             raise
         except Exception:
@@ -132,9 +147,12 @@ class FleetServicer(pbg.FleetServicer):
 
     def __init__(self, coordinator: Coordinator, auth: Authenticator,
                  on_join: Callable[[str, Role, str, dict[str, str]], None] | None = None,
-                 verify_token_upstream: Ask | None = None) -> None:
+                 verify_token_upstream: Ask | None = None, limits: JoinLimiter | None = None) -> None:
         self.coord = coordinator
         self.auth = auth
+        cfg = coordinator.cfg
+        self.limits = limits or JoinLimiter(time.monotonic, cfg.join_failures_burst, cfg.join_failures_per_s,
+                                            cfg.unpolled_joins_burst, cfg.unpolled_joins_per_s)
         self._on_join = on_join
         self._verify_upstream = verify_token_upstream
         self._chunks = ChunkCache()
@@ -158,14 +176,27 @@ class FleetServicer(pbg.FleetServicer):
     @mapped
     async def Join(self, request: pb.JoinRequest, context: grpc.aio.ServicerContext) -> pb.JoinReply:
         role = parse_role(request.role)
-        e = await self.auth.enroll(bearer_token(context.invocation_metadata()), role, request.node_id,
-                                   request.device_public_key, request.key_proof)
+        device = wire.device_from_proto(request.device)
+        bounds.check_join(request.node_id, request.capabilities, device, request.device_public_key, request.key_proof)
+        token = bearer_token(context.invocation_metadata())
+        peer, cred = peer_host(context.peer()), hash_token(token or "")
+        known = self.coord.children.get(request.node_id) if request.node_id else None
+        known_now = known is not None and known.token_hash == cred  # a node this tier knows, as it registered
+        if not known_now:
+            self.limits.check(peer, cred)
+        try:
+            e = await self.auth.enroll(token, role, request.node_id, request.device_public_key, request.key_proof)
+        except AuthError:
+            self.limits.failed(peer, cred)
+            raise
         prev = self.coord.children.get(e.node_id)
         if e.credential and prev is not None and prev.token_hash != e.token_hash:
             # The root just issued this node id's credential: the registration made with
             # what it held before (a token it exchanged now, a revoked credential) goes.
             self.coord.leave(e.node_id)
-        node_id = self.coord.join(e.node_id, role, e.token_hash, wire.device_from_proto(request.device))
+        node_id = self.coord.join(e.node_id, role, e.token_hash, device, waiting=False)  # waits once it polls
+        if not known_now:
+            self.limits.joined(node_id, peer, cred)  # owed until the node polls
         if self._on_join is not None:
             self._on_join(node_id, role, e.token_hash, dict(request.capabilities))
         cfg = self.coord.cfg
@@ -175,8 +206,11 @@ class FleetServicer(pbg.FleetServicer):
 
     @mapped
     async def Poll(self, request: pb.PollRequest, context: grpc.aio.ServicerContext) -> pb.PollReply:
+        device = wire.device_from_proto(request.device)
+        bounds.check_poll(request.node_id, device, request.pool_size, request.pool_eligible, request.wait_s)
         await self._caller(context, request.node_id)
-        got = await self.coord.poll(request.node_id, wire.device_from_proto(request.device),
+        self.limits.polled(request.node_id)
+        got = await self.coord.poll(request.node_id, device,
                                     request.pool_size, request.pool_eligible, request.wait_s)
         if isinstance(got, Idle):
             return pb.PollReply(idle=pb.Idle(retry_after_s=got.retry_after_s, reason=got.reason))
@@ -184,8 +218,10 @@ class FleetServicer(pbg.FleetServicer):
 
     @mapped
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatReply:
+        device = wire.device_from_proto(request.device)
+        bounds.check_heartbeat(request.node_id, device, request.task_id, request.progress)
         await self._caller(context, request.node_id)
-        wanted = self.coord.heartbeat(request.node_id, wire.device_from_proto(request.device), request.task_id)
+        wanted = self.coord.heartbeat(request.node_id, device, request.task_id)
         return pb.HeartbeatReply(task_still_wanted=wanted)
 
     @mapped_stream
@@ -200,10 +236,12 @@ class FleetServicer(pbg.FleetServicer):
         if request.offset % chunk_bytes == 0:  # every pull but a resumption mid-chunk: chunks serialised once
             for n, msg in self._chunks.get(reply, chunk_bytes)[request.offset // chunk_bytes:]:
                 self.coord.count_bytes_down(n)  # as sent: a delta counts its own size
+                self.coord.touch(request.node_id)  # a node pulling a large model is alive
                 yield msg
             return
         for off, data in wire.iter_chunks(blob, chunk_bytes, request.offset):
             self.coord.count_bytes_down(len(data))
+            self.coord.touch(request.node_id)
             yield _chunk(reply, off, data)
 
     @mapped

@@ -60,6 +60,7 @@ CREATE TABLE IF NOT EXISTS devices(node_id TEXT PRIMARY KEY, role TEXT NOT NULL,
 CREATE INDEX IF NOT EXISTS devices_by_credential ON devices(credential_hash);
 CREATE TABLE IF NOT EXISTS nodes(node_id TEXT PRIMARY KEY, role TEXT NOT NULL, token_hash TEXT NOT NULL,
     first_seen REAL NOT NULL, last_seen REAL NOT NULL, capabilities_json TEXT NOT NULL DEFAULT '{}');
+CREATE INDEX IF NOT EXISTS nodes_by_last_seen ON nodes(last_seen);
 CREATE TABLE IF NOT EXISTS runs(run_id TEXT PRIMARY KEY, config_json TEXT NOT NULL, status TEXT NOT NULL,
     created REAL NOT NULL, updated REAL NOT NULL, completed_rounds INTEGER NOT NULL DEFAULT 0,
     error TEXT NOT NULL DEFAULT '');
@@ -125,7 +126,9 @@ class Store(Protocol):
     def device_by_credential(self, credential_hash: str) -> DeviceRow | None: ...
     def list_devices(self) -> list[DeviceRow]: ...
     def signing_key(self) -> SigningKey: ...
-    def upsert_node(self, node_id: str, role: str, token_hash: str, capabilities: dict[str, str]) -> None: ...
+    # A node joined; the rows of nodes last seen before ``forget_before`` (unix seconds) go.
+    def upsert_node(self, node_id: str, role: str, token_hash: str, capabilities: dict[str, str],
+                    forget_before: float = 0.0) -> None: ...
     def node_token(self, node_id: str) -> str | None: ...
     def create_run(self, run_id: str, config_json: str) -> None: ...
     def set_run_status(self, run_id: str, status: str, error: str = "") -> None: ...
@@ -286,14 +289,15 @@ class SQLiteStore:
         return self._signing_key
 
     # ---------------------------------------------------------------- nodes
-    def upsert_node(self, node_id: str, role: str, token_hash: str, capabilities: dict[str, str]) -> None:
+    def upsert_node(self, node_id: str, role: str, token_hash: str, capabilities: dict[str, str],
+                    forget_before: float = 0.0) -> None:
         now = time.time()
+        self._db.execute("DELETE FROM nodes WHERE last_seen < ?", (forget_before,))
         self._db.execute(
             "INSERT INTO nodes(node_id, role, token_hash, first_seen, last_seen, capabilities_json) VALUES(?,?,?,?,?,?) "
             "ON CONFLICT(node_id) DO UPDATE SET role=excluded.role, token_hash=excluded.token_hash, "
             "last_seen=excluded.last_seen, capabilities_json=excluded.capabilities_json",
-            (node_id, role, token_hash, now, now, json.dumps(capabilities)),
-        )
+            (node_id, role, token_hash, now, now, json.dumps(capabilities)))
 
     def node_token(self, node_id: str) -> str | None:
         row = self._db.execute("SELECT token_hash FROM nodes WHERE node_id=?", (node_id,)).fetchone()
@@ -309,26 +313,23 @@ class SQLiteStore:
         self._db.execute("UPDATE runs SET status=?, error=?, updated=? WHERE run_id=?",
                          (status, error, time.time(), run_id))
 
+    _RUNS = "SELECT run_id, config_json, status, created, updated, completed_rounds, error FROM runs"
+
     def get_run(self, run_id: str) -> RunRow | None:
-        row = self._db.execute("SELECT run_id, config_json, status, created, updated, completed_rounds, error "
-                               "FROM runs WHERE run_id=?", (run_id,)).fetchone()
+        row = self._db.execute(f"{self._RUNS} WHERE run_id=?", (run_id,)).fetchone()
         return None if row is None else RunRow(*row)
 
     def latest_run(self) -> RunRow | None:
-        row = self._db.execute("SELECT run_id, config_json, status, created, updated, completed_rounds, error "
-                               "FROM runs ORDER BY created DESC, rowid DESC LIMIT 1").fetchone()
+        row = self._db.execute(f"{self._RUNS} ORDER BY created DESC, rowid DESC LIMIT 1").fetchone()
         return None if row is None else RunRow(*row)
 
     def list_runs(self, limit: int = 0) -> list[RunRow]:
         """Every run, newest first (``limit`` > 0: only that many)."""
-        sql = ("SELECT run_id, config_json, status, created, updated, completed_rounds, error "
-               "FROM runs ORDER BY created DESC, rowid DESC")
-        rows = self._db.execute(sql + " LIMIT ?", (limit,)).fetchall() if limit > 0 else self._db.execute(sql).fetchall()
-        return [RunRow(*r) for r in rows]
+        sql = f"{self._RUNS} ORDER BY created DESC, rowid DESC" + (" LIMIT ?" if limit > 0 else "")
+        return [RunRow(*r) for r in self._db.execute(sql, (limit,) if limit > 0 else ()).fetchall()]
 
     def active_runs(self) -> list[RunRow]:
-        rows = self._db.execute("SELECT run_id, config_json, status, created, updated, completed_rounds, error "
-                                "FROM runs WHERE status='running' ORDER BY created").fetchall()
+        rows = self._db.execute(f"{self._RUNS} WHERE status='running' ORDER BY created").fetchall()
         return [RunRow(*r) for r in rows]
 
     def record_round(self, run_id: str, rnd: int, attempt: int, status: str, started: float,
@@ -422,7 +423,7 @@ class MemoryStore:
         self._tokens: dict[str, TokenRow] = {}  # hash -> row, in issue order
         self._devices: dict[str, DeviceRow] = {}  # node id -> row
         self._key = SigningKey.generate()
-        self._nodes: dict[str, tuple[str, str, dict[str, str]]] = {}  # id -> (role, token hash, capabilities)
+        self._nodes: dict[str, tuple[str, str, dict[str, str], float]] = {}  # id -> (role, token hash, caps, seen)
         self._runs: dict[str, RunRow] = {}  # in creation order
         # (run, round, attempt) -> (status, started, finished, record)
         self._rounds: dict[tuple[str, int, int], tuple[str, float, float | None, dict[str, Any]]] = {}
@@ -494,8 +495,10 @@ class MemoryStore:
     def signing_key(self) -> SigningKey:
         return self._key
 
-    def upsert_node(self, node_id: str, role: str, token_hash: str, capabilities: dict[str, str]) -> None:
-        self._nodes[node_id] = (role, token_hash, dict(capabilities))
+    def upsert_node(self, node_id: str, role: str, token_hash: str, capabilities: dict[str, str],
+                    forget_before: float = 0.0) -> None:
+        self._nodes = {n: r for n, r in self._nodes.items() if r[3] >= forget_before}
+        self._nodes[node_id] = (role, token_hash, dict(capabilities), time.time())
 
     def node_token(self, node_id: str) -> str | None:
         got = self._nodes.get(node_id)

@@ -190,7 +190,7 @@ class Chunk(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., blob_sha256: _Optional[str] = ..., delta_from: _Optional[str] = ..., target_hash: _Optional[str] = ..., result_sha256: _Optional[str] = ..., encoding: _Optional[str] = ...) -> None: ...
 
 class UploadHeader(_message.Message):
-    __slots__ = ("node_id", "run_id", "round", "attempt", "task_id", "kind", "schema", "payload_sizes", "codec", "payload_sha256", "weight", "count", "num_examples", "num_steps", "metric_sums", "metric_weights", "bytes_up", "bytes_down", "tier_participants", "staleness")
+    __slots__ = ("node_id", "run_id", "round", "attempt", "task_id", "kind", "schema", "payload_sizes", "codec", "payload_sha256", "weight", "count", "num_examples", "num_steps", "metric_sums", "metric_weights", "bytes_up", "bytes_down", "tier_participants", "staleness", "dropped")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         CLIENT_UPDATE: _ClassVar[UploadHeader.Kind]
@@ -245,6 +245,7 @@ class UploadHeader(_message.Message):
     BYTES_DOWN_FIELD_NUMBER: _ClassVar[int]
     TIER_PARTICIPANTS_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     run_id: str
     round: int
@@ -265,7 +266,8 @@ class UploadHeader(_message.Message):
     bytes_down: int
     tier_participants: _containers.ScalarMap[str, int]
     staleness: _containers.ScalarMap[int, int]
-    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., task_id: _Optional[str] = ..., kind: _Optional[_Union[UploadHeader.Kind, str]] = ..., schema: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., payload_sizes: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., payload_sha256: _Optional[str] = ..., weight: _Optional[float] = ..., count: _Optional[int] = ..., num_examples: _Optional[int] = ..., num_steps: _Optional[int] = ..., metric_sums: _Optional[_Mapping[str, float]] = ..., metric_weights: _Optional[_Mapping[str, float]] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., tier_participants: _Optional[_Mapping[str, int]] = ..., staleness: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    dropped: int
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., task_id: _Optional[str] = ..., kind: _Optional[_Union[UploadHeader.Kind, str]] = ..., schema: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., payload_sizes: _Optional[_Iterable[int]] = ..., codec: _Optional[str] = ..., payload_sha256: _Optional[str] = ..., weight: _Optional[float] = ..., count: _Optional[int] = ..., num_examples: _Optional[int] = ..., num_steps: _Optional[int] = ..., metric_sums: _Optional[_Mapping[str, float]] = ..., metric_weights: _Optional[_Mapping[str, float]] = ..., bytes_up: _Optional[int] = ..., bytes_down: _Optional[int] = ..., tier_participants: _Optional[_Mapping[str, int]] = ..., staleness: _Optional[_Mapping[int, int]] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class UploadPart(_message.Message):
     __slots__ = ("header", "data")

@@ -73,7 +73,7 @@ class Coordinator:
         self.decode_client = client_decoder
         self.now, self.wall = monotonic, wall
         self.executor: Executor = executor_for(name, cfg, inline)
-        self.registry = Registry(cfg.node_timeout_s, monotonic)
+        self.registry = Registry(cfg.node_timeout_s, monotonic, ready_s=max(5.0, cfg.heartbeat_s))
         self.children: dict[str, Child] = self.registry.children
         self.current: CohortRound | None = None
         self._policies: dict[str, RoundPolicy] = {}
@@ -98,10 +98,11 @@ class Coordinator:
 
     # ------------------------------------------------------------------ registry
 
-    def join(self, node_id: str, role: Role, token_hash: str, device: DeviceState) -> str:
-        # No long-poller is woken: what one waits for (its own assignment) does not change
-        # when another node joins, and waking them all makes a thousand joins cost a million.
-        return self.registry.join(node_id, role, token_hash, device)
+    def join(self, node_id: str, role: Role, token_hash: str, device: DeviceState, waiting: bool = True) -> str:
+        """``waiting``: the node waits for work from now (in-process); else once it polls.
+        No long-poller is woken: what one waits for (its own assignment) does not change
+        when another node joins, and waking them all makes a thousand joins cost a million."""
+        return self.registry.join(node_id, role, token_hash, device, waiting)
 
     def child(self, node_id: str, token_hash: str | None = None) -> Child:
         return self.registry.child(node_id, token_hash)
@@ -117,10 +118,10 @@ class Coordinator:
         """(live clients below this tier, eligible clients below this tier)."""
         return self.registry.capacity(cfg)
 
-    def expire_children(self) -> None:
-        """Forget nodes unseen for a long time (10 x timeout), but those the open round holds."""
+    def expire_children(self) -> list[str]:
+        """Forget nodes long unseen (``Registry.expire``), but those the open round holds."""
         cr = self.current
-        self.registry.expire(lambda n: cr is not None and n in cr.assignments)
+        return self.registry.expire(lambda n: cr is not None and n in cr.assignments)
 
     def leave(self, node_id: str) -> None:
         """A node goes away now (a simulated device at the end of its round; a client that
@@ -157,19 +158,23 @@ class Coordinator:
     async def poll(self, node_id: str, device: DeviceState | None, pool_size: int | None,
                    pool_eligible: int | None, wait_s: float) -> TaskAssignment | Idle:
         """Long-poll: this node's assignment as soon as there is one, else Idle after ``wait_s``."""
-        self.touch(node_id, device, pool_size, pool_eligible)
+        c = self.touch(node_id, device, pool_size, pool_eligible)
         deadline = self.now() + max(0.0, min(wait_s, self.cfg.long_poll_s))
-        while True:
-            got = self.assign(node_id)
-            if got is not None:
-                return got
-            remaining = deadline - self.now()
-            if remaining <= 0:
-                return Idle(retry_after_s=0.0, reason=selection.idle_reason(self, node_id))
-            ev = self.watch()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(ev.wait(), timeout=remaining)
-            self.touch(node_id)
+        self.registry.poll_started(c)
+        gone = False
+        try:
+            while (got := self.assign(node_id)) is None:
+                if (remaining := deadline - self.now()) <= 0:
+                    return Idle(retry_after_s=0.0, reason=selection.idle_reason(self, node_id))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.watch().wait(), timeout=remaining)
+                self.touch(node_id)
+            return got
+        except asyncio.CancelledError:  # gRPC cancels the call when its peer disconnects
+            gone = True
+            raise
+        finally:
+            self.registry.poll_ended(c, gone)
 
     def assign(self, node_id: str) -> TaskAssignment | None:
         """This node's task in the open round, if it is selected (or may fill in an unused
@@ -325,11 +330,7 @@ class Coordinator:
         cr = self.current
         if cr is None or cr.closed:
             return
-        now = self.now()
-        for a in cr.pending():
-            c = self.children.get(a.node_id)
-            if c is None or (now - c.last_seen > self.cfg.node_timeout_s and not a.in_flight):
-                cr.settle(a, delivered=False)
+        selection.drop_silent(self, cr)
         if self.policy.waits(cr) or self.secure.sweep(cr):
             return
         if self.wall() >= cr.task.deadline_unix:
@@ -374,7 +375,7 @@ class Coordinator:
         """The result of a closed round (the simulator calls this directly), once its folds
         are done."""
         partial, measurements = cr.result()
-        dropped = sum(1 for a in cr.assignments.values() if a.dropped)
+        dropped = sum(1 for a in cr.assignments.values() if a.dropped) + cr.dropped_below
         return RoundOutcome(task=cr.task, partial=partial, selected=len(cr.assignments), dropped=dropped,
                             bytes_up=cr.bytes_up, bytes_down=cr.bytes_down,
                             tier_participants=dict(cr.tier_participants), reason=cr.close_reason,

@@ -1,6 +1,7 @@
-"""Who takes part in a tier's round: the split of its target among live, eligible
-children (aggregators get a share in proportion to their eligible pool; the round
-policy chooses the direct clients), and what a selected child is handed."""
+"""Who takes part in a tier's round: the split of its target among the children waiting
+for work and eligible (``Registry.selectable``: aggregators get a share in proportion to
+their eligible pool; the round policy chooses the direct clients), what a selected child
+is handed, and when a selected child is dropped (``drop_silent``)."""
 
 from __future__ import annotations
 
@@ -20,13 +21,8 @@ def select(tier: Coordinator, cr: CohortRound) -> None:
     cfg, children = cr.task.config, tier.children
     caps: dict[str, int] = {}
     for c in children.values():
-        if not tier.registry.live(c):
-            continue
-        if c.role is Role.AGGREGATOR:
-            if c.pool_eligible > 0:
-                caps[c.node_id] = c.pool_eligible
-        elif c.eligible(cfg.eligibility):
-            caps[c.node_id] = 1
+        if (n := tier.registry.selectable(c, cfg)) > 0:
+            caps[c.node_id] = n
     alloc = allocate(cr.task.target, caps)
     client_ids = [k for k in caps if children[k].role is Role.CLIENT]
     client_share = sum(alloc[k] for k in client_ids)
@@ -41,6 +37,17 @@ def select(tier: Coordinator, cr: CohortRound) -> None:
     # client was known at open time, any remaining target may go to late joiners.
     if not caps:
         cr.set_quota(math.ceil(cr.task.target * cfg.cohort.over_selection))
+
+
+def drop_silent(tier: Coordinator, cr: CohortRound) -> None:
+    """Settle as dropped every pending assignment whose node left, stopped waiting for work
+    before it took its task (gone, or no poll since), or fell silent while working on it
+    (no call within the node timeout). An upload in progress keeps its node."""
+    reg = tier.registry
+    for a in cr.pending():
+        c = tier.children.get(a.node_id)
+        if c is None or (not a.in_flight and not (reg.waiting(c) if not a.handed_out else reg.live(c))):
+            cr.settle(a, delivered=False)
 
 
 def task_for(tier: Coordinator, cr: CohortRound, a: Assignment) -> TaskAssignment:

@@ -138,8 +138,10 @@ def delivered(tier: Coordinator, slot: UploadSlot) -> None:
     counters = tier.counters
     counters["uploads_accepted"] += 1
     counters["bytes_up"] += n
+    tier.registry.delivered(h.node_id)
     if h.kind is UploadKind.PARTIAL_SUM:
         cr.count_bytes(up=n + h.bytes_up, down=h.bytes_down)
+        cr.count_dropped_below(h.dropped)
         for k, v in h.tier_participants.items():
             cr.count_participants(k, v)
     else:

@@ -139,3 +139,29 @@ class BackgroundRoot:
         self.call(self.root.stop(0.1))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
+
+
+def poll_together(fleet: Any, nodes: list[str] | tuple[str, ...], during: Any = None,
+                  timeout: float = 30.0) -> dict[str, Any]:
+    """Every node polls at once, on threads, as clients do (again after each Idle, until a
+    task or ``timeout``); ``during()`` runs while they wait (a run's start). A round selects
+    nodes waiting for work: a raw node that polls only after another's poll returned was
+    not waiting when the round opened."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from orchard.v1 import orchard_pb2 as pb
+
+    def poll(n: str) -> Any:
+        end = time.monotonic() + timeout
+        while True:
+            r = fleet.Poll(pb.PollRequest(node_id=n, wait_s=10))
+            if r.WhichOneof("kind") == "task" or time.monotonic() > end:
+                return r
+
+    with ThreadPoolExecutor(len(nodes)) as ex:
+        futs = {n: ex.submit(poll, n) for n in nodes}
+        if during is not None:
+            time.sleep(0.2)  # the polls are in
+            during()
+        return {n: f.result() for n, f in futs.items()}

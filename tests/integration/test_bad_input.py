@@ -12,7 +12,7 @@ from dataclasses import replace
 import grpc
 import numpy as np
 import pytest
-from fed_harness import BackgroundRoot
+from fed_harness import BackgroundRoot, poll_together
 
 from orchard import wire
 from orchard.compression import build_codec, encode_update
@@ -41,10 +41,10 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     cfg = RunConfig(task="digits", rounds=1, cohort=CohortConfig(target=2, over_selection=1.0, deadline_s=600))
     from orchard.ops import ControlClient
 
-    ControlClient(srv.root.address, insecure=True).start_run(cfg, wire.arrays_to_blob(init))
+    got = poll_together(fleet, ["good", "other"],
+                        lambda: ControlClient(srv.root.address, insecure=True).start_run(cfg, wire.arrays_to_blob(init)))
     tasks = {}
-    for n in ("good", "other"):
-        r = fleet.Poll(pb.PollRequest(node_id=n, wait_s=10))
+    for n, r in got.items():
         assert r.WhichOneof("kind") == "task", r
         tasks[n] = wire.task_from_proto(r.task)
     # Joins after selection filled the quota: never selected this round.

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import grpc
 import pytest
-from fed_harness import BackgroundRoot
+from fed_harness import BackgroundRoot, poll_together
 from test_bad_input import make_upload, zeros
 
 from orchard import wire
@@ -34,8 +34,9 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     # K = 1, S = 1, concurrency 3: every node trains at once.
     cfg = RunConfig(task="digits", rounds=5, cohort=CohortConfig(target=1, over_selection=3.0, deadline_s=600),
                     mode=ModeConfig(kind="async", buffer_size=1, max_staleness=1))
-    ControlClient(srv.root.address, insecure=True).start_run(cfg, wire.arrays_to_blob(get_task("digits").initial_arrays(0)))
-    tasks = {n: poll(fleet, n) for n in NODES}
+    got = poll_together(fleet, NODES, lambda: ControlClient(srv.root.address, insecure=True).start_run(
+        cfg, wire.arrays_to_blob(get_task("digits").initial_arrays(0))))
+    tasks = {n: wire.task_from_proto(r.task) for n, r in got.items()}
     assert {t.round for t in tasks.values()} == {1}
     yield {"srv": srv, "fleet": fleet, "tasks": tasks}
     ch.close()

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from fed_harness import poll_together
 from test_bad_input import make_upload
 from test_durability import free_port, start_root_process
 
@@ -73,10 +74,8 @@ def test_kill_minus_9_with_a_half_full_buffer(tmp_path: Path) -> None:
         cfg = RunConfig(task="digits", rounds=2,
                         cohort=CohortConfig(target=3, over_selection=4 / 3, deadline_s=600),
                         mode=ModeConfig(kind="async", buffer_size=3, max_staleness=2, staleness="constant"))
-        ctl.start_run(cfg, wire.arrays_to_blob(init))
         tasks = {}
-        for n in NODES:
-            r = fleet.Poll(pb.PollRequest(node_id=n, wait_s=10))
+        for n, r in poll_together(fleet, NODES, lambda: ctl.start_run(cfg, wire.arrays_to_blob(init))).items():
             assert r.WhichOneof("kind") == "task", r
             tasks[n] = wire.task_from_proto(r.task)
         assert _push(fleet, tasks["a"], "a").accepted
@@ -87,8 +86,10 @@ def test_kill_minus_9_with_a_half_full_buffer(tmp_path: Path) -> None:
         proc.wait(10)
 
         proc = start_root_process(data, port)
-        for n in NODES:  # the clients reconnect
+        for n in NODES:  # the clients reconnect; those that delivered poll for work again
             fleet.Join(pb.JoinRequest(node_id=n, role="client"), wait_for_ready=True, timeout=30)
+        for n in ("a", "b"):
+            assert fleet.Poll(pb.PollRequest(node_id=n, wait_s=0)).WhichOneof("kind") == "idle"
         st = _status(ctl, lambda s: (s.get("buffer") or {}).get("fill") is not None)
         assert st["status"] == "running" and st["model_version"] == 0
         assert st["buffer"]["fill"] == 2 and st["staleness_histogram"] == {"0": 2}, st

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -39,6 +40,17 @@ def test_nodes(store: Store) -> None:
     store.upsert_node("n1", "client", "h1", {"os": "linux"})
     store.upsert_node("n1", "client", "h2", {})
     assert store.node_token("n1") == "h2"
+
+
+def test_a_join_forgets_the_rows_of_nodes_not_seen_since_its_horizon(store: Store) -> None:
+    # The nodes table is bounded by the joins of a window, not by every id ever sent.
+    for k in range(50):
+        store.upsert_node(f"old-{k}", "client", "h", {"k": "v" * 100})
+    t = time.time()
+    store.upsert_node("fresh", "client", "h", {}, forget_before=t - 3600)
+    assert store.node_token("old-0") == "h"  # seen within the horizon: kept
+    store.upsert_node("newest", "client", "h", {}, forget_before=time.time() + 1.0)  # all before it
+    assert [store.node_token(n) for n in ("old-0", "old-49", "fresh", "newest")] == [None, None, None, "h"]
 
 
 def test_runs_rounds_and_checkpoints(store: Store) -> None:
