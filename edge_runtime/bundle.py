@@ -36,10 +36,10 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from safetensors.numpy import load_file, save_file
 
 from orchard.errors import AuthError, ConfigError, IntegrityError, OrchardError
@@ -65,8 +65,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _plain_file_name(name: str) -> str:
+    # A bundle names files in its own directory only: a path ("../x", "/etc/passwd",
+    # "sub/x") would make a device read, hash or send a file outside the bundle.
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ValueError(f"must be a file name in the bundle's directory, not a path: {name!r}")
+    return name
+
+
+FileName = Annotated[str, AfterValidator(_plain_file_name)]
+
+
 class BundleFile(_Strict):
-    name: str
+    name: FileName
     sha256: str
 
 
@@ -82,8 +93,8 @@ class ClientBundleConfig(_Strict):
     adapter_onnx: BundleFile
     adapter_safetensors: BundleFile
     adapter_version: int = Field(ge=0)
-    ca_cert: str | None = None
-    enrollment_token: str | None = None
+    ca_cert: FileName | None = None
+    enrollment_token: FileName | None = None
     root_public_key: str | None = Field(default=None, pattern="^[0-9a-f]{64}$")  # hex, 32 bytes
     # The ExecuTorch training program's manifest (which in turn names the program's
     # digest); None in a bundle for inference and torch training only.
