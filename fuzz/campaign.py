@@ -51,11 +51,15 @@ def run_target(name: str, runs: int, timeout_s: float, work: Path, nice: int, ma
         execs = _last_int(r"Done (\d+) runs", out) or _last_int(r"#(\d+)\s", out) or 0
     stats = json.loads((d / "stats.json").read_text()) if (d / "stats.json").exists() else {}
     crashes = sorted(p.name for p in d.glob("crash-*"))
+    errors = re.findall(r"^(\w+(?:Error|Bug|Exception)?: .*)$", out.split("Uncaught Python exception", 1)[-1],
+                        re.M) if "Uncaught Python exception" in out else []
     hangs = sorted(p.name for p in d.glob("timeout-*"))
     fuzz_s = stats.get("seconds") or wall
     return {"target": name, "execs": execs, "reached_runs": execs >= runs, "seconds": round(fuzz_s, 1),
             "exec_per_s": round(execs / fuzz_s) if fuzz_s else None,
-            "crashes": len(crashes), "hangs": len(hangs), "artifacts": crashes + hangs,
+            # A crash whose input file was not written (the process ended first) still counts.
+            "crashes": max(len(crashes), 1 if errors else 0), "hangs": len(hangs), "artifacts": crashes + hangs,
+            "error": errors[0][:300] if errors else None,
             "slowest_exec_s": stats.get("slowest_exec_s"), "slowest_exec_cpu_s": stats.get("slowest_exec_cpu_s"),
             "returncode": proc.returncode, "corpus_files": len(list((d / "corpus").iterdir()))}
 
