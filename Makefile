@@ -13,7 +13,7 @@ DEMO_OUT ?= demo-out
 # machine's cores; torch takes one thread in each).
 TEST_WORKERS ?= 2
 
-.PHONY: install test test-all demo lint typecheck proto clean device
+.PHONY: install test test-all demo lint typecheck proto clean device fuzz fuzz-corpus
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -53,6 +53,22 @@ device: $(STAMP)
 	cmake --build $(DEVICE_BUILD) -j 2
 	$(BIN)/python tests/device/device_vectors.py $(DEVICE_BUILD)/vectors
 	ORCHARD_DEVICE_VECTORS=$(CURDIR)/$(DEVICE_BUILD)/vectors ctest --test-dir $(DEVICE_BUILD) --output-on-failure
+
+# Fuzzing (docs/fuzzing.md): every target in fuzz/targets.py, one at a time, FUZZ_RUNS
+# executions each, an input over FUZZ_TIMEOUT seconds counted as a hang. `make test` runs
+# a short budget of each (tests/test_fuzz.py). FUZZ_RECORD=--record appends the figures to
+# benchmarks/results/fuzz.json.
+FUZZ_RUNS ?= 1000000
+FUZZ_TIMEOUT ?= 1
+FUZZ_TARGETS ?=
+FUZZ_RECORD ?=
+fuzz: $(STAMP)
+	$(BIN)/python fuzz/campaign.py --runs $(FUZZ_RUNS) --timeout $(FUZZ_TIMEOUT) \
+		$(if $(FUZZ_TARGETS),--targets $(FUZZ_TARGETS)) $(FUZZ_RECORD)
+
+# Rewrite the seed corpus (fuzz/corpus/) from real messages.
+fuzz-corpus: $(STAMP)
+	$(BIN)/python fuzz/make_corpus.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache device/build

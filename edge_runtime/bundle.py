@@ -36,9 +36,10 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 from safetensors.numpy import load_file, save_file
 
 from orchard.errors import AuthError, ConfigError, IntegrityError, OrchardError
@@ -64,8 +65,19 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+def _plain_file_name(name: str) -> str:
+    # A bundle names files in its own directory only: a path ("../x", "/etc/passwd",
+    # "sub/x") would make a device read, hash or send a file outside the bundle.
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ValueError(f"must be a file name in the bundle's directory, not a path: {name!r}")
+    return name
+
+
+FileName = Annotated[str, AfterValidator(_plain_file_name)]
+
+
 class BundleFile(_Strict):
-    name: str
+    name: FileName
     sha256: str
 
 
@@ -81,8 +93,8 @@ class ClientBundleConfig(_Strict):
     adapter_onnx: BundleFile
     adapter_safetensors: BundleFile
     adapter_version: int = Field(ge=0)
-    ca_cert: str | None = None
-    enrollment_token: str | None = None
+    ca_cert: FileName | None = None
+    enrollment_token: FileName | None = None
     root_public_key: str | None = Field(default=None, pattern="^[0-9a-f]{64}$")  # hex, 32 bytes
     # The ExecuTorch training program's manifest (which in turn names the program's
     # digest); None in a bundle for inference and torch training only.
@@ -134,6 +146,23 @@ class ClientBundle:
     def root_public_key(self) -> bytes | None:
         """The root's certificate key, if the bundle names it."""
         return None if self.config.root_public_key is None else bytes.fromhex(self.config.root_public_key)
+
+
+def read_json_object(path: Path, error: type[BundleError] = BundleError) -> dict[str, Any]:
+    """A bundle file's JSON object, or ``error`` naming the file: bytes that are not UTF-8,
+    text that is not JSON (nested too deeply for the parser included), or JSON that is
+    not an object. A device reads what it was handed; none of these is a crash."""
+    try:
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise error(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); re-create the bundle") from None
+    except json.JSONDecodeError as err:
+        raise error(f"{path} is not valid JSON: {err}; re-create the bundle") from None
+    except RecursionError:
+        raise error(f"{path} nests its JSON too deeply to read; re-create the bundle") from None
+    if not isinstance(data, dict):
+        raise error(f"{path} holds a JSON {type(data).__name__}, expected an object; re-create the bundle")
+    return data
 
 
 def file_sha256(path: Path) -> str:
@@ -271,10 +300,7 @@ def read_bundle(bundle_dir: str | os.PathLike[str], *, verify: bool = True) -> C
         raise BundleError(
             f"{root} is not a client bundle (no {CONFIG_FILE}); write one with `orchard client bundle`"
         )
-    try:
-        data = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as err:
-        raise BundleError(f"{cfg_path} is not valid JSON: {err}") from None
+    data = read_json_object(cfg_path)
     if data.get("format_version") != FORMAT_VERSION:
         raise BundleError(
             f"{cfg_path} has format_version {data.get('format_version')!r}; this client reads {FORMAT_VERSION}"

@@ -19,7 +19,7 @@ from typing import Any
 
 from orchard.text import CharTokenizer
 
-from .bundle import BundleError
+from .bundle import BundleError, read_json_object
 
 TASK_FILE = "task.json"
 TOKENIZER_FILE = "tokenizer.json"
@@ -46,12 +46,12 @@ def read_bundle_task(bundle_dir: str | os.PathLike[str]) -> BundleTask | None:
     p = Path(bundle_dir) / TASK_FILE
     if not p.is_file():
         return None
+    data = read_json_object(p)
     try:
-        data = json.loads(p.read_text())
         ctx = data.get("context_len")
         return BundleTask(str(data["task"]), dict(data.get("task_params") or {}),
                           None if ctx is None else int(ctx))
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as err:
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise BundleError(
             f"{p} is not a task sidecar ({type(err).__name__}: {err}); re-create the bundle"
         ) from None

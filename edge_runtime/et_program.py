@@ -31,7 +31,6 @@ through :mod:`orchard.edge_runtime.et_native`.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .bundle import BundleError, BundleFile, file_sha256
+from .bundle import BundleError, BundleFile, file_sha256, read_json_object
 from .et_native import NativeMethod, NativeProgram, NativeRuntimeError
 
 PROGRAM_FILE = "train.pte"
@@ -99,12 +98,9 @@ def read_manifest(bundle_dir: str | os.PathLike[str]) -> TrainingManifest:
             f"{path} is missing: this bundle has no training program; re-create it with "
             "`orchard client bundle` (executorch installed) to train with --runtime executorch"
         )
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise TrainingProgramError(f"{path} is not JSON ({err}); re-create the bundle") from None
-    if not isinstance(data, dict) or data.get("format_version") != MANIFEST_FORMAT:
-        got = data.get("format_version") if isinstance(data, dict) else type(data).__name__
+    data = read_json_object(path, TrainingProgramError)
+    if data.get("format_version") != MANIFEST_FORMAT:
+        got = data.get("format_version")
         raise TrainingProgramError(
             f"{path} has format_version {got!r}; this client reads {MANIFEST_FORMAT}: re-create the bundle"
         )

@@ -24,7 +24,7 @@ class TokenizerError(OrchardError, ValueError):
 class CharTokenizer:
     def __init__(self, chars: Iterable[str]) -> None:
         self.chars: list[str] = list(chars)
-        if any(len(c) != 1 for c in self.chars) or len(set(self.chars)) != len(self.chars):
+        if any(not isinstance(c, str) or len(c) != 1 for c in self.chars) or len(set(self.chars)) != len(self.chars):
             raise TokenizerError("a character vocabulary must hold distinct single characters")
         if len(self.chars) > 65535:
             raise TokenizerError(f"{len(self.chars)} characters do not fit uint16 token ids")
@@ -61,7 +61,7 @@ class CharTokenizer:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> CharTokenizer:
-        if data.get("type") != "char" or not isinstance(data.get("chars"), list):
+        if not isinstance(data, dict) or data.get("type") != "char" or not isinstance(data.get("chars"), list):
             raise TokenizerError('expected a character tokenizer: {"type": "char", "chars": [...]}')
         return cls(data["chars"])
 
@@ -73,8 +73,10 @@ class CharTokenizer:
         p = Path(path)
         try:
             data = json.loads(p.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as err:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
             raise TokenizerError(f"cannot read tokenizer {p}: {err}") from None
+        except RecursionError:
+            raise TokenizerError(f"cannot read tokenizer {p}: its JSON nests too deeply") from None
         return cls.from_dict(data)
 
     def __eq__(self, other: object) -> bool:

@@ -46,6 +46,9 @@ def encode_partial(sums: NDArrays) -> tuple[bytes, tuple[int, ...]]:
 
 def decode_partial(blob: bytes | bytearray | memoryview, schema: tuple[TensorSpec, ...] | list[TensorSpec],
                    sizes: tuple[int, ...]) -> NDArrays:
+    if len(sizes) != len(schema):
+        raise UpdateSchemaError(f"a partial sum declares {len(sizes)} payload sizes for a schema of "
+                                f"{len(schema)} tensors")
     parts = split(blob, sizes)
     out: NDArrays = {}
     for spec, p in zip(schema, parts, strict=True):
