@@ -85,7 +85,10 @@ class Context:
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self._metadata
 
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:50000"  # one caller: the rate limits apply to it as to any
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: object = ()) -> None:
         raise Aborted(code, details)
 
 
