@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Annotated
 
@@ -14,7 +15,6 @@ from orchard.cli.common import (
     Token,
     Verbose,
     console,
-    run_async,
     serve_until_signal,
     server_config,
     setup_logging,
@@ -57,4 +57,4 @@ def aggregator_start(
         console.print(f"[green]aggregator {h.coordinator.name} listening on {h.address}[/], upstream {upstream}")
         await serve_until_signal(h)
 
-    run_async(main())
+    asyncio.run(main())

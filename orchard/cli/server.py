@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Annotated
 
@@ -12,7 +13,6 @@ from orchard.cli.common import (
     ServerCfgOpt,
     Verbose,
     console,
-    run_async,
     serve_until_signal,
     server_config,
     setup_logging,
@@ -61,4 +61,4 @@ def server_start(
                           soft_wrap=True)
         await serve_until_signal(h)
 
-    run_async(main())
+    asyncio.run(main())
