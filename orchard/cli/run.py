@@ -148,7 +148,9 @@ def run_status(
     insecure: Insecure = False,
     data_dir: DataDirOpt = None,
 ) -> None:
-    """Round, participants per tier, bytes up and down, durations, metrics."""
+    """Round, participants per tier, bytes up and down, durations, metrics.
+
+    RUN: a run id (orchard run list), or latest (the default)."""
     run = _run_arg(run, run_id)
     with control(server, admin_token, ca_cert, insecure, data_dir) as ctl:
         st = ctl.status(run)
@@ -195,7 +197,9 @@ def _print_status(st: dict[str, Any]) -> None:
 def run_stop(server: Server, run: LatestRunArg = "latest", run_id: RunIdAlias = None,
              admin_token: AdminToken = None, ca_cert: CaCert = None, insecure: Insecure = False,
              data_dir: DataDirOpt = None) -> None:
-    """Stop a running run (the current one by default): its open round closes now."""
+    """Stop a running run: its open round closes now.
+
+    RUN: a run id (orchard run list), or latest (the default): the run in progress."""
     run = _run_arg(run, run_id)
     with control(server, admin_token, ca_cert, insecure, data_dir) as ctl:
         if not ctl.stop(run):
@@ -241,7 +245,9 @@ def run_logs(run: RunArg,
              poll_s: Annotated[float, typer.Option("--poll", min=0.05, help="Seconds between polls (--follow).")] = 0.5,
              admin_token: AdminToken = None, ca_cert: CaCert = None, insecure: Insecure = False,
              data_dir: DataDirOpt = None) -> None:
-    """A run's log: round openings, waits, outcomes (refusals with reasons), the root's warnings."""
+    """A run's log: round openings, waits, outcomes (refusals with reasons), the root's warnings.
+
+    RUN: a run id (orchard run list), or latest."""
     from orchard.runs import log_records
 
     with control(server, admin_token, ca_cert, insecure, data_dir) as ctl:
@@ -262,7 +268,9 @@ def run_pull(run: RunArg,
              as_json: Annotated[bool, typer.Option("--json", help="Print what was written as JSON.")] = False,
              admin_token: AdminToken = None, ca_cert: CaCert = None, insecure: Insecure = False,
              data_dir: DataDirOpt = None) -> None:
-    """Download a run's global model: safetensors, a peft adapter (LoRA tasks), config and report."""
+    """Download a run's global model: safetensors, a peft adapter (LoRA tasks), config and report.
+
+    RUN: a run id (orchard run list), or latest."""
     from orchard.pull import check_writable, pull_run
 
     check_writable(out_dir)  # before any network call: a bad --out fails fast
