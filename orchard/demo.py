@@ -24,7 +24,7 @@ from rich.console import Console
 
 from orchard import wire
 from orchard.config import CodecSpec, CohortConfig, RunConfig, SecureAggregationConfig
-from orchard.errors import OrchardError
+from orchard.errors import ConfigError, OrchardError
 from orchard.files import open_private, private_dir
 from orchard.trainer import TrainConfig
 
@@ -102,19 +102,12 @@ def run_demo(spec: DemoSpec, console: Console | None = None) -> dict[str, Any]:
     from orchard.ops import ControlClient
     from orchard.server.store import SQLiteStore
     from orchard.server.tls import init_certs
+    from orchard.server.validation import validate_run_config
     from orchard.tasks import get_task, train_defaults
 
     console = console or Console()
     if spec.clients < 1 or spec.aggregators < 0 or spec.rounds < 1:
-        raise DemoError("--clients and --rounds must be >= 1 and --aggregators >= 0")
-    out = spec.out
-    out.mkdir(parents=True, exist_ok=True)
-    private_dir(out / "logs")  # the processes' logs: owner-only, as their data dirs
-    root_dir = out / "root"
-    if root_dir.exists():
-        import shutil
-
-        shutil.rmtree(root_dir)  # a demo always starts a fresh federation
+        raise ConfigError("--clients and --rounds must be >= 1 and --aggregators >= 0")
     task = get_task(spec.task)
     cfg = RunConfig(task=spec.task, rounds=spec.rounds, seed=0, train=TrainConfig(**train_defaults(spec.task)),
                     cohort=CohortConfig(target=spec.clients, over_selection=1.0, min_fraction=0.5,
@@ -130,6 +123,16 @@ def run_demo(spec: DemoSpec, console: Console | None = None) -> dict[str, Any]:
             # for every client of the round) serves the round instead of one per aggregator.
             "secure_aggregation": {**cfg.secure_aggregation.model_dump(),
                                    "scope": "tree" if spec.secure_aggregation else "cohort"}})
+    # The root would refuse the run only once every process is up: refuse it before.
+    validate_run_config(cfg)
+    out = spec.out
+    out.mkdir(parents=True, exist_ok=True)
+    private_dir(out / "logs")  # the processes' logs: owner-only, as their data dirs
+    root_dir = out / "root"
+    if root_dir.exists():
+        import shutil
+
+        shutil.rmtree(root_dir)  # a demo always starts a fresh federation
     tls: list[str] = []
     ca: Path | None = None
     if not spec.insecure:

@@ -47,7 +47,8 @@ def check_writable(out: Path) -> None:
 
 def find_run(runs: list[dict[str, Any]], run_id: str) -> dict[str, Any]:
     if not runs:
-        raise UnknownRunError("this server has no run yet; start one with `orchard run start`")
+        raise UnknownRunError((f"no run {run_id!r} on this server: " if run_id else "")
+                              + "this server has no run yet; start one with `orchard run start`")
     if not run_id:
         return runs[0]
     for r in runs:

@@ -39,7 +39,10 @@ GRPC_OPTIONS = [
 # Servers keep each stream's receive window at its default size instead of growing it by
 # BDP probing: an upload waiting for one of the tier's staging slots then buffers at most
 # one window inside gRPC, so a thousand waiting uploads cost tens of MiB, not a GiB.
-SERVER_GRPC_OPTIONS = [*GRPC_OPTIONS, ("grpc.http2.bdp_probe", 0)]
+SERVER_GRPC_OPTIONS = [*GRPC_OPTIONS, ("grpc.http2.bdp_probe", 0),
+                       # gRPC binds with SO_REUSEPORT by default: a second server on a port a
+                       # live one holds would bind too and take part of its connections.
+                       ("grpc.so_reuseport", 0)]
 
 
 class HashedBytes(bytes):

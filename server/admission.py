@@ -123,7 +123,7 @@ def admit_header(h: UploadHeader, caller: str, role: Role, task: RoundTask, slot
     if want_kind is UploadKind.CLIENT_UPDATE and task.config.secure_aggregation.enabled:
         raise UpdateSchemaError("this round uses secure aggregation: send the update masked, through SecAgg")
     if h.kind != want_kind:
-        raise UpdateSchemaError(f"a {role.value} must upload {want_kind.name}, got {h.kind.name}")
+        raise UpdateSchemaError(f"{'an aggregator' if role is Role.AGGREGATOR else 'a client'} must upload {want_kind.name}, got {h.kind.name}")
     if h.schema != task.schema:  # equal specs pass every check below: compare them one by one only when not
         check_schema(h.schema, task.schema)
     if len(h.payload_sizes) != len(task.schema):

@@ -108,7 +108,10 @@ async def _sweeper(coord: Coordinator, wake: asyncio.Event | None = None) -> Non
 
 def _bind(server: grpc.aio.Server, host: str, port: int, creds) -> int:
     addr = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-    bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
+    try:  # grpcio raises RuntimeError when it cannot bind (the check of 0 below stays for a release that returns it)
+        bound = server.add_secure_port(addr, creds) if creds is not None else server.add_insecure_port(addr)
+    except RuntimeError:
+        bound = 0
     if bound == 0:
         raise ConfigError(f"cannot bind {addr}: the port is in use or the address is not local")
     return bound

@@ -79,6 +79,11 @@ class OpenEnrollment(Authenticator):
         return True
 
 
+def _a(role: str) -> str:
+    """``role`` with its article: "a client", "an aggregator"."""
+    return f"{'an' if role[:1] in 'aeiou' else 'a'} {role}"
+
+
 REVOKED = "revoked: ask the operator for a new enrollment token (`orchard tokens issue --count 1`)"
 
 
@@ -104,7 +109,8 @@ class StoreAuthenticator(Authenticator):
             if dev.revoked:
                 raise AuthError(f"node {dev.node_id!r}'s credential is {REVOKED}")
             if dev.role != role.value:
-                raise AuthError(f"this credential is a {dev.role}'s, not a {role.value}'s")
+                raise AuthError(f"this credential is node {dev.node_id!r}'s, enrolled as {_a(dev.role)}; it cannot "
+                                f"act as {_a(role.value)}")
             if node_id and node_id != dev.node_id:
                 raise AuthError(f"this credential is node {dev.node_id!r}'s; it cannot act as {node_id!r}")
             return h
@@ -112,7 +118,9 @@ class StoreAuthenticator(Authenticator):
         if tok is None or tok.revoked:
             raise AuthError("unknown or revoked enrollment token")
         if tok.role != role.value:
-            raise AuthError(f"this token enrolls a {tok.role}, not a {role.value}")
+            raise AuthError(f"this is {_a(tok.role)}'s enrollment token, not {_a(role.value)}'s: it enrolls "
+                            f"{_a(tok.role)} only; {_a(role.value)} needs a token issued with `orchard tokens issue "
+                            f"--role {role.value}`")
         if tok.kind == "device":
             if tok.spent:
                 raise AuthError(f"this enrollment token was exchanged for node {tok.node_id!r}'s credential; "

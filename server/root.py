@@ -200,8 +200,8 @@ class RootRunner:
 
     def stop_run(self, run_id: str) -> bool:
         r = self.run
-        if r is None or (run_id and r.run_id != run_id):
-            return False
+        if r is None or (run_id and r.run_id != run_id) or self._task is None or self._task.done():
+            return False  # no such run, or it has ended: nothing was stopped
         r.stop_requested = True
         if self.coord.current is not None:
             self.coord.close_round(self.coord.current, "run stopped by operator")

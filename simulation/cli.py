@@ -17,6 +17,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from orchard.errors import OrchardError
 
@@ -81,6 +82,7 @@ def simulate(
         "aggregators": aggregators, "run.secure_aggregation.enabled": secure_aggregation, "run.codec.name": codec,
         "backend": backend, "workers": workers, "shard": shard, "device": device, "runtime": runtime, "seed": seed, "out": str(out) if out is not None else None,
     }
+    started = False
     try:
         from orchard.simulation.defaults import fit_population
         from orchard.tasks.params import parse_task_params
@@ -117,14 +119,17 @@ def simulate(
                                "secure_aggregation": cfg.run.secure_aggregation.enabled, "seed": cfg.seed,
                                "task_params": cfg.run.task_params}, mlflow_experiment)
         status = "failed"
+        started = True
         try:
             report = _run_with_progress(cfg, run_simulation, console, track)
             status = report.status
         finally:
             track.close(status)
     except OrchardError as err:
-        console.print(f"[bold red]error:[/] {err}")
-        raise typer.Exit(1) from None
+        # The CLI's exit codes (docs/operating.md): 2 when the input is refused before the
+        # simulation starts, 1 when it started and failed.
+        Console(stderr=True).print("[bold red]error:[/]", escape(str(err)), soft_wrap=True)
+        raise typer.Exit(1 if started else 2) from None
     console.print(_throughput(report), highlight=False, soft_wrap=True)
     console.print(_memory(report, cfg), highlight=False, soft_wrap=True)
     console.print(f"simulated {report.simulated_seconds:.0f} s; report {cfg.out / 'report.json'}; "

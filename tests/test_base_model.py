@@ -89,4 +89,4 @@ def test_simulate_takes_the_base_directly(pretrained: Path, tmp_path: Path) -> N
     assert 2 * small <= report["rounds"][0]["bytes_up"] < 2 * shipped
     bad = CliRunner().invoke(app, ["simulate", "--task", "digits", "--base-model", str(pretrained),
                                    "--rounds", "1", "--out", str(tmp_path / "bad")])
-    assert bad.exit_code == 1 and "cannot take a pretrained base" in bad.output
+    assert bad.exit_code == 2 and "cannot take a pretrained base" in bad.output

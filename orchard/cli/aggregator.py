@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Annotated
 
@@ -14,7 +15,6 @@ from orchard.cli.common import (
     Token,
     Verbose,
     console,
-    run_async,
     serve_until_signal,
     server_config,
     setup_logging,
@@ -63,6 +63,6 @@ def aggregator_start(
         await serve_until_signal(h)
 
     try:
-        run_async(main())
+        asyncio.run(main())
     finally:
         handshakes.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 from orchard.cli import aggregator, client, credentials, edge, local, nodes, run, server, tasks
+from orchard.cli.common import guarded
 
 
 def build_app() -> typer.Typer:
@@ -26,7 +27,19 @@ def build_app() -> typer.Typer:
 
     root.command("tune")(tune)
     root.command("pretrain", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(local.pretrain)
+    _guard(root)
     return root
+
+
+def _guard(t: typer.Typer) -> None:
+    """Every command of ``t`` and of its groups runs inside :func:`guarded`: how a refusal
+    or a failure reaches the user is decided here, once, not by each command."""
+    for cmd in t.registered_commands:
+        if cmd.callback is not None:
+            cmd.callback = guarded(cmd.callback)
+    for group in t.registered_groups:
+        if group.typer_instance is not None:
+            _guard(group.typer_instance)
 
 
 app = build_app()

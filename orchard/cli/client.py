@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -20,7 +21,6 @@ from orchard.cli.common import (
     control,
     fail,
     out,
-    run_async,
     setup_logging,
     stop_on_signal,
 )
@@ -74,7 +74,7 @@ def client_start(
     async def main() -> None:
         await serve_client(setup, stop=stop_on_signal(), max_tasks=max_tasks)
 
-    run_async(main())
+    asyncio.run(main())
 
 
 def _print_systemd_unit(bundle: Path | None) -> None:
@@ -128,7 +128,7 @@ def client_bundle(
     policy: Annotated[Path | None, typer.Option("--policy", help="Device policy TOML (eligibility, window, budget, pacing).")] = None,
     admin_token: AdminToken = None,
     data_dir: DataDirOpt = None,
-    run_id: Annotated[str, typer.Option("--run-id", help="Run whose global adapter to ship (default: the latest).")] = "",
+    run_id: Annotated[str, typer.Option("--run-id", help="Run whose global adapter to ship: a run id, or 'latest' (the default).")] = "latest",
     insecure: Insecure = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing bundle.")] = False,
     training_program: Annotated[bool, typer.Option("--training-program/--no-training-program",
@@ -149,20 +149,23 @@ def client_bundle(
         if not isinstance(params, dict):
             raise OrchardError(f"--task-params must be a JSON object, got {task_params!r}")
         device_policy = load_policy(policy) if policy is not None else None
-        if ca_cert is None and data_dir is not None and (data_dir / "tls" / "ca.pem").is_file():
-            ca_cert = data_dir / "tls" / "ca.pem"
-        adapter = LatestAdapter(None, 0)
-        if admin_token or data_dir is not None or insecure:
-            with control(server, admin_token, ca_cert, insecure, data_dir) as ctl:
-                adapter = latest_adapter(ctl, task, run_id, server=server)
-            if adapter.fallback:
-                console.print(f"[yellow]{adapter.fallback}[/]")
+    except json.JSONDecodeError as err:
+        fail(OrchardError(f"--task-params is not JSON: {err}"))
+    except OrchardError as err:
+        fail(err)
+    if ca_cert is None and data_dir is not None and (data_dir / "tls" / "ca.pem").is_file():
+        ca_cert = data_dir / "tls" / "ca.pem"
+    adapter = LatestAdapter(None, 0)
+    if admin_token or data_dir is not None or insecure:
+        with control(server, admin_token, ca_cert, insecure, data_dir) as ctl:
+            adapter = latest_adapter(ctl, task, "" if run_id == "latest" else run_id, server=server)
+        if adapter.fallback:
+            console.print(f"[yellow]{adapter.fallback}[/]")
+    try:
         b = write_task_bundle(out_dir, task=get_task(task, **params), server_address=server,
                               global_arrays=adapter.arrays, adapter_version=adapter.version, policy=device_policy,
                               ca_cert=ca_cert, enrollment_token=token, training_program=training_program,
                               overwrite=overwrite, task_ref=task)
-    except json.JSONDecodeError as err:
-        fail(OrchardError(f"--task-params is not JSON: {err}"))
     except OrchardError as err:
         fail(err)
     out.print(f"bundle written to {b.path}: task {task}, adapter version {b.config.adapter_version}"

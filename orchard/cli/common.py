@@ -7,14 +7,16 @@ import asyncio
 import functools
 import logging
 import signal
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
-from orchard.errors import OrchardError
+from orchard.errors import ConfigError, OrchardError
 
 if TYPE_CHECKING:
     from orchard.config import ServerConfig
@@ -39,18 +41,17 @@ def setup_logging(verbose: bool) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-def fail(err: Exception) -> NoReturn:
-    console.print(f"[bold red]error:[/] {err}", soft_wrap=True)
-    raise typer.Exit(2)
+# Exit codes. A command exits 0 only when it did what it was asked (docs/operating.md,
+# "Exit codes"); otherwise one line says why.
+EXIT_FAILED = 1  # tried and it did not happen: a server refused, a run failed, nothing to stop
+EXIT_INPUT = 2  # the command's own input (flags, a config, a task, a file) was refused; click's usage errors too
+EXIT_INTERRUPTED = 130
 
 
-def run_async(coro: Any) -> Any:
-    try:
-        return asyncio.run(coro)
-    except OrchardError as err:
-        fail(err)
-    except KeyboardInterrupt:
-        raise typer.Exit(130) from None
+def fail(err: Exception | str, code: int = EXIT_INPUT) -> NoReturn:
+    """Print ``err`` as one ``error:`` line and exit with ``code``."""
+    console.print("[bold red]error:[/]", escape(str(err)), soft_wrap=True)
+    raise typer.Exit(code)
 
 
 def stop_on_signal() -> asyncio.Event:
@@ -70,12 +71,16 @@ async def serve_until_signal(handle: Any) -> None:
 def server_config(path: Path | None) -> ServerConfig:
     """The ``[server]`` table of ``path`` (defaults without one); a missing or malformed
     file is reported as the user's error."""
+    from pydantic import ValidationError
+
     from orchard.config import ServerConfig, load_toml
 
+    if path is None:
+        return ServerConfig()
     try:
-        return ServerConfig.model_validate(load_toml(path).get("server", {})) if path else ServerConfig()
-    except OrchardError as err:
-        fail(err)
+        return ServerConfig.model_validate(load_toml(path).get("server", {}))
+    except ValidationError as err:
+        fail(ConfigError([f"{path}: server.{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()]))
 
 
 def control(server: str, admin_token: str | None, ca_cert: Path | None, insecure: bool,
@@ -85,22 +90,49 @@ def control(server: str, admin_token: str | None, ca_cert: Path | None, insecure
     return control_client(server, admin_token=admin_token, ca_cert=ca_cert, insecure=insecure, data_dir=data_dir)
 
 
-def grpc_guard(fn: F) -> F:
-    """A command that talks to a root: the server's errors (a gRPC status with its
-    details), Orchard's and the file system's reach the user as their message."""
-    import grpc
+def refusal(err: BaseException) -> tuple[str, int] | None:
+    """What the user is told about ``err`` and the exit code, or None for an error that is
+    a bug (its traceback is the report). A gRPC status is the server's refusal, given as
+    its code and the server's own message; Orchard's named errors carry their own."""
+    grpc = sys.modules.get("grpc")  # never imported: nothing raised can be a gRPC status
+    if grpc is not None and isinstance(err, grpc.RpcError) and callable(getattr(err, "code", None)):
+        code = err.code()
+        details = err.details() if callable(getattr(err, "details", None)) else None
+        name = getattr(code, "name", str(code))
+        return (f"{name}: {details}" if details else name), EXIT_FAILED
+    if isinstance(err, ConfigError):
+        return str(err), EXIT_INPUT
+    if isinstance(err, OrchardError):
+        return str(err), EXIT_FAILED
+    if isinstance(err, OSError):  # e.g. an unreadable --ca-cert
+        return (f"{err.strerror or err}: {err.filename}" if err.filename else str(err)), EXIT_INPUT
+    if isinstance(err, BaseExceptionGroup):  # tasks of one TaskGroup: every refusal, or it is a bug
+        told = [refusal(e) for e in err.exceptions]
+        if all(t is not None for t in told):
+            return "; ".join(t[0] for t in told if t), max(t[1] for t in told if t)
+    return None
+
+
+def guarded(fn: F) -> F:
+    """Run a command so that a failure reaches the user as one line and an exit code:
+    a server's refusal (a gRPC status with its details), Orchard's named errors and the
+    file system's, raised anywhere below the command (in its event loop, its threads'
+    results, a library call), and an interrupt. ``app.build_app`` wraps every command in
+    it, so no command handles these itself."""
+    if getattr(fn, "__orchard_guarded__", False):
+        return fn
 
     @functools.wraps(fn)
     def wrapper(*a: Any, **k: Any) -> Any:
         try:
             return fn(*a, **k)
-        except grpc.RpcError as err:
-            console.print(f"[bold red]error:[/] {err.code().name}: {err.details()}",  # type: ignore[attr-defined]
-                          soft_wrap=True)
-            raise typer.Exit(1) from None
-        except OrchardError as err:
-            fail(err)
-        except OSError as err:  # e.g. an unreadable --ca-cert
-            fail(OrchardError(f"{err.strerror or err}: {err.filename}" if err.filename else str(err)))
+        except KeyboardInterrupt:
+            raise typer.Exit(EXIT_INTERRUPTED) from None
+        except Exception as err:  # noqa: BLE001 - sorted by refusal(); a bug is re-raised
+            told = refusal(err)
+            if told is None:
+                raise
+            fail(told[0], told[1])
 
+    wrapper.__orchard_guarded__ = True  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]

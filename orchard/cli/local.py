@@ -47,14 +47,11 @@ def demo(
     """A real local federation: root, aggregators and clients as processes over TLS."""
     from orchard.demo import DemoSpec, run_demo
 
-    try:
-        report = run_demo(DemoSpec(rounds=rounds, aggregators=aggregators, clients=clients, task=task,
-                                   out=out_dir, codec=codec, secure_aggregation=secure_aggregation,
-                                   insecure=insecure, dp_epsilon=dp_epsilon, dashboard_port=dashboard_port,
-                                   linger_s=linger),
-                          console=out)
-    except OrchardError as err:
-        fail(err)
+    report = run_demo(DemoSpec(rounds=rounds, aggregators=aggregators, clients=clients, task=task,
+                               out=out_dir, codec=codec, secure_aggregation=secure_aggregation,
+                               insecure=insecure, dp_epsilon=dp_epsilon, dashboard_port=dashboard_port,
+                               linger_s=linger),
+                      console=out)
     out.print(f"report: {out_dir / 'report.json'}; plot: {report.get('plot')}")
 
 

@@ -7,13 +7,12 @@ from typing import Annotated
 
 import typer
 
-from orchard.cli.common import AdminToken, CaCert, DataDirOpt, Insecure, control, grpc_guard, out
+from orchard.cli.common import AdminToken, CaCert, DataDirOpt, Insecure, control, out
 
 app = typer.Typer(no_args_is_help=True, help="Nodes known to a root.")
 
 
 @app.command("list")
-@grpc_guard
 def nodes_list(server: Annotated[str, typer.Option("--server")], as_json: Annotated[bool, typer.Option("--json")] = False,
                admin_token: AdminToken = None, ca_cert: CaCert = None, insecure: Insecure = False,
                data_dir: DataDirOpt = None) -> None:

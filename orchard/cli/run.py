@@ -14,6 +14,7 @@ from typing import Annotated, Any
 import typer
 
 from orchard.cli.common import (
+    EXIT_FAILED,
     AdminToken,
     CaCert,
     DataDirOpt,
@@ -21,7 +22,6 @@ from orchard.cli.common import (
     console,
     control,
     fail,
-    grpc_guard,
     out,
 )
 from orchard.errors import OrchardError
@@ -29,16 +29,25 @@ from orchard.errors import OrchardError
 app = typer.Typer(no_args_is_help=True, help="Start, watch and stop runs on a live root.")
 
 Server = Annotated[str, typer.Option("--server")]
-RunId = Annotated[str, typer.Option("--run-id")]
 RunArg = Annotated[str, typer.Argument(metavar="RUN", help="A run id (see `orchard run list`), or 'latest'.")]
+LatestRunArg = Annotated[str, typer.Argument(metavar="[RUN]", show_default=False,
+                                             help="A run id (see `orchard run list`), or 'latest' (the default).")]
+# `run status` and `run stop` took the run as --run-id before every run command took it as
+# an argument; the old spelling still works, with a note.
+RunIdAlias = Annotated[str | None, typer.Option("--run-id", hidden=True, help="Deprecated: pass RUN as the argument.")]
 
 
-def _run_arg(run: str) -> str:
+def _run_arg(run: str, run_id: str | None = None) -> str:
+    """The run id the control API takes for RUN ('' for the latest run)."""
+    if run_id is not None:
+        if run not in ("latest", run_id):
+            fail(f"two runs named: {run!r} and --run-id {run_id!r}; pass the run once, as the argument")
+        console.print(f"note: --run-id is deprecated; pass the run as the argument: `{run_id}`", highlight=False)
+        run = run_id
     return "" if run == "latest" else run
 
 
 @app.command("start")
-@grpc_guard
 def run_start(
     server: Server,
     task: Annotated[str | None, typer.Option("--task", help="The task; it makes the initial model. A registered name "
@@ -67,7 +76,13 @@ def run_start(
     data_dir: DataDirOpt = None,
 ) -> None:
     """Start a run against a live root; without --detach, show progress until it ends."""
-    from orchard.runs import build_run_config, initial_blob, tracked_params, with_base_model
+    from orchard.runs import (
+        build_run_config,
+        initial_blob,
+        progress_line,
+        tracked_params,
+        with_base_model,
+    )
     from orchard.tasks.params import parse_task_params
     from orchard.tracking import open_trackers
 
@@ -83,12 +98,16 @@ def run_start(
                                                   mlflow_experiment)
         run_id = ctl.start_run(cfg, blob)
         out.print(f"started {run_id}: task {cfg.task}, {cfg.rounds} rounds, {cfg.cohort.target} clients per round")
-        if track is not None:
-            _follow(ctl, run_id, cfg, track, evaluate)
+        if track is None:
+            return
+        st = _follow(ctl, run_id, cfg, track, evaluate)
+    if st["status"] != "completed":  # failed, stopped or interrupted: the rounds asked for did not all happen
+        fail(f"run {run_id} {progress_line(st)}", EXIT_FAILED)
 
 
-def _follow(ctl: Any, run_id: str, cfg: Any, track: Any, evaluate: bool) -> None:
-    """Show a progress bar until the run ends; log each round (and its score) to ``track``."""
+def _follow(ctl: Any, run_id: str, cfg: Any, track: Any, evaluate: bool) -> dict[str, Any]:
+    """Show a progress bar until the run ends; log each round (and its score) to
+    ``track``; the run's last status."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from orchard.runs import progress_line, round_scorer, watch_run
@@ -111,27 +130,35 @@ def _follow(ctl: Any, run_id: str, cfg: Any, track: Any, evaluate: bool) -> None
             def on_status(st: dict[str, Any]) -> None:
                 prog.update(bar, completed=st["completed_rounds"], info=progress_line(st))
 
-            status = watch_run(ctl, run_id, on_round=on_round, on_status=on_status)["status"]
+            st = watch_run(ctl, run_id, on_round=on_round, on_status=on_status)
+            status = st["status"]
     finally:
         track.close(status)
+    return st
 
 
 @app.command("status")
-@grpc_guard
 def run_status(
     server: Server,
-    run_id: RunId = "",
+    run: LatestRunArg = "latest",
+    run_id: RunIdAlias = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the full status as JSON.")] = False,
     admin_token: AdminToken = None,
     ca_cert: CaCert = None,
     insecure: Insecure = False,
     data_dir: DataDirOpt = None,
 ) -> None:
-    """Round, participants per tier, bytes up and down, durations, metrics."""
+    """Round, participants per tier, bytes up and down, durations, metrics.
+
+    RUN: a run id (orchard run list), or latest (the default)."""
+    run = _run_arg(run, run_id)
     with control(server, admin_token, ca_cert, insecure, data_dir) as ctl:
-        st = ctl.status(run_id)
+        st = ctl.status(run)
     if as_json:
         out.print_json(json.dumps(st))
+        return
+    if st["run_id"] is None:
+        out.print("this root has no run yet (start one with `orchard run start`)")
         return
     _print_status(st)
 
@@ -167,17 +194,23 @@ def _print_status(st: dict[str, Any]) -> None:
 
 
 @app.command("stop")
-@grpc_guard
-def run_stop(server: Server, run_id: RunId = "",
+def run_stop(server: Server, run: LatestRunArg = "latest", run_id: RunIdAlias = None,
              admin_token: AdminToken = None, ca_cert: CaCert = None, insecure: Insecure = False,
              data_dir: DataDirOpt = None) -> None:
-    """Stop the current run after its open round."""
+    """Stop a running run: its open round closes now.
+
+    RUN: a run id (orchard run list), or latest (the default): the run in progress."""
+    run = _run_arg(run, run_id)
     with control(server, admin_token, ca_cert, insecure, data_dir) as ctl:
-        out.print("stopped" if ctl.stop(run_id) else "no such running run")
+        if not ctl.stop(run):
+            st = ctl.status(run)  # a run the root never had is refused here, in the root's words
+            if st["run_id"] is None:
+                fail("nothing to stop: this root has no run yet", EXIT_FAILED)
+            fail(f"nothing to stop: run {st['run_id']} is {st['status']}, not running", EXIT_FAILED)
+    out.print(f"stopped {run or 'the current run'}", highlight=False)
 
 
 @app.command("list")
-@grpc_guard
 def run_list(server: Server,
              limit: Annotated[int, typer.Option("--limit", min=0, help="Newest N runs (0: all).")] = 0,
              as_json: Annotated[bool, typer.Option("--json", help="Print the runs as JSON.")] = False,
@@ -205,7 +238,6 @@ def run_list(server: Server,
 
 
 @app.command("logs")
-@grpc_guard
 def run_logs(run: RunArg,
              server: Server,
              follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing until the run ends.")] = False,
@@ -213,7 +245,9 @@ def run_logs(run: RunArg,
              poll_s: Annotated[float, typer.Option("--poll", min=0.05, help="Seconds between polls (--follow).")] = 0.5,
              admin_token: AdminToken = None, ca_cert: CaCert = None, insecure: Insecure = False,
              data_dir: DataDirOpt = None) -> None:
-    """A run's log: round openings, waits, outcomes (refusals with reasons), the root's warnings."""
+    """A run's log: round openings, waits, outcomes (refusals with reasons), the root's warnings.
+
+    RUN: a run id (orchard run list), or latest."""
     from orchard.runs import log_records
 
     with control(server, admin_token, ca_cert, insecure, data_dir) as ctl:
@@ -226,7 +260,6 @@ def run_logs(run: RunArg,
 
 
 @app.command("pull")
-@grpc_guard
 def run_pull(run: RunArg,
              out_dir: Annotated[Path, typer.Option("--out", help="Directory to write (created if absent).")],
              server: Server,
@@ -235,7 +268,9 @@ def run_pull(run: RunArg,
              as_json: Annotated[bool, typer.Option("--json", help="Print what was written as JSON.")] = False,
              admin_token: AdminToken = None, ca_cert: CaCert = None, insecure: Insecure = False,
              data_dir: DataDirOpt = None) -> None:
-    """Download a run's global model: safetensors, a peft adapter (LoRA tasks), config and report."""
+    """Download a run's global model: safetensors, a peft adapter (LoRA tasks), config and report.
+
+    RUN: a run id (orchard run list), or latest."""
     from orchard.pull import check_writable, pull_run
 
     check_writable(out_dir)  # before any network call: a bad --out fails fast

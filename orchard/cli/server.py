@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Annotated
 
@@ -12,7 +13,6 @@ from orchard.cli.common import (
     ServerCfgOpt,
     Verbose,
     console,
-    run_async,
     serve_until_signal,
     server_config,
     setup_logging,
@@ -69,6 +69,6 @@ def server_start(
         await serve_until_signal(h)
 
     try:
-        run_async(main())
+        asyncio.run(main())
     finally:
         handshakes.close()

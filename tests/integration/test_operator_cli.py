@@ -93,7 +93,7 @@ def test_unknown_run_is_refused(live, tmp_path) -> None:
     one_line_error(invoke("run", "logs", "run-nope", *live.cli()), "NOT_FOUND", "run-nope")
     one_line_error(invoke("run", "pull", "run-nope", "--out", str(tmp_path / "x"), *live.cli()), "run-nope",
                    "orchard run list")
-    one_line_error(invoke("run", "status", "--run-id", "run-nope", *live.cli()), "run-nope")
+    one_line_error(invoke("run", "status", "run-nope", *live.cli()), "run-nope")
 
 
 @pytest.mark.parametrize("rnd", ["3", "-1"])

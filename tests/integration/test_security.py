@@ -93,7 +93,8 @@ def test_token_role_is_enforced(tls_root) -> None:
     ch, stub, meta = _fleet(root, tok)
     with pytest.raises(grpc.RpcError) as ei:
         stub.Join(pb.JoinRequest(node_id="sneaky", role="aggregator"), metadata=meta)
-    assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED and "enrolls a client" in ei.value.details()
+    assert ei.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "a client's enrollment token, not an aggregator's" in ei.value.details()
     assert stub.Join(pb.JoinRequest(node_id="honest", role="client"), metadata=meta).node_id == "honest"
     # Another token cannot act as that node.
     other = _issue(data, "client")[0]

@@ -283,7 +283,7 @@ def test_cli_writes_report_jsonl_and_plots(tmp_path: Path) -> None:
     for name in ("accuracy.png", "bytes.png", "participation.png"):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     bad = CliRunner().invoke(app, ["--config", str(cfg), "--clients-per-round", "1000", "--out", str(out)])
-    assert bad.exit_code == 1 and "exceeds the population" in bad.output
+    assert bad.exit_code == 2 and "exceeds the population" in bad.output
 
 
 # ---------------------------------------------------------------------- downlink deltas

@@ -69,4 +69,4 @@ def test_secure_aggregation_and_a_codec_apply_around_the_app(initial: Path, tmp_
 def test_an_app_needs_its_initial_arrays(tmp_path: Path) -> None:
     res = CliRunner().invoke(app, ["simulate", "--flower-app", "flower_quickstart_app:app", "--rounds", "1",
                                    "--out", str(tmp_path / "o")])
-    assert res.exit_code == 1 and "--initial-arrays" in res.output
+    assert res.exit_code == 2 and "--initial-arrays" in res.output
