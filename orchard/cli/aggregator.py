@@ -43,14 +43,13 @@ def aggregator_start(
 ) -> None:
     """Start an aggregator: serves clients below, dials its upstream."""
     restrict_umask()  # whatever it writes is owner-only (orchard.files)
-    from orchard.server.corelog import HandshakeLog
-
-    handshakes = HandshakeLog().install()  # failed TLS handshakes: one line a minute, not one each
-    setup_logging(verbose)
     from orchard.server.app import start_aggregator
+    from orchard.server.corelog import HandshakeLog
     from orchard.server.process import tune_server_process
 
-    scfg = server_config(config)
+    scfg = server_config(config)  # a refused config is said on the terminal's stderr, before the log moves
+    handshakes = HandshakeLog().install()  # failed TLS handshakes: one line a minute, not one each
+    setup_logging(verbose)
 
     async def main() -> None:
         h = await start_aggregator(upstream, host=host, port=port, insecure=insecure, token=token, ca_cert=ca_cert,

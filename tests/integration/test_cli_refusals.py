@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import click
 import pytest
@@ -162,7 +163,7 @@ def test_commands_without_a_server_refuse_their_input(tmp_path) -> None:
         (("tokens", "issue", "--data-dir", str(blocker / "x")), 2, "Not a directory"),
         (("tokens", "list", "--data-dir", str(tmp_path)), 2, "no root store"),
         (("tokens", "revoke", "nope", "--data-dir", str(tmp_path)), 2, "no root store"),
-        (("certs", "init", "--out", str(blocker)), 2, "File exists"),
+        (("certs", "init", "--out", str(blocker)), 2, "exists and is not a directory"),
         (("edge", "infer", "--bundle", str(tmp_path / "none"), "--text", "hi"), 2, "none"),
         (("tasks", "list", "--task", "nowhere_module:build"), 2, "cannot be imported"),
         (("validate", str(tmp_path / "bad.toml")), 1, "rounds"),
@@ -173,6 +174,8 @@ def test_commands_without_a_server_refuse_their_input(tmp_path) -> None:
          "codec 'qsgd' cannot run under secure aggregation"),
         (("simulate", "--secure-aggregation", "--codec", "qsgd", "--rounds", "1", "--out", str(tmp_path / "sim")),
          2, "codec 'qsgd' cannot run under secure aggregation"),
+        (("tune", "--config", str(Path(__file__).resolve().parents[2] / "configs" / "sim.toml"), "--space",
+          str(tmp_path / "bad.toml"), "--trials", "2", "--out", str(tmp_path / "tune")), 2, "no [tune] table"),
     ]
     for args, code, needle in cases:
         res = invoke(*args)
