@@ -6,7 +6,8 @@ connections (gRPC streams on shared HTTP/2 connections), as cheaply as it can so
 the aggregator, not the generator, bounds what is measured:
 
 - every device joins, then long-polls for work, again and again (idle devices);
-- a device that is handed a task heartbeats once, pulls the model (a small one: the
+- a device that is handed a task heartbeats from then until its upload (every half a
+  heartbeat period, as the client runtime does), pulls the model (a small one: the
   generator measures how many devices a tier holds, not bytes), and pushes its update,
   built by the client's own upload builder; the 16 distinct updates are built once.
 
@@ -120,15 +121,25 @@ async def _device(i: int, target: str, connection: int, c: Counters, uploads: Up
             if not isinstance(got, TaskAssignment):
                 continue
             c.tasks += 1
+
+            async def beat(task_id: str = got.task_id) -> None:
+                # As the client runtime does from the pull to the upload: every half a
+                # heartbeat period (the period the tier gave at Join).
+                while True:
+                    await link.heartbeat(task_id, progress=0.5)
+                    c.heartbeats += 1
+                    await asyncio.sleep(max(0.5, link.heartbeat_s / 2))
+
+            beats = asyncio.create_task(beat())
             try:
-                await link.heartbeat(got.task_id, progress=0.5)
-                c.heartbeats += 1
                 await link.pull_model(got.model_hash)
                 header, payload = uploads.get(i, link.node_id, got)
                 await link.push_update(header, payload)
                 c.completed += 1
             except Exception as err:  # counted; the device goes back to waiting, as a phone would
                 c.fail(err)
+            finally:
+                beats.cancel()
     except asyncio.CancelledError:
         pass
     except Exception as err:
