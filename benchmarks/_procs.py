@@ -138,6 +138,18 @@ def start_aggregator(upstream: str, port_file: Path, log: Path | None = None, tl
     return p, f"127.0.0.1:{port}"
 
 
+def wait_until(cond, what: str, timeout_s: float, poll_s: float = 0.1):
+    """``cond()``'s first truthy value, asked every ``poll_s``; TimeoutError naming ``what``
+    after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(poll_s)
+    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
 def stop(p: subprocess.Popen, timeout_s: float = 20.0) -> None:
     """SIGTERM (the CLI stops gracefully), then SIGKILL if it does not exit."""
     if p.poll() is not None:

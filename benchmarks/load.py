@@ -81,16 +81,6 @@ class Row:
     generators: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _wait(cond, what: str, timeout_s: float, poll_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(poll_s)
-    raise TimeoutError(f"timed out after {timeout_s:.0f} s waiting for {what}")
-
-
 def _line(p: subprocess.Popen, prefix: str, timeout_s: float) -> str:
     """The next line of ``p``'s stdout that starts with ``prefix`` (the others are skipped)."""
     import selectors
@@ -130,7 +120,7 @@ def run_size(n: int, selected: int, generators: int, per_connection: int, idle_s
         procs.append(agg)
         ctl = ControlClient(root_addr, insecure=True)
         with _procs.RssSampler({"aggregator": agg.pid}) as sampler:
-            _wait(lambda: any(nd["role"] == "aggregator" for nd in ctl.nodes()), "the aggregator to join", 60)
+            _procs.wait_until(lambda: any(nd["role"] == "aggregator" for nd in ctl.nodes()), "the aggregator to join", 60)
             time.sleep(1.0)
             row.aggregator_baseline_rss_mib = sampler.series["aggregator"].last_before(time.time()) / MIB
             t0 = time.monotonic()
@@ -152,7 +142,7 @@ def run_size(n: int, selected: int, generators: int, per_connection: int, idle_s
                 row.broke = f"{n - row.joined} of {n} devices could not join ({row.first_error})"
                 return row
             try:
-                _wait(lambda: _pool(ctl) >= n, f"the root to see a pool of {n}", 120)
+                _procs.wait_until(lambda: _pool(ctl) >= n, f"the root to see a pool of {n}", 120)
                 row.pool_reached = True
             except TimeoutError:
                 row.broke = f"the root saw a pool of {_pool(ctl)}, not {n}, 120 s after every device joined"
@@ -175,7 +165,7 @@ def run_size(n: int, selected: int, generators: int, per_connection: int, idle_s
             # A round of `selected` among them.
             run_id = ctl.start_run(run_config(row.selected), model_blob())
             try:
-                st = _wait(lambda: (lambda s: s if s["status"] != "running" else None)(ctl.status(run_id)),
+                st = _procs.wait_until(lambda: (lambda s: s if s["status"] != "running" else None)(ctl.status(run_id)),
                            "the round to close", 300 + n / 50, poll_s=0.5)
             except TimeoutError as err:
                 row.broke = str(err)

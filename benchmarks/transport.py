@@ -384,13 +384,7 @@ def _finished(ctl, run_id: str) -> dict[str, Any] | None:
 
 
 def _wait(cond, what: str, timeout_s: float = STEP_TIMEOUT_S, poll_s: float = 0.1):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = cond()
-        if got:
-            return got
-        time.sleep(poll_s)
-    raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+    return _procs.wait_until(cond, what, timeout_s, poll_s)
 
 
 def _check_global(ctl, run_id: str, times: list[dict[str, Any]]) -> bool:
