@@ -79,6 +79,7 @@ from orchard.secure_agg.prg import DEFAULT_CHUNK_BYTES, SEED_BYTES, MaskFolder, 
 from orchard.server.maskworkers import MaskWorkers
 
 STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING)
+ACTIVE_STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.CONSISTENCY, Stage.UNMASKING)
 BITS = 16  # quantisation bits: 1000 * 2^16 < 2^32, so the sum never wraps
 
 
@@ -214,7 +215,7 @@ def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: fl
     clock, cpu, pcpu = time.perf_counter, time.thread_time, time.process_time
     plain = np.zeros(d, dtype=np.uint32)
 
-    for stage in STAGES:
+    for stage in ACTIVE_STAGES if config.active else STAGES:
         nodes = [p for p in sorted(server.pending())
                  if not (stage is Stage.MASKED_INPUT and p in dropped)]
         bcasts: dict[str, bytes] = {}

@@ -104,7 +104,9 @@ survivor and one per (dropped, surviving neighbour) pair.
 
 from __future__ import annotations
 
+from orchard.secure_agg.active import ClientPolicy, SessionIdentity
 from orchard.secure_agg.client import SecAggClient
+from orchard.secure_agg.consistency import ConsistencyRequest, ConsistencySignature, View
 from orchard.secure_agg.errors import (
     DuplicateMessage,
     ExcludedNode,
@@ -141,6 +143,11 @@ from orchard.secure_agg.server import SecAggResult, SecAggServer, StageReport
 
 __all__ = [
     "AdvertiseKeys",
+    "ClientPolicy",
+    "ConsistencyRequest",
+    "ConsistencySignature",
+    "SessionIdentity",
+    "View",
     "DuplicateMessage",
     "ExcludedNode",
     "KeysBroadcast",
