@@ -219,10 +219,10 @@ def choose_parameters(
     )
 
 
-def parameters_from_config(config: SecureAggregationConfig, num_clients: int, *,
-                           corrupt_fraction: float = 0.05) -> SecAggParameters:
-    """:func:`choose_parameters` from the run's secure-aggregation settings."""
+def parameters_from_config(config: SecureAggregationConfig, num_clients: int) -> SecAggParameters:
+    """:func:`choose_parameters` from the run's secure-aggregation settings (dropout rate,
+    corrupt fraction, and k or t where fixed)."""
     return choose_parameters(
-        num_clients, config.dropout_rate, corrupt_fraction=corrupt_fraction,
+        num_clients, config.dropout_rate, corrupt_fraction=config.corrupt_fraction,
         neighbours=config.neighbours, threshold=config.threshold,
     )

@@ -548,6 +548,9 @@ class SecAggServer:
         self._total = None
         self._seed_shares.clear()
         self._key_shares.clear()
+        # The dropped nodes' reconstructed mask keys are of no use past this session: out of
+        # the process-wide cache (which spares re-deriving a public key per pairwise seed).
+        crypto.load_private_cached.cache_clear()
 
     def _recover(self, shares: dict[int, dict[int, bytes]], secret_len: int) -> dict[int, bytes]:
         """Each owner's secret from its holders' shares: the t lowest points (semi-honest),

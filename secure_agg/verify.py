@@ -119,7 +119,16 @@ def _to_bytes(limbs: np.ndarray, secret_len: int) -> bytes | None:
 def _correct(key: _K, pts: list[int], rows: np.ndarray, t: int, secret_len: int,
              check: Callable[[_K, bytes], bool], rand: ByteStream, out: Recovered[_K]) -> None:
     """Berlekamp-Welch on a random combination of the limbs; then the limbs from the
-    shares that agree, checked."""
+    shares that agree, checked. A share with a value outside the field is wrong on its
+    face: it is dropped before decoding."""
+    outside = tuple(x for x, row in zip(pts, rows, strict=True) if (row >= PRIME).any())
+    if outside:
+        out.discarded[key] = tuple(sorted({*out.discarded.get(key, ()), *outside}))
+        keep = [i for i, x in enumerate(pts) if x not in outside]
+        pts, rows = [pts[i] for i in keep], rows[keep]
+        if len(pts) < t:
+            out.failed[key] = f"only {len(pts)} of its shares are field elements, threshold is {t}"
+            return
     r = [int(v) for v in _uniform_field(rand, (rows.shape[1],))]
     ys = [sum(ri * int(v) for ri, v in zip(r, row, strict=True)) % PRIME for row in rows.tolist()]
     poly = berlekamp_welch(pts, ys, t)
