@@ -362,7 +362,12 @@ class SecAggClient:
             raise SecAggAbort(f"the unmask request to {self.node_id!r} carries another survivor view than "
                               "the one it signed: the server shows different views")
         signed = consistency_message(cfg, self._view)
-        good = {s for s, sig in msg.signatures if s in self._ids and verify(self._ids[s], signed, sig)}
+        good: set[str] = set()
+        for s, sig in msg.signatures:  # t valid signatures are enough: stop there
+            if len(good) >= cfg.threshold:
+                break
+            if s in self._ids and s not in good and verify(self._ids[s], signed, sig):
+                good.add(s)
         if len(good) < cfg.threshold:
             raise SecAggAbort(f"only {len(good)} neighbours of {self.node_id!r} signed its survivor view, "
                               f"threshold is {cfg.threshold}: it reveals nothing")

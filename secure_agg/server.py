@@ -450,6 +450,9 @@ class SecAggServer:
         except SecAggAbort as err:
             self.stage = Stage.ABORTED
             self.abort_reason = str(err)
+            self._seed_shares.clear()  # an aborted session's secrets are of no use to anyone
+            self._key_shares.clear()
+            crypto.load_private_cached.cache_clear()
             raise
         excluded = sent - alive
         self._live = alive
