@@ -51,6 +51,16 @@ thread's for a client), which is what to compare on a shared, loaded machine.
 ``--repeat R`` runs every configuration R times in a row (same vectors, same keys) and
 then prints each one's median server time and bound ratio: on a shared host one run's
 wall time moves by 5-10%.
+
+``--compare-adversary`` runs every configuration twice in a row, with the same vectors
+and keys: the semi-honest protocol (version 1) and the active one (signed keys checked
+against root certificates, the consistency round, verified shares; the clients hold
+certified identity keys and the root's key, as enrolled devices do). The JSON is then an
+object: the rows, and per configuration ``active_vs_semi_honest_server_time_ratio``
+(server seconds, active / semi-honest; also its CPU-time ratio) and
+``active_client_extra_seconds`` (mean client seconds, active - semi-honest; also in
+CPU time), with the host's load average before and after, since a shared host's load
+moves wall times.
 """
 
 from __future__ import annotations
@@ -67,10 +77,13 @@ from dataclasses import asdict, dataclass
 import numpy as np
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
+from orchard.identity import SigningKey, certify
 from orchard.secure_agg import (
+    ClientPolicy,
     SecAggClient,
     SecAggServer,
     SessionConfig,
+    SessionIdentity,
     Stage,
     choose_parameters,
     decode,
@@ -79,6 +92,7 @@ from orchard.secure_agg.prg import DEFAULT_CHUNK_BYTES, SEED_BYTES, MaskFolder, 
 from orchard.server.maskworkers import MaskWorkers
 
 STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING)
+ACTIVE_STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.CONSISTENCY, Stage.UNMASKING)
 BITS = 16  # quantisation bits: 1000 * 2^16 < 2^32, so the sum never wraps
 
 
@@ -116,6 +130,7 @@ class Row:
     mask_workers: int = 0  # worker processes that expanded the server's masks (0: its threads)
     mask_batches_on_workers: int = 0
     workers_start_seconds: float = 0.0  # once per server process, before any session
+    adversary: str = "semi_honest"  # the protocol: "semi_honest" (version 1) or "active"
 
 
 def _entropy(label: str) -> bytes:
@@ -190,18 +205,33 @@ def _child_cpu(pids: list[int]) -> float:
     return total
 
 
+def certified_clients(ids: list[str], seed: int) -> tuple[bytes, dict[str, tuple[SessionIdentity, ClientPolicy]]]:
+    """Each client's identity key certified by one root, and the policy that checks peers
+    against that root (what enrollment gives a device: made once, not per session)."""
+    root = SigningKey.from_bytes(_entropy(f"root/{seed}"))
+    out = {}
+    for p in ids:
+        key = SigningKey.from_bytes(_entropy(f"device/{seed}/{p}"))
+        out[p] = (SessionIdentity(key, certify(root, p, key.public_key, 1)),
+                  ClientPolicy(root_public_key=root.public_key))
+    return root.public_key, out
+
+
 def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: float,
             threads: int | None = None, seed: int = 0, interleave: bool = False, fold: float = 0.0,
+            active: bool = False,
             workers: MaskWorkers | None = None) -> Row:
     params = choose_parameters(n, dropout, corrupt_fraction=corrupt_fraction)
     ids = [f"client-{i:05d}" for i in range(n)]
     config = SessionConfig.create(ids, d, neighbours=params.neighbours,
                                   threshold=params.threshold, round_number=1,
-                                  entropy=_entropy(f"session/{seed}/{n}/{d}/{dropout}"))
+                                  entropy=_entropy(f"session/{seed}/{n}/{d}/{dropout}"), active=active)
     rng = np.random.default_rng(seed)
     dropped = set(rng.choice(config.participants, size=int(round(dropout * n)), replace=False))
-    server = SecAggServer(config, threads=threads, workers=workers)
-    clients = {p: SecAggClient(p, entropy=_entropy(f"client/{seed}/{p}")) for p in ids}
+    root, trust = certified_clients(ids, seed) if active else (None, {})
+    server = SecAggServer(config, threads=threads, workers=workers, root_public_key=root)
+    clients = {p: SecAggClient(p, entropy=_entropy(f"client/{seed}/{p}"), identity=trust[p][0] if active else None,
+                               policy=trust[p][1] if active else None) for p in ids}
     client_time = dict.fromkeys(ids, 0.0)
     upload = dict.fromkeys(ids, 0)
     download = dict.fromkeys(ids, 0)
@@ -214,7 +244,7 @@ def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: fl
     clock, cpu, pcpu = time.perf_counter, time.thread_time, time.process_time
     plain = np.zeros(d, dtype=np.uint32)
 
-    for stage in STAGES:
+    for stage in ACTIVE_STAGES if config.active else STAGES:
         nodes = [p for p in sorted(server.pending())
                  if not (stage is Stage.MASKED_INPUT and p in dropped)]
         bcasts: dict[str, bytes] = {}
@@ -308,6 +338,7 @@ def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: fl
         fold_ratio=server_time * fold * 1e9 * cores / mask_bytes if fold and mask_bytes else float("nan"),
         mask_workers=len(pids),
         mask_batches_on_workers=int(result.measurements.get("mask_batches_on_workers", 0)),
+        adversary="active" if active else "semi_honest",
     )
 
 
@@ -329,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="runs of every configuration (medians printed)")
     ap.add_argument("--corrupt-fraction", type=float, default=0.05,
                     help="fraction of clients assumed to collude with the server (sets k, t)")
+    ap.add_argument("--active", action="store_true", help="run the active protocol (default: semi-honest)")
+    ap.add_argument("--compare-adversary", action="store_true",
+                    help="each configuration with the semi-honest and then the active protocol; JSON: the ratios")
     args = ap.parse_args(argv)
     ns = args.n or ([20, 100] if args.quick else [100, 1000])
     ds = args.d or ([10_000] if args.quick else [100_000, 1_000_000])
@@ -343,15 +377,53 @@ def main(argv: list[str] | None = None) -> int:
     workers, started = start_workers(processes) if processes > 0 else (None, 0.0)
     print(f"server mask workers: {processes} process(es), started in {started:.2f} s (once per server process)"
           if workers is not None else "server mask workers: none; masks expand on the server's threads")
+    load_before = os.getloadavg()
     try:
         rows = _runs(args, ns, ds, drops, gbps, fold, workers, started)
     finally:
         if workers is not None:
             workers.close()
+    out: object = [asdict(r) for r in rows]
+    if args.compare_adversary:
+        out = compare(rows, load_before, os.getloadavg())
+        for c in out["comparisons"]:
+            print(f"n={c['n']} d={c['d']} dropout={c['dropout']:g}: active / semi-honest server time "
+                  f"{c['active_vs_semi_honest_server_time_ratio']:.3f} (cpu {c['active_vs_semi_honest_server_cpu_ratio']:.3f}), "
+                  f"client +{c['active_client_extra_seconds'] * 1e3:.1f} ms "
+                  f"(cpu +{c['active_client_extra_cpu_seconds'] * 1e3:.1f} ms); load average "
+                  f"{out['load_average_before']} -> {out['load_average_after']}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=2)
+            json.dump(out, f, indent=2)
     return 0 if all(r.correct for r in rows) else 1
+
+
+def compare(rows: list[Row], load_before: tuple[float, ...], load_after: tuple[float, ...]) -> dict[str, object]:
+    """The active protocol against the semi-honest one, configuration by configuration
+    (medians over repeats). With one configuration its figures are also at the top level."""
+    comparisons = []
+    for key in dict.fromkeys((r.n, r.d, r.dropout) for r in rows):
+        semi = [r for r in rows if (r.n, r.d, r.dropout) == key and r.adversary == "semi_honest"]
+        act = [r for r in rows if (r.n, r.d, r.dropout) == key and r.adversary == "active"]
+
+        def med(rs: list[Row], f: str) -> float:
+            return statistics.median(getattr(r, f) for r in rs)
+
+        comparisons.append({
+            "n": key[0], "d": key[1], "dropout": key[2],
+            "active_vs_semi_honest_server_time_ratio": med(act, "server_seconds") / med(semi, "server_seconds"),
+            "active_vs_semi_honest_server_cpu_ratio": med(act, "server_cpu_seconds") / med(semi, "server_cpu_seconds"),
+            "active_client_extra_seconds": med(act, "client_seconds") - med(semi, "client_seconds"),
+            "active_client_extra_cpu_seconds": med(act, "client_cpu_seconds") - med(semi, "client_cpu_seconds"),
+            "semi_honest_server_seconds": med(semi, "server_seconds"), "active_server_seconds": med(act, "server_seconds"),
+            "semi_honest_client_seconds": med(semi, "client_seconds"), "active_client_seconds": med(act, "client_seconds"),
+        })
+    out: dict[str, object] = {"load_average_before": [round(v, 2) for v in load_before],
+                              "load_average_after": [round(v, 2) for v in load_after],
+                              "comparisons": comparisons, "rows": [asdict(r) for r in rows]}
+    if len(comparisons) == 1:
+        out.update({k: v for k, v in comparisons[0].items() if k.startswith("active_")})
+    return out
 
 
 def _runs(args: argparse.Namespace, ns: list[int], ds: list[int], drops: list[float], gbps: float,
@@ -365,12 +437,13 @@ def _runs(args: argparse.Namespace, ns: list[int], ds: list[int], drops: list[fl
     print("-" * len(header))
     configs = [(n, d, p) for n in ns for d in ds for p in drops]
     for n, d, p in configs:
-        for _ in range(max(1, args.repeat)):
-            r = run_one(n, d, p, corrupt_fraction=args.corrupt_fraction, gbps=gbps,
-                        threads=args.threads, interleave=args.interleave, fold=fold, workers=workers)
+        modes = (False, True) if args.compare_adversary else (args.active,)
+        for r in (run_one(n, d, p, corrupt_fraction=args.corrupt_fraction, gbps=gbps, threads=args.threads,
+                          interleave=args.interleave, fold=fold, workers=workers, active=active)
+                  for _ in range(max(1, args.repeat)) for active in modes):
             r.workers_start_seconds = started
             rows.append(r)
-            print(f"{r.n:>5} {r.d:>9} {r.dropout:>5.2f} {r.neighbours:>4} {r.threshold:>4} "
+            print(f"{r.n:>5} {r.d:>9} {r.dropout:>5.2f} {r.neighbours:>4} {r.threshold:>4} {r.adversary[:4]:>4} "
                   f"{r.server_seconds:>9.3f} {r.server_cpu_seconds:>8.3f} "
                   f"{r.unmask_seconds:>8.3f} {r.unmask_cpu_seconds:>6.2f} "
                   f"{r.keystream_bound_seconds:>8.3f} {r.bound_ratio:>7.2f}x "
@@ -382,7 +455,7 @@ def _runs(args: argparse.Namespace, ns: list[int], ds: list[int], drops: list[fl
     if args.repeat > 1:
         print(f"medians of {args.repeat} runs:")
         for n, d, p in configs:
-            mine = [r for r in rows if (r.n, r.d, r.dropout) == (n, d, p)]
+            mine = [r for r in rows if (r.n, r.d, r.dropout) == (n, d, p) and r.adversary == rows[-1].adversary]
             print(f"  n={n} d={d} dropout={p:g}: server "
                   f"{statistics.median(r.server_seconds for r in mine):.3f} s, "
                   f"{statistics.median(r.bound_ratio for r in mine):.2f}x the keystream bound, "

@@ -81,7 +81,7 @@ def _secure(t: TaskAssignment) -> bool:
 class ClientRuntime:
     def __init__(self, link: FleetLink, trainer_factory: TrainerFactory, *, partition_id: int = 0,
                  device: DeviceProvider | None = None, state_dir: str | Path | None = None, seed: int = 0,
-                 edge: EdgeGovernance | None = None) -> None:
+                 edge: EdgeGovernance | None = None, reproducible_rounding: bool = False) -> None:
         self.link = link
         self._factory = trainer_factory
         self._trainer: Trainer | None = None
@@ -92,6 +92,9 @@ class ClientRuntime:
         self.last_governor: GovernorReport | None = None  # the last task's, for when to resume
         self.state_dir = Path(state_dir) if state_dir else None
         self.seed = seed
+        # Secure aggregation's stochastic rounding from the training seed instead of OS
+        # entropy: only for tests that hold a federation to the simulator bit for bit.
+        self.reproducible_rounding = reproducible_rounding
         self.reports: list[TaskReport] = []
         self._codec_state: dict[str, dict[str, Any]] = {}
         # Tasks whose secure session failed here: the server still hands them out until it
@@ -207,7 +210,8 @@ class ClientRuntime:
         from orchard.client.secure import secure_session
 
         upload: asyncio.Future[tuple[UploadHeader, bytes]] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(secure_session(self.link, t, cfg, build_codec(cfg.codec), upload, seed))
+        task = asyncio.create_task(secure_session(self.link, t, cfg, build_codec(cfg.codec), upload, seed,
+                                                   self.reproducible_rounding))
         return task, upload
 
     async def _heartbeats(self, t: TaskAssignment) -> None:

@@ -6,12 +6,21 @@ decodes its own payload back to the values the codec carries (a field-linear cod
 values add), and masks ``(min(w, weight_scale) / weight_scale) * values`` quantised to
 the run's clip and bits. The header (weight, counts, metrics) travels in the clear with
 it; the payload never leaves the device.
+
+The client signs its session keys with its device identity key (``orchard.identity``,
+the link's) and sends the root's certificate of it; an enrolled client (one that holds
+the root's key) checks every neighbour's certificate against that root and refuses
+semi-honest sessions (``secure_agg.ClientPolicy``). The floors it holds a session to are
+its own, never the server's. Stochastic rounding and distributed-DP noise draw from a
+numpy Generator seeded with 128 bits from the OS (``secrets``), unless the runtime was
+told to round reproducibly (tests that compare a federation with the simulator).
 """
 
 from __future__ import annotations
 
 import asyncio
 import secrets
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -20,9 +29,10 @@ from orchard.aggregation.privacy import ddg_encode, session_params
 from orchard.compression import Codec, decode_update
 from orchard.config import RunConfig
 from orchard.errors import SecAggAbort
+from orchard.identity import NodeIdentity
 from orchard.link import FleetLink
 from orchard.messages import TaskAssignment, UploadHeader
-from orchard.secure_agg import SecAggClient, Stage, decode, quantize
+from orchard.secure_agg import ClientPolicy, SecAggClient, SessionIdentity, Stage, decode, quantize
 from orchard.secure_agg.stages import stage_of
 from orchard.updates import split
 
@@ -48,8 +58,9 @@ class SecureParticipant:
     broadcasts it is handed. The client runtime drives it over ``Fleet.SecAgg``; the
     simulator drives the same object against an in-process tier."""
 
-    def __init__(self, node_id: str, entropy: bytes) -> None:
-        self.client = SecAggClient(node_id, entropy=entropy)
+    def __init__(self, node_id: str, entropy: bytes, identity: SessionIdentity | None = None,
+                 policy: ClientPolicy | None = None) -> None:
+        self.client = SecAggClient(node_id, entropy=entropy, identity=identity, policy=policy)
         self.answered: set[int] = set()
         self.sent_input = False
 
@@ -80,28 +91,57 @@ class SecureParticipant:
         return message, header
 
 
+def os_generator() -> np.random.Generator:
+    """A numpy Generator seeded with 128 bits from the OS's CSPRNG: nobody else can replay
+    what it draws (PCG64 itself is not a cryptographic generator; its seed is the secret)."""
+    return np.random.default_rng(secrets.randbits(128))
+
+
 def masked_input(cfg: RunConfig, codec: Codec, t: TaskAssignment, header: UploadHeader, payload: bytes,
-                 seed: int, participants: int = 0,
-                 noise_rng: np.random.Generator | None = None) -> tuple[UploadHeader, np.ndarray]:
+                 seed: int, participants: int = 0, noise_rng: np.random.Generator | None = None,
+                 reproducible: bool = False) -> tuple[UploadHeader, np.ndarray]:
     """What a client posts at the masked-input stage for an update trained with ``seed``:
-    its header (in the clear) and its field vector (quantised with its own stream). With
-    distributed DP the noise and rounding draw from ``noise_rng`` (default: OS entropy:
-    nobody else may be able to replay a client's noise)."""
-    if cfg.privacy.mode == "distributed":
-        rng = noise_rng if noise_rng is not None else np.random.default_rng()
-    else:
+    its header (in the clear) and its field vector. Rounding (and, with distributed DP,
+    the noise) draw from ``noise_rng``, by default :func:`os_generator`: nobody else may
+    replay a client's noise or rounding. ``reproducible``: round with a stream derived from
+    ``seed`` instead (a simulation, or a test comparing a federation with one)."""
+    if noise_rng is not None:
+        rng = noise_rng
+    elif reproducible and cfg.privacy.mode != "distributed":
         rng = np.random.default_rng([seed, 0x5EC])
+    else:
+        rng = os_generator()
     return header, masked_vector(cfg, codec, t, header, payload, rng, participants)
 
 
+@dataclass(frozen=True)
+class DeviceTrust:
+    """What a client brings to its sessions: its identity and the policy it holds them to."""
+
+    identity: SessionIdentity
+    policy: ClientPolicy
+
+    @classmethod
+    def of(cls, node: NodeIdentity) -> DeviceTrust:
+        """From the node's identity: its key, and once enrolled its certificate and the
+        root's key (then peers must be certified by that root, and sessions active)."""
+        e = node.enrolled
+        cert, root = (e.certificate, e.root_public_key) if e is not None else (b"", b"")
+        return cls(SessionIdentity(node.key, cert if cert and root else b""),
+                   ClientPolicy(root_public_key=root if cert and root else None))
+
+
 async def secure_session(link: FleetLink, t: TaskAssignment, cfg: RunConfig, codec: Codec,
-                         upload: asyncio.Future[tuple[UploadHeader, bytes]], seed: int) -> None:
+                         upload: asyncio.Future[tuple[UploadHeader, bytes]], seed: int,
+                         reproducible: bool = False) -> None:
     """Run this client's SecAgg+ stages for task ``t``.
 
     Started when the task arrives, so the key stages overlap training; ``upload`` is
     resolved with the encoded update (header, payload) once training is done, and only
     its masked form leaves the device."""
-    me = SecureParticipant(link.node_id, entropy=secrets.token_bytes(32))
+    trust = DeviceTrust.of(link.identity)
+    me = SecureParticipant(link.node_id, entropy=secrets.token_bytes(32), identity=trust.identity,
+                           policy=trust.policy)
     reply = await link.secagg(t)
     while True:
         if reply.aborted:
@@ -111,7 +151,7 @@ async def secure_session(link: FleetLink, t: TaskAssignment, cfg: RunConfig, cod
         masked = None
         if me.wants_input(reply.stage, reply.broadcast):
             update, payload = await upload
-            masked = masked_input(cfg, codec, t, update, payload, seed, me.participants)
+            masked = masked_input(cfg, codec, t, update, payload, seed, me.participants, reproducible=reproducible)
         got = me.answer(reply.stage, reply.broadcast, masked)
         if got is None:
             reply = await link.secagg(t)

@@ -51,6 +51,13 @@ class SecureAggregationConfig(_Strict):
     threshold: float | None = None
     neighbours: int | None = None
     dropout_rate: float = Field(0.1, ge=0.0, lt=0.5)
+    # The fraction of clients assumed to collude with the server (gamma in the bounds of
+    # orchard.secure_agg.params): k and t are chosen so that privacy holds against it.
+    corrupt_fraction: float = Field(0.05, ge=0.0, lt=0.5)
+    # "active": signed keys, the consistency round and verified shares (Bonawitz et al.,
+    # 2017, s6), against a server that lies and clients that misbehave; "semi_honest":
+    # the version-1 protocol, against a server that follows it (docs/secure-aggregation.md).
+    adversary: Literal["active", "semi_honest"] = "active"
     clip: float = Field(1.0, gt=0.0)
     bits: int = Field(16, ge=2, le=24)
     modulus_bits: int = Field(32, ge=16, le=62)

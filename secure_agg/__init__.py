@@ -37,10 +37,13 @@ parses any of them. Stage by stage (server -> client, then client -> server):
 ================  ===================  ===============  ==================================
 stage             broadcast_for(node)  client reply     what happens
 ================  ===================  ===============  ==================================
-ADVERTISE_KEYS    SessionSetup         AdvertiseKeys    two fresh X25519 public keys
+ADVERTISE_KEYS    SessionSetup         AdvertiseKeys    two fresh X25519 public keys (active:
+                                                        signed, with certificate and H(b_u))
 SHARE_KEYS        KeysBroadcast        ShareKeys        Shamir shares of s_sk and b_u,
                                                         AES-GCM encrypted per neighbour
 MASKED_INPUT      SharesBroadcast      MaskedInput      y_u = x_u + masks (mod 2^b)
+CONSISTENCY       ConsistencyRequest   Consistency-     active only: the view (U2, U3),
+                                       Signature        signed
 UNMASKING         UnmaskRequest        UnmaskShares     b-shares of survivors, s_sk-shares
                                                         of dropped neighbours
 DONE / ABORTED    --                   --               result() / SecAggAbort
@@ -79,9 +82,10 @@ Every masked input it sees is uniform in Z_{2^b}: PRG(b_u) is a one-time pad und
 AES-CTR's pseudorandomness, whatever x_u is (the tests check this with a chi-square
 test). It never learns b_u of a dropped client (its input is not in the sum) nor s_sk_u
 of a surviving one, because an honest client reveals, per neighbour, only one of the two
-shares, and t is a strict majority of the k neighbours: even a server that lies about who
-dropped out cannot gather t shares of both kinds for one client unless more than 2t - k
-of that client's neighbours collude with it (Bell et al., 2020, §3.3). With the
+shares, and t is a strict majority of the k neighbours: a server that follows the
+protocol cannot gather t shares of both kinds for one client unless more than 2t - k of
+that client's neighbours collude with it (Bell et al., 2020, §3.3). A server that lies
+about who dropped out can, unless the session is active (see the threat model). With the
 neighbour graph connected among honest survivors (the third bound in
 :mod:`~orchard.secure_agg.params`), the only function of the inputs it can compute is
 their total over the survivors. Threshold t therefore trades two things: a larger t
@@ -90,11 +94,49 @@ client); :func:`choose_parameters` picks both from n, the dropout rate and the c
 fraction with failure probabilities 2^-20 (correctness) and 2^-40 (privacy), and reports
 the reasoning.
 
-Threat model and limits: semi-honest clients and a server that follows the protocol or
-lies about dropouts; no consistency round with signatures (Bonawitz §6, the actively
-secure variant) and no public-key infrastructure: binding keys to node identities is the
-transport's job (authenticated channels, ``from_node`` in ``receive``). Inputs are not
-checked for range beyond < 2^b: a malicious client can skew the sum, as in the papers.
+Threat model
+------------
+Two protocols share these classes; ``SessionConfig.active`` picks one (active by default).
+
+*Semi-honest* (``active=False``, message version 1; what the native device client
+speaks): the server learns only the survivors' sum if it follows the protocol, against
+up to c colluding clients in any neighbourhood with 2t - k > c. It does not hold against
+a server that lies: one that tells different clients different dropout stories can
+collect both kinds of shares of one client without any of them refusing (the attack in
+``tests/secure_agg/test_active_adversary.py``), and keys are not authenticated, so a
+relay or the server can substitute them. A bad share silently moves the sum.
+
+*Active* (``active=True``, version 2; Bonawitz et al., 2017, §6, and the malicious
+variant of Bell et al., 2020), against a server that deviates arbitrarily, relays that
+alter what they forward, and clients that send anything:
+
+- Keys are signed with the device's identity key (``orchard.identity``; the root
+  certified it at enrollment) over the keys, H(b_u) and the session config's hash; a
+  client checks each neighbour's certificate against the root key of its own
+  :class:`ClientPolicy` and treats a neighbour that fails as absent. Without a root key
+  (nothing enrolled, ``--insecure``) the signatures bind nothing and a relay can
+  substitute keys: that case is only as strong as the semi-honest protocol.
+- The consistency round (:mod:`~orchard.secure_agg.consistency`): a client reveals
+  shares only under the one survivor view it signed and only holding valid signatures on
+  it from t of its neighbours, deriving which shares from the view. Against a server
+  lying about dropouts, no client's input leaks while 2t - k > c for the colluding
+  clients c in every neighbourhood (the argument is in that module).
+- The server refuses X25519 keys of small order (in both protocols) and recovers every
+  secret from all its shares, drops shares that disagree and names their holders, and
+  accepts a secret only if it matches H(b_u) or s_pk (:mod:`~orchard.secure_agg.verify`):
+  malicious clients can make a session abort (named) or lose their neighbours, never
+  change the sum of the others.
+- Clients refuse parameters below their own floors (:class:`ClientPolicy`: n, k, and
+  2t - k >= max(1, ceil(gamma k))), whatever the server proposes.
+
+Neither protocol bounds a client's own input: a malicious client can add any vector to
+the sum (up to the field, so it can wrap a coordinate); the server can only refuse sums
+above n (2^bits - 1) (``orchard.server.secagg``). Preventing it needs a proof of each
+input's range (e.g. ACORN, Bell et al., 2023), which is not implemented. The neighbour
+graph's seed is drawn by the server, not by commit-reveal with the clients: a server that
+grinds it can choose whom each client neighbours, which the bound on c does not cover.
+Clients drop their secrets when a session ends; the server drops its shares and the
+reconstructed keys it cached.
 
 Cost (n clients, k neighbours, d coordinates): a client does 2k key agreements and k + 1
 mask expansions (AES-CTR, several GB/s); a client uploads d words plus O(k) keys and
@@ -104,7 +146,9 @@ survivor and one per (dropped, surviving neighbour) pair.
 
 from __future__ import annotations
 
+from orchard.secure_agg.active import ClientPolicy, SessionIdentity
 from orchard.secure_agg.client import SecAggClient
+from orchard.secure_agg.consistency import ConsistencyRequest, ConsistencySignature, View
 from orchard.secure_agg.errors import (
     DuplicateMessage,
     ExcludedNode,
@@ -141,6 +185,11 @@ from orchard.secure_agg.server import SecAggResult, SecAggServer, StageReport
 
 __all__ = [
     "AdvertiseKeys",
+    "ClientPolicy",
+    "ConsistencyRequest",
+    "ConsistencySignature",
+    "SessionIdentity",
+    "View",
     "DuplicateMessage",
     "ExcludedNode",
     "KeysBroadcast",

@@ -46,6 +46,7 @@ class _Reader:
     def __init__(self, data: bytes | bytearray | memoryview) -> None:
         self.buf = memoryview(data).cast("B")
         self.pos = 0
+        self.version = 1  # the message's header version, once the header is read
 
     def _need(self, n: int) -> None:
         if n < 0 or self.pos + n > len(self.buf):

@@ -5,6 +5,15 @@ One :class:`SecAggClient` serves one session: it draws fresh keys and a fresh se
 seed from the entropy it is given, so nothing links two sessions. The transport feeds it
 each broadcast it polls from the server and posts back what :meth:`SecAggClient.respond`
 returns.
+
+In an active session (``SessionConfig.active``) it also signs its keys with its identity
+key and checks its neighbours' (:mod:`~orchard.secure_agg.active`), signs the survivor
+view and reveals shares only under a view that t of its neighbours signed
+(:mod:`~orchard.secure_agg.consistency`). A neighbour whose signed keys fail, or whose
+share ciphertext does not decrypt, is treated as absent rather than ending the session.
+Whatever the mode, it refuses a session below the floors of its own
+:class:`~orchard.secure_agg.active.ClientPolicy`, and it forgets its secrets when the
+session ends.
 """
 
 from __future__ import annotations
@@ -12,12 +21,29 @@ from __future__ import annotations
 import numpy as np
 
 from orchard.errors import UpdateSchemaError
+from orchard.identity import CertificateError
 from orchard.secure_agg import crypto
 from orchard.secure_agg._wire import ciphertext_size, pack_shares, unpack_shares
+from orchard.secure_agg.active import (
+    ClientPolicy,
+    SessionIdentity,
+    advertise_message,
+    identity_key,
+    is_low_order,
+    seed_commitment,
+    verify,
+)
+from orchard.secure_agg.consistency import (
+    ConsistencyRequest,
+    ConsistencySignature,
+    View,
+    consistency_message,
+)
 from orchard.secure_agg.errors import (
     DuplicateMessage,
     MalformedMessage,
     SecAggAbort,
+    SecAggError,
     UnknownPeer,
     WrongSession,
     WrongStage,
@@ -28,6 +54,7 @@ from orchard.secure_agg.messages import (
     KeysBroadcast,
     MaskedInput,
     Message,
+    PeerKeys,
     SessionConfig,
     SessionSetup,
     ShareKeys,
@@ -48,12 +75,19 @@ class SecAggClient:
     ``entropy`` (>= 32 unpredictable bytes, e.g. ``secrets.token_bytes(32)``) seeds every
     secret the client draws: both X25519 key pairs, the self-mask seed b_u and the Shamir
     polynomials. Reusing it across sessions would reuse b_u: never do that.
+
+    ``identity``: the device's identity key and the root's certificate of it (default: an
+    uncertified key drawn from ``entropy``); ``policy``: the floors and the root key this
+    client holds every session to (its own configuration, never the server's).
     """
 
-    def __init__(self, node_id: str, *, entropy: bytes) -> None:
+    def __init__(self, node_id: str, *, entropy: bytes, identity: SessionIdentity | None = None,
+                 policy: ClientPolicy | None = None) -> None:
         if len(entropy) < 32:
             raise ValueError(f"entropy must be at least 32 bytes, got {len(entropy)}")
         self.node_id = node_id
+        self.identity = identity if identity is not None else SessionIdentity.ephemeral(entropy)
+        self.policy = policy if policy is not None else ClientPolicy()
         self._rand = ByteStream(crypto.hkdf(entropy, b"client:" + node_id.encode(), 32))
         self.stage = Stage.ADVERTISE_KEYS  # the stage whose broadcast it waits for
         self.config: SessionConfig | None = None
@@ -62,6 +96,9 @@ class SecAggClient:
         self._peers: dict[str, tuple[bytes, bytes]] = {}  # U1 neighbours -> (c_pk, s_pk)
         self._held: dict[str, tuple[bytes, bytes]] = {}  # U2 neighbours -> (key share, seed share)
         self._channel: dict[str, bytes] = {}  # U1 neighbours -> X25519 agreement of c keys
+        self._ids: dict[str, bytes] = {}  # neighbours with verified keys -> identity key
+        self._masked: frozenset[str] = frozenset()  # the neighbours whose masks went into y_u
+        self._view: bytes = b""  # the survivor view this client signed (active sessions)
         self.masks_expanded = 0  # measurement
         self._last: tuple[Message, Message] | None = None  # (broadcast, reply) for retries
 
@@ -83,7 +120,7 @@ class SecAggClient:
         if self.stage in (Stage.DONE, Stage.ABORTED):
             raise WrongStage(f"client {self.node_id!r} has finished its session ({self.stage.value})")
         if msg.STAGE is not self.stage or not isinstance(
-                msg, SessionSetup | KeysBroadcast | SharesBroadcast | UnmaskRequest):
+                msg, SessionSetup | KeysBroadcast | SharesBroadcast | ConsistencyRequest | UnmaskRequest):
             raise WrongStage(f"client {self.node_id!r} waits for the {self.stage.value} broadcast, "
                              f"got a {type(msg).__name__}")
         if msg.node != self.node_id:
@@ -100,10 +137,13 @@ class SecAggClient:
                 if vector is None:
                     raise UpdateSchemaError("the masked-input stage needs the quantised vector")
                 reply = self._mask(msg, vector)
+            elif isinstance(msg, ConsistencyRequest):
+                reply = self._sign_view(msg)
             else:
                 reply = self._unmask(msg)
         except SecAggAbort:
             self.stage = Stage.ABORTED
+            self._forget()
             raise
         self._last = (msg, reply)
         return reply
@@ -129,6 +169,7 @@ class SecAggClient:
         cfg = msg.config
         if self.node_id not in cfg.participants:
             raise UnknownPeer(f"{self.node_id!r} is not among the session's participants")
+        self.policy.check(cfg)
         self._index = {p: i for i, p in enumerate(cfg.participants)}
         graph = NeighbourGraph(len(cfg.participants), cfg.neighbours, cfg.graph_seed)
         self._neighbours = frozenset(cfg.participants[j]
@@ -138,8 +179,13 @@ class SecAggClient:
         self._seed = self._rand.read(SEED_BYTES)  # b_u
         self.config = cfg
         self.stage = Stage.SHARE_KEYS
-        return AdvertiseKeys(cfg.session_id, cfg.round_number, self.node_id,
-                             crypto.public_bytes(self._c_sk), crypto.public_bytes(self._s_sk))
+        c_pk, s_pk = crypto.public_bytes(self._c_sk), crypto.public_bytes(self._s_sk)
+        if not cfg.active:
+            return AdvertiseKeys(cfg.session_id, cfg.round_number, self.node_id, c_pk, s_pk)
+        commitment = seed_commitment(cfg, self.node_id, self._seed)
+        signature = self.identity.key.sign(advertise_message(cfg, self.node_id, c_pk, s_pk, commitment))
+        return AdvertiseKeys(cfg.session_id, cfg.round_number, self.node_id, c_pk, s_pk, commitment,
+                             self.identity.credential, signature)
 
     def _share(self, msg: KeysBroadcast) -> ShareKeys:
         """Round 1: Shamir-share s_sk and b_u among the neighbours that advertised keys,
@@ -158,6 +204,10 @@ class SecAggClient:
             if k.channel_pk in seen_keys or k.mask_pk in seen_keys or k.channel_pk == k.mask_pk:
                 raise MalformedMessage(f"keys of {k.node!r} repeat a key already seen")
             seen_keys.update((k.channel_pk, k.mask_pk))
+            if cfg.active:
+                if msg.version != 2 or (key := self._verified(cfg, k)) is None:
+                    continue  # substituted or unsigned: treated as absent
+                self._ids[k.node] = key
             peers[k.node] = (k.channel_pk, k.mask_pk)
         if len(peers) < cfg.threshold:
             raise SecAggAbort(f"only {len(peers)} neighbours of {self.node_id!r} advertised keys, "
@@ -177,28 +227,41 @@ class SecAggClient:
         self.stage = Stage.MASKED_INPUT
         return ShareKeys(cfg.session_id, cfg.round_number, self.node_id, tuple(out))
 
+    def _verified(self, cfg: SessionConfig, k: PeerKeys) -> bytes | None:
+        """The identity key of a neighbour whose keys carry a valid certificate and
+        signature and are not of small order; None otherwise."""
+        if is_low_order(k.channel_pk) or is_low_order(k.mask_pk):
+            return None
+        try:
+            key = identity_key(k.credential, k.node, self.policy.root_public_key)
+        except CertificateError:
+            return None
+        signed = advertise_message(cfg, k.node, k.channel_pk, k.mask_pk, k.seed_commitment)
+        return key if verify(key, signed, k.signature) else None
+
     def _mask(self, msg: SharesBroadcast, vector: np.ndarray) -> MaskedInput:
         """Round 2: decrypt the shares held for neighbours, then
         y_u = x_u + PRG(b_u) + sum_{v in U2 nbrs} sign(u, v) PRG(s_uv)  (mod 2^b)."""
         cfg = self._require_config()
         held: dict[str, tuple[bytes, bytes]] = {}
+        masked: set[str] = set()
         for sender, ct in msg.ciphertexts:
             if sender not in self._peers:
                 raise UnknownPeer(f"shares from {sender!r}, which did not advertise keys as a "
                                   f"neighbour of {self.node_id!r}")
-            if sender in held:
+            if sender in masked:
                 raise DuplicateMessage(f"shares from {sender!r} delivered twice")
-            if len(ct) != ciphertext_size(sender, self.node_id):
-                raise MalformedMessage(f"ciphertext from {sender!r} has the wrong length {len(ct)}")
-            key = crypto.channel_key(self._channel[sender], cfg.session_id, cfg.round_number,
-                                     sender, self.node_id)
-            ad = crypto.share_associated_data(cfg.session_id, cfg.round_number, sender, self.node_id)
-            u, v, ks, ss = unpack_shares(crypto.decrypt_share(key, ct, ad, sender))
-            if (u, v) != (sender, self.node_id):
-                raise MalformedMessage(f"shares from {sender!r} name {u!r} -> {v!r} inside")
-            held[sender] = (ks, ss)
-        if len(held) < cfg.threshold:
-            raise SecAggAbort(f"only {len(held)} neighbours of {self.node_id!r} shared keys, "
+            masked.add(sender)
+            try:
+                held[sender] = self._open(cfg, sender, ct)
+            except SecAggError:
+                if not cfg.active:
+                    raise
+                # Active: a ciphertext that fails costs its sender this holder (its
+                # secrets have k - 1 others); the pair's masks still cancel, since both
+                # ends mask once the ciphertext was routed.
+        if len(masked) < cfg.threshold:
+            raise SecAggAbort(f"only {len(masked)} neighbours of {self.node_id!r} shared keys, "
                               f"threshold is {cfg.threshold}")
         x = self._check_vector(vector, cfg)
         dtype = word_dtype(cfg.modulus_bits)
@@ -206,9 +269,9 @@ class SecAggClient:
         me = self._index[self.node_id]
         # One thread: a device has few cores, and a simulator runs many clients at once.
         # All the masks go in one batch, so y is walked once, a cache-sized chunk at a time.
-        with MaskFolder(y, threads=1, batch=len(held) + 1) as folder:
+        with MaskFolder(y, threads=1, batch=len(masked) + 1) as folder:
             folder.add(self._seed)
-            for peer in held:
+            for peer in sorted(masked, key=self._index.__getitem__):
                 seed = crypto.pairwise_seed(self._s_sk, self._peers[peer][1], cfg.session_id,
                                             cfg.round_number, self.node_id, peer)
                 # The lower-indexed node of a pair adds the mask, the higher one subtracts
@@ -218,9 +281,44 @@ class SecAggClient:
         y &= np.asarray(modulus_mask(cfg.modulus_bits), dtype=dtype)
         self.masks_expanded += folder.expansions
         self._held = held
+        self._masked = frozenset(masked)
         self._channel.clear()
-        self.stage = Stage.UNMASKING
+        self.stage = Stage.CONSISTENCY if cfg.active else Stage.UNMASKING
         return MaskedInput(cfg.session_id, cfg.round_number, self.node_id, y)
+
+    def _open(self, cfg: SessionConfig, sender: str, ct: bytes) -> tuple[bytes, bytes]:
+        """Decrypt and check the shares ``sender`` sent this client."""
+        if len(ct) != ciphertext_size(sender, self.node_id):
+            raise MalformedMessage(f"ciphertext from {sender!r} has the wrong length {len(ct)}")
+        key = crypto.channel_key(self._channel[sender], cfg.session_id, cfg.round_number,
+                                 sender, self.node_id)
+        ad = crypto.share_associated_data(cfg.session_id, cfg.round_number, sender, self.node_id)
+        u, v, ks, ss = unpack_shares(crypto.decrypt_share(key, ct, ad, sender))
+        if (u, v) != (sender, self.node_id):
+            raise MalformedMessage(f"shares from {sender!r} name {u!r} -> {v!r} inside")
+        return ks, ss
+
+    def _sign_view(self, msg: ConsistencyRequest) -> ConsistencySignature:
+        """Active sessions, between masking and unmasking: sign the view (U2, U3) if it
+        fits what this client saw (see :mod:`~orchard.secure_agg.consistency`)."""
+        cfg = self._require_config()
+        view = View.from_bytes(msg.view, len(cfg.participants))
+        ids = cfg.participants
+        if self._index[self.node_id] not in view.u3:
+            raise SecAggAbort(f"the survivor view leaves out {self.node_id!r}, whose masked input "
+                              "was sent: the server lies about who survived")
+        in_u2 = {ids[j] for j in view.u2} & self._neighbours
+        if not in_u2 <= set(self._peers):
+            raise SecAggAbort(f"the survivor view puts {sorted(in_u2 - set(self._peers))} in U2, which "
+                              f"advertised no keys to {self.node_id!r}")
+        if in_u2 & set(self._ids) != self._masked:
+            short = sorted(in_u2 & set(self._ids) - self._masked)
+            raise SecAggAbort(f"the shares broadcast to {self.node_id!r} lacked {short} (in U2) or named "
+                              f"{sorted(self._masked - in_u2)} (not in U2): the server showed another view")
+        self._view = msg.view
+        self.stage = Stage.UNMASKING
+        signature = self.identity.key.sign(consistency_message(cfg, msg.view))
+        return ConsistencySignature(cfg.session_id, cfg.round_number, self.node_id, signature)
 
     def _check_vector(self, vector: np.ndarray, cfg: SessionConfig) -> np.ndarray:
         x = np.asarray(vector)
@@ -235,6 +333,8 @@ class SecAggClient:
         """Round 4: reveal b-shares of survivors and s_sk-shares of dropped neighbours,
         never both kinds for the same node."""
         cfg = self._require_config()
+        if cfg.active:
+            return self._unmask_active(cfg, msg)
         survivors, dropped = set(msg.survivors), set(msg.dropped)
         if len(survivors) != len(msg.survivors) or len(dropped) != len(msg.dropped):
             raise DuplicateMessage("the unmask request lists a node twice")
@@ -252,4 +352,40 @@ class SecAggClient:
         seed_shares = tuple((u, self._held[u][1]) for u in msg.survivors)
         key_shares = tuple((u, self._held[u][0]) for u in msg.dropped)
         self.stage = Stage.DONE
+        self._forget()
         return UnmaskShares(cfg.session_id, cfg.round_number, self.node_id, seed_shares, key_shares)
+
+    def _unmask_active(self, cfg: SessionConfig, msg: UnmaskRequest) -> UnmaskShares:
+        """Reveal only under the view this client signed, once t neighbours signed it too;
+        which share of whom follows from the view, not from the server's say."""
+        if msg.version != 2 or msg.view != self._view:
+            raise SecAggAbort(f"the unmask request to {self.node_id!r} carries another survivor view than "
+                              "the one it signed: the server shows different views")
+        signed = consistency_message(cfg, self._view)
+        good: set[str] = set()
+        for s, sig in msg.signatures:  # t valid signatures are enough: stop there
+            if len(good) >= cfg.threshold:
+                break
+            if s in self._ids and s not in good and verify(self._ids[s], signed, sig):
+                good.add(s)
+        if len(good) < cfg.threshold:
+            raise SecAggAbort(f"only {len(good)} neighbours of {self.node_id!r} signed its survivor view, "
+                              f"threshold is {cfg.threshold}: it reveals nothing")
+        view = View.from_bytes(self._view, len(cfg.participants))
+        u3 = {cfg.participants[j] for j in view.u3}
+        if len(self._masked & u3) < cfg.threshold:
+            raise SecAggAbort(f"only {len(self._masked & u3)} neighbours of {self.node_id!r} survived, "
+                              f"threshold is {cfg.threshold}")
+        order = sorted(self._held, key=self._index.__getitem__)
+        seed_shares = tuple((u, self._held[u][1]) for u in order if u in u3)
+        key_shares = tuple((u, self._held[u][0]) for u in order if u not in u3)
+        self.stage = Stage.DONE
+        self._forget()
+        return UnmaskShares(cfg.session_id, cfg.round_number, self.node_id, seed_shares, key_shares)
+
+    def _forget(self) -> None:
+        """Drop every secret of the session (keys, seed, the shares held): it is over."""
+        for name in ("_c_sk", "_s_sk", "_seed"):
+            self.__dict__.pop(name, None)
+        self._held = {}
+        self._channel.clear()

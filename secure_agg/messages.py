@@ -5,6 +5,12 @@ A transport carries ``msg.to_bytes()`` opaquely and rebuilds it with :func:`deco
 
     b"OSA" | version u8 | tag u8 | session_id (16 bytes) | round u64 | node (str) | body
 
+Version 1 is the semi-honest protocol; version 2 marks the messages of a session run
+against an active adversary (``SessionConfig.active``): a session setup that says so,
+signed keys with their certificates and commitments, the consistency round
+(:mod:`~orchard.secure_agg.consistency`) and an unmask request that carries the signed
+survivor view. The other messages have one form, version 1, in both.
+
 where ``node`` is the sender of a client message and the recipient of a broadcast, a str
 is ``u16 length + UTF-8``, bytes are ``u32 length + raw``, lists are ``u32 count + items``,
 and a vector is ``u8 word size + u64 length + raw little-endian words`` (read back without
@@ -45,11 +51,12 @@ from orchard.secure_agg._framing import (
     encoded_id,
 )
 from orchard.secure_agg.crypto import KEY_BYTES
-from orchard.secure_agg.errors import MalformedMessage, SecAggConfigError
+from orchard.secure_agg.errors import MalformedMessage
 from orchard.secure_agg.prg import word_dtype
 
 MAGIC = b"OSA"
-VERSION = 1
+VERSION = 1  # the semi-honest protocol's messages
+ACTIVE_VERSION = 2  # the messages that differ in a session against an active adversary
 SESSION_ID_BYTES = 16
 GRAPH_SEED_BYTES = 32
 
@@ -77,6 +84,7 @@ class Stage(StrEnum):
     SHARE_KEYS = "share_keys"
     MASKED_INPUT = "masked_input"
     UNMASKING = "unmasking"
+    CONSISTENCY = "consistency"  # between MASKED_INPUT and UNMASKING, active sessions only
     DONE = "done"
     ABORTED = "aborted"
 
@@ -91,6 +99,7 @@ class Message(ABC):
 
     TAG: ClassVar[int]
     STAGE: ClassVar[Stage]
+    VERSIONS: ClassVar[tuple[int, ...]] = (VERSION,)  # the header versions it has a form in
     session_id: bytes
     round_number: int
 
@@ -114,8 +123,13 @@ class Message(ABC):
               node: str) -> _M:
         """Read the body written by :meth:`_write`."""
 
+    @property
+    def version(self) -> int:
+        """The header version this message is written with (2: its active-session form)."""
+        return VERSION
+
     def to_bytes(self) -> bytes:
-        w = _header(self.TAG, self.session_id, self.round_number, self.node)
+        w = _header(self.TAG, self.session_id, self.round_number, self.node, self.version)
         self._write(w)
         return w.getvalue()
 
@@ -127,10 +141,10 @@ class Message(ABC):
         return msg
 
 
-def _header(tag: int, session_id: bytes, round_number: int, node: str) -> _Writer:
+def _header(tag: int, session_id: bytes, round_number: int, node: str, version: int = VERSION) -> _Writer:
     w = _Writer()
     w.raw(MAGIC)
-    w.u8(VERSION)
+    w.u8(version)
     w.u8(tag)
     if len(session_id) != SESSION_ID_BYTES:
         raise MalformedMessage(f"session id is {SESSION_ID_BYTES} bytes, got {len(session_id)}")
@@ -151,11 +165,14 @@ def _read_header(r: _Reader) -> tuple[type[Message], bytes, int, str]:
     magic, version, tag, session_id, round_number = _FIXED_HEADER.unpack_from(r.buf, r.pos)
     if magic != MAGIC:
         raise MalformedMessage("not a secure-aggregation message (bad magic)")
-    if version != VERSION:
-        raise MalformedMessage(f"message version {version}, this code speaks {VERSION}")
+    if version not in (VERSION, ACTIVE_VERSION):
+        raise MalformedMessage(f"message version {version}, this code speaks {VERSION} and {ACTIVE_VERSION}")
     cls = _REGISTRY.get(tag)
     if cls is None:
         raise MalformedMessage(f"unknown message tag {tag}")
+    if version not in cls.VERSIONS:
+        raise MalformedMessage(f"a {cls.__name__} has no version {version} form")
+    r.version = version
     r.pos += _FIXED_HEADER.size
     return cls, session_id, round_number, r.string()
 
@@ -219,169 +236,96 @@ def shares_broadcast_bytes(session_id: bytes, round_number: int, recipient: str,
     return w.getvalue()
 
 
-# --------------------------------------------------------------------------- session
+COMMITMENT_BYTES = 32  # H(b_u), SHA-256
+SIGNATURE_BYTES = 64  # Ed25519
 
 
-@dataclass(frozen=True)
-class SessionConfig:
-    """Everything all parties must agree on before the first stage.
-
-    ``participants`` is sorted; a node's index in it is its graph vertex and its Shamir
-    evaluation point is index + 1. The coordinator draws ``session_id`` and
-    ``graph_seed`` fresh for every session (see :meth:`create`).
-    """
-
-    session_id: bytes
-    round_number: int
-    participants: tuple[str, ...]
-    neighbours: int
-    threshold: int
-    graph_seed: bytes
-    vector_length: int
-    modulus_bits: int = 32
-
-    def __post_init__(self) -> None:
-        problems = []
-        n = len(self.participants)
-        if len(self.session_id) != SESSION_ID_BYTES:
-            problems.append(f"session_id must be {SESSION_ID_BYTES} bytes, got {len(self.session_id)}")
-        if len(self.graph_seed) != GRAPH_SEED_BYTES:
-            problems.append(f"graph_seed must be {GRAPH_SEED_BYTES} bytes, got {len(self.graph_seed)}")
-        if tuple(sorted(set(self.participants))) != self.participants:
-            problems.append("participants must be sorted and distinct")
-        if n < 2:
-            problems.append(f"need at least 2 participants, got {n}")
-        elif not 1 <= self.neighbours <= n - 1:
-            problems.append(f"neighbours must be in 1..{n - 1}, got {self.neighbours}")
-        elif not self.neighbours // 2 < self.threshold <= self.neighbours:
-            problems.append(f"threshold must be in {self.neighbours // 2 + 1}..{self.neighbours} "
-                            f"(a strict majority of the neighbours), got {self.threshold}")
-        if self.vector_length < 0:
-            problems.append(f"vector_length must be >= 0, got {self.vector_length}")
-        if not 1 <= self.modulus_bits <= 64:
-            problems.append(f"modulus_bits must be in 1..64, got {self.modulus_bits}")
-        if self.round_number < 0:
-            problems.append(f"round_number must be >= 0, got {self.round_number}")
-        if problems:
-            raise SecAggConfigError(problems)
-
-    @functools.cached_property
-    def encoded_participants(self) -> bytes:
-        """The participant list in wire form, encoded once (it goes to every client)."""
-        w = _Writer()
-        w.u32(len(self.participants))
-        for p in self.participants:
-            w.string(p)
-        return w.getvalue()
-
-    @classmethod
-    def create(cls, participants: list[str] | tuple[str, ...], vector_length: int, *,
-               neighbours: int, threshold: int, round_number: int, entropy: bytes,
-               modulus_bits: int = 32) -> SessionConfig:
-        """A config with session id and graph seed derived from ``entropy`` (>= 32 bytes).
-
-        ``entropy`` must be fresh and unpredictable per session (e.g. ``secrets.token_bytes``):
-        session ids keep keys and ciphertexts of different sessions apart.
-        """
-        from orchard.secure_agg.crypto import hkdf
-
-        if len(entropy) < 32:
-            raise SecAggConfigError(f"entropy must be at least 32 bytes, got {len(entropy)}")
-        return cls(
-            session_id=hkdf(entropy, b"session-id", SESSION_ID_BYTES),
-            round_number=round_number,
-            participants=tuple(sorted(participants)),
-            neighbours=neighbours,
-            threshold=threshold,
-            graph_seed=hkdf(entropy, b"graph-seed", GRAPH_SEED_BYTES),
-            vector_length=vector_length,
-            modulus_bits=modulus_bits,
-        )
+def _check_signed(k: AdvertiseKeys | PeerKeys) -> None:
+    if not (k.signature or k.credential or k.seed_commitment):
+        return
+    if len(k.seed_commitment) != COMMITMENT_BYTES or len(k.signature) != SIGNATURE_BYTES:
+        raise MalformedMessage(f"signed keys carry a {COMMITMENT_BYTES}-byte commitment and a "
+                               f"{SIGNATURE_BYTES}-byte signature")
+    if not 0 < len(k.credential) <= 0xFFFF:
+        raise MalformedMessage("signed keys carry their owner's credential (certificate or key)")
 
 
-@dataclass(frozen=True)
-class SessionSetup(Message):
-    """Server -> client, stage ADVERTISE_KEYS: the session parameters."""
+def _write_signed(w: _Writer, k: AdvertiseKeys | PeerKeys) -> None:
+    w.raw(k.seed_commitment)
+    w.u16(len(k.credential))
+    w.raw(k.credential)
+    w.raw(k.signature)
 
-    TAG: ClassVar[int] = 1
-    STAGE: ClassVar[Stage] = Stage.ADVERTISE_KEYS
-    recipient: str
-    config: SessionConfig
 
-    @property
-    def session_id(self) -> bytes:  # type: ignore[override]
-        return self.config.session_id
-
-    @property
-    def round_number(self) -> int:  # type: ignore[override]
-        return self.config.round_number
-
-    @property
-    def node(self) -> str:
-        return self.recipient
-
-    def _write(self, w: _Writer) -> None:
-        c = self.config
-        w.raw(c.encoded_participants)
-        w.u32(c.neighbours)
-        w.u32(c.threshold)
-        w.raw(c.graph_seed)
-        w.u64(c.vector_length)
-        w.u8(c.modulus_bits)
-
-    @classmethod
-    def _read(cls, r: _Reader, session_id: bytes, round_number: int, node: str) -> SessionSetup:
-        participants = tuple(r.strings(r.count(2)))
-        neighbours, threshold = r.u32(), r.u32()
-        seed = r.fixed(GRAPH_SEED_BYTES)
-        length, bits = r.u64(), r.u8()
-        try:
-            config = SessionConfig(session_id, round_number, participants, neighbours, threshold,
-                                   seed, length, bits)
-        except SecAggConfigError as err:
-            raise MalformedMessage(f"session setup is invalid: {'; '.join(err.problems)}") from None
-        return cls(recipient=node, config=config)
+def _read_signed(r: _Reader) -> tuple[bytes, bytes, bytes]:
+    commitment = r.fixed(COMMITMENT_BYTES)
+    credential = r.fixed(r.u16())
+    return commitment, credential, r.fixed(SIGNATURE_BYTES)
 
 
 @dataclass(frozen=True)
 class AdvertiseKeys(Message):
-    """Client -> server, stage ADVERTISE_KEYS: the two public keys (§4, round 0)."""
+    """Client -> server, stage ADVERTISE_KEYS: the two public keys (§4, round 0). In an
+    active session (§6) also H(b_u), the sender's identity credential (the root's
+    certificate of its Ed25519 key) and its signature over all of it
+    (:func:`~orchard.secure_agg.identity.advertise_message`)."""
 
     TAG: ClassVar[int] = 2
     STAGE: ClassVar[Stage] = Stage.ADVERTISE_KEYS
+    VERSIONS: ClassVar[tuple[int, ...]] = (VERSION, ACTIVE_VERSION)
     session_id: bytes
     round_number: int
     sender: str
     channel_pk: bytes
     mask_pk: bytes
+    seed_commitment: bytes = b""
+    credential: bytes = b""
+    signature: bytes = b""
 
     def __post_init__(self) -> None:
         _check_key("channel_pk", self.channel_pk)
         _check_key("mask_pk", self.mask_pk)
+        _check_signed(self)
 
     @property
     def node(self) -> str:
         return self.sender
 
+    @property
+    def version(self) -> int:
+        return ACTIVE_VERSION if self.signature else VERSION
+
     def _write(self, w: _Writer) -> None:
         w.raw(self.channel_pk)
         w.raw(self.mask_pk)
+        if self.signature:
+            _write_signed(w, self)
 
     @classmethod
     def _read(cls, r: _Reader, session_id: bytes, round_number: int, node: str) -> AdvertiseKeys:
-        return cls(session_id, round_number, node, _key(r), _key(r))
+        keys = _key(r), _key(r)
+        if r.version == VERSION:
+            return cls(session_id, round_number, node, *keys)
+        return cls(session_id, round_number, node, *keys, *_read_signed(r))
 
 
 @dataclass(frozen=True)
 class PeerKeys:
+    """A neighbour's AdvertiseKeys as the server passes it on (signed, in an active session:
+    the client checks the signature, so a relay cannot substitute the keys)."""
+
     node: str
     channel_pk: bytes
     mask_pk: bytes
+    seed_commitment: bytes = b""
+    credential: bytes = b""
+    signature: bytes = b""
 
     def __post_init__(self) -> None:
         # Checked here, once per peer: a server sends the same PeerKeys to k neighbours.
         _check_key("channel_pk", self.channel_pk)
         _check_key("mask_pk", self.mask_pk)
+        _check_signed(self)
 
     @functools.cached_property
     def encoded(self) -> bytes:
@@ -391,6 +335,8 @@ class PeerKeys:
         w.string(self.node)
         w.raw(self.channel_pk)
         w.raw(self.mask_pk)
+        if self.signature:
+            _write_signed(w, self)
         return w.getvalue()
 
 
@@ -400,14 +346,24 @@ class KeysBroadcast(Message):
 
     TAG: ClassVar[int] = 3
     STAGE: ClassVar[Stage] = Stage.SHARE_KEYS
+    VERSIONS: ClassVar[tuple[int, ...]] = (VERSION, ACTIVE_VERSION)
     session_id: bytes
     round_number: int
     recipient: str
     keys: tuple[PeerKeys, ...]  # each checked when it was made (frozen since)
+    active: bool = False  # the signed form: every entry carries commitment, credential, signature
+
+    def __post_init__(self) -> None:
+        if any(bool(k.signature) != self.active for k in self.keys):
+            raise MalformedMessage("a keys broadcast mixes signed and unsigned keys")
 
     @property
     def node(self) -> str:
         return self.recipient
+
+    @property
+    def version(self) -> int:
+        return ACTIVE_VERSION if self.active else VERSION
 
     def _write(self, w: _Writer) -> None:
         w.u32(len(self.keys))
@@ -416,8 +372,11 @@ class KeysBroadcast(Message):
     @classmethod
     def _read(cls, r: _Reader, session_id: bytes, round_number: int, node: str) -> KeysBroadcast:
         n = r.count(2 + 2 * KEY_BYTES)
-        keys = tuple(PeerKeys(r.string(), _key(r), _key(r)) for _ in range(n))
-        return cls(session_id, round_number, node, keys)
+        if r.version == VERSION:
+            return cls(session_id, round_number, node, tuple(PeerKeys(r.string(), _key(r), _key(r))
+                                                             for _ in range(n)))
+        keys = tuple(PeerKeys(r.string(), _key(r), _key(r), *_read_signed(r)) for _ in range(n))
+        return cls(session_id, round_number, node, keys, active=True)
 
 
 @dataclass(frozen=True)
@@ -516,23 +475,42 @@ class UnmaskRequest(Message):
 
     TAG: ClassVar[int] = 7
     STAGE: ClassVar[Stage] = Stage.UNMASKING
+    VERSIONS: ClassVar[tuple[int, ...]] = (VERSION, ACTIVE_VERSION)
     session_id: bytes
     round_number: int
     recipient: str
     survivors: tuple[str, ...]
     dropped: tuple[str, ...]
+    # Active sessions: no lists (the client derives them), but the survivor view it
+    # signed (``consistency.View`` bytes) and its neighbours' signatures over that view.
+    view: bytes = b""
+    signatures: tuple[tuple[str, bytes], ...] = ()
 
     @property
     def node(self) -> str:
         return self.recipient
 
+    @property
+    def version(self) -> int:
+        return ACTIVE_VERSION if self.view else VERSION
+
     def _write(self, w: _Writer) -> None:
+        if self.view:
+            w.u32(len(self.view))
+            w.raw(self.view)
+            _write_pairs(w, self.signatures)
+            return
         for group in (self.survivors, self.dropped):
             w.u32(len(group))
             w.raw(b"".join([encoded_id(s) for s in group]))
 
     @classmethod
     def _read(cls, r: _Reader, session_id: bytes, round_number: int, node: str) -> UnmaskRequest:
+        if r.version == ACTIVE_VERSION:
+            view = r.fixed(r.count(1))
+            if not view:
+                raise MalformedMessage("an active unmask request carries the survivor view")
+            return cls(session_id, round_number, node, (), (), view, _read_pairs(r))
         survivors = tuple(r.strings(r.count(2)))
         dropped = tuple(r.strings(r.count(2)))
         return cls(session_id, round_number, node, survivors, dropped)
@@ -561,3 +539,8 @@ class UnmaskShares(Message):
     @classmethod
     def _read(cls, r: _Reader, session_id: bytes, round_number: int, node: str) -> UnmaskShares:
         return cls(session_id, round_number, node, _read_pairs(r), _read_pairs(r))
+
+
+# The session's config and its setup message live in session.py (one concern per file);
+# importing them here keeps ``messages`` the one place every message is reachable from.
+from orchard.secure_agg.session import SessionConfig, SessionSetup  # noqa: E402

@@ -6,8 +6,9 @@ delta and is corrupt (colludes with the server) with probability gamma.
 1. Correctness (fail with probability <= 2^-eta): every node keeps >= t surviving
    neighbours, so its secrets can be reconstructed:
    ``n * P[Binomial(k, delta) > k - t] <= 2^-eta``.
-2. Privacy of secrets (<= 2^-sigma): even a server that lies about who dropped out gets
-   either the self-mask seed or the mask key of an honest node, never both. Honest
+2. Privacy of secrets (<= 2^-sigma): the server gets either the self-mask seed or the
+   mask key of an honest node, never both; against a server that lies about who dropped
+   out this needs the active protocol's consistency round (orchard.secure_agg.consistency). Honest
    holders reveal one kind of share per node, corrupt ones both, so with c corrupt
    neighbours the server collects t of both kinds only if 2t <= k + c:
    ``n * P[Binomial(k, gamma) >= 2t - k] <= 2^-sigma`` (t > k/2 always).
@@ -219,10 +220,10 @@ def choose_parameters(
     )
 
 
-def parameters_from_config(config: SecureAggregationConfig, num_clients: int, *,
-                           corrupt_fraction: float = 0.05) -> SecAggParameters:
-    """:func:`choose_parameters` from the run's secure-aggregation settings."""
+def parameters_from_config(config: SecureAggregationConfig, num_clients: int) -> SecAggParameters:
+    """:func:`choose_parameters` from the run's secure-aggregation settings (dropout rate,
+    corrupt fraction, and k or t where fixed)."""
     return choose_parameters(
-        num_clients, config.dropout_rate, corrupt_fraction=corrupt_fraction,
+        num_clients, config.dropout_rate, corrupt_fraction=config.corrupt_fraction,
         neighbours=config.neighbours, threshold=config.threshold,
     )

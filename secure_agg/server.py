@@ -18,21 +18,37 @@ otherwise raises :class:`~orchard.errors.SecAggAbort` and stays aborted.
 Masked inputs are added to one running sum as they arrive: memory is O(d + n k), never
 O(n d) (O(threads d + n k) while unmasking: each mask thread, or each mask worker process,
 folds into its own sum).
+
+An active session (``SessionConfig.active``) adds the consistency stage between masked
+input and unmasking (U4 are then the clients that signed the view and went on to
+reveal), refuses keys whose signature does not verify, and recovers every secret from
+all of its shares, dropping shares that disagree and naming their holders
+(:mod:`~orchard.secure_agg.verify`), checked against H(b_u) or s_pk. Both modes refuse
+X25519 keys of small order.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import secrets
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
+from orchard.identity import CertificateError
 from orchard.secure_agg import crypto
 from orchard.secure_agg._wire import (
     MASK_KEY_SHARE_BYTES,
     SELF_MASK_SHARE_BYTES,
     ciphertext_size,
 )
+from orchard.secure_agg.active import (
+    advertise_message,
+    identity_key,
+    is_low_order,
+    seed_commitment,
+    verify,
+)
+from orchard.secure_agg.consistency import ConsistencyRequest, ConsistencySignature, View
 from orchard.secure_agg.errors import (
     DuplicateMessage,
     ExcludedNode,
@@ -65,12 +81,15 @@ from orchard.secure_agg.messages import (
 )
 from orchard.secure_agg.prg import (
     SEED_BYTES,
+    ByteStream,
     MaskFolder,
     available_cores,
     modulus_mask,
     word_dtype,
 )
+from orchard.secure_agg.results import SecAggResult, StageReport
 from orchard.secure_agg.shamir import reconstruct_many_bytes
+from orchard.secure_agg.verify import recover_verified
 
 if TYPE_CHECKING:
     from orchard.secure_agg.prg import FoldWorkers
@@ -81,6 +100,7 @@ _CLIENT_MESSAGE = {
     Stage.ADVERTISE_KEYS: AdvertiseKeys,
     Stage.SHARE_KEYS: ShareKeys,
     Stage.MASKED_INPUT: MaskedInput,
+    Stage.CONSISTENCY: ConsistencySignature,
     Stage.UNMASKING: UnmaskShares,
 }
 _NEXT = {
@@ -89,27 +109,7 @@ _NEXT = {
     Stage.MASKED_INPUT: Stage.UNMASKING,
     Stage.UNMASKING: Stage.DONE,
 }
-
-
-@dataclass(frozen=True)
-class StageReport:
-    """What closing a stage did: who sent, who dropped out, who was pruned."""
-
-    stage: Stage
-    next_stage: Stage
-    received: tuple[str, ...]
-    dropped: tuple[str, ...]  # expected in this stage, did not send
-    excluded: tuple[str, ...] = ()  # sent, but left with fewer than t live neighbours
-
-
-@dataclass(frozen=True, eq=False)
-class SecAggResult:
-    """The unmasked sum of the contributors' inputs, modulo 2^modulus_bits."""
-
-    total: np.ndarray
-    contributors: tuple[str, ...]  # U3: whose inputs are in ``total`` (pass len() to decode)
-    dropped: tuple[str, ...]  # participants whose inputs are not in ``total``
-    measurements: dict[str, float] = field(default_factory=dict)
+_NEXT_ACTIVE = {**_NEXT, Stage.MASKED_INPUT: Stage.CONSISTENCY, Stage.CONSISTENCY: Stage.UNMASKING}
 
 
 class SecAggServer:
@@ -121,13 +121,22 @@ class SecAggServer:
     Given ``workers`` (:class:`~orchard.secure_agg.prg.FoldWorkers`: the mask worker
     processes a server starts once, ``orchard.server.maskworkers.MaskWorkers``), the masks are expanded on those processes instead, free of this
     process's GIL; the threads are then the fallback for when the workers are busy.
+
+    ``root_public_key``: check each active client's certificate against the root (without
+    it, its signature is checked against the key its credential names; the clients check
+    the certificates either way). ``entropy``: the randomness of the share checks, which no
+    client may predict (default: 32 bytes from the OS).
     """
 
     def __init__(self, config: SessionConfig, *, threads: int | None = None,
-                 workers: FoldWorkers | None = None) -> None:
+                 workers: FoldWorkers | None = None, root_public_key: bytes | None = None,
+                 entropy: bytes | None = None) -> None:
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1 (or None for every core), got {threads}")
         self.config = config
+        self.root_public_key = root_public_key
+        self._rand = ByteStream(crypto.hkdf(entropy if entropy is not None else secrets.token_bytes(32),
+                                            b"server-checks", 32))
         self.threads = threads if threads is not None else available_cores()
         self.workers = workers
         self.stage = Stage.ADVERTISE_KEYS
@@ -141,6 +150,10 @@ class SecAggServer:
         self._live: set[int] = set(range(len(ids)))  # may send in the current stage
         self._sent: set[int] = set()  # sent in the current stage
         self._keys: dict[int, tuple[bytes, bytes]] = {}  # U1: (c_pk, s_pk)
+        self._signed: dict[int, tuple[bytes, bytes, bytes]] = {}  # U1, active: (H(b_u), credential, sig)
+        self._view = b""  # active: the survivor view every client in U3 is shown
+        self._view_sigs: dict[int, bytes] = {}  # active: who signed it
+        self._offenders: set[int] = set()
         self._peer_keys: dict[int, PeerKeys] = {}  # U1, as sent to neighbours (made once)
         # Expected ciphertext length i -> j is _ct_base + _id_len[i] + _id_len[j]
         # (ciphertext_size without encoding both ids for each of the n k ciphertexts).
@@ -200,13 +213,20 @@ class SecAggServer:
         sid, rnd = cfg.session_id, cfg.round_number
         if self.stage is Stage.SHARE_KEYS:
             pk = self._peer_keys
-            return KeysBroadcast(sid, rnd, node, tuple([pk[j] for j in self._nbr_order[i] if j in pk]))
+            return KeysBroadcast(sid, rnd, node, tuple([pk[j] for j in self._nbr_order[i] if j in pk]),
+                                 active=cfg.active)
         if self.stage is Stage.MASKED_INPUT:
             senders, cts = self._inbox.get(i, ([], []))
             ids = self._ids
             return SharesBroadcast(sid, rnd, node, tuple(zip([ids[j] for j in senders], cts,
                                                              strict=True)))
         ids, u2, u3 = self._ids, self._u2, self._u3
+        if self.stage is Stage.CONSISTENCY:
+            return ConsistencyRequest(sid, rnd, node, self._view)
+        if cfg.active:
+            sigs = self._view_sigs
+            return UnmaskRequest(sid, rnd, node, (), (), self._view,
+                                 tuple([(ids[j], sigs[j]) for j in self._nbr_order[i] if j in sigs]))
         nb = [j for j in self._nbr_order[i] if j in u2]
         return UnmaskRequest(sid, rnd, node, tuple([ids[j] for j in nb if j in u3]),
                              tuple([ids[j] for j in nb if j not in u3]))
@@ -275,6 +295,8 @@ class SecAggServer:
             self._on_keys(i, got)
         elif isinstance(got, MaskedInput):
             self._on_masked(i, got)
+        elif isinstance(got, ConsistencySignature):
+            self._view_sigs[i] = got.signature
         else:
             assert isinstance(got, PairColumns)
             if kind is ShareKeys:
@@ -287,11 +309,30 @@ class SecAggServer:
     def _on_keys(self, i: int, msg: AdvertiseKeys) -> None:
         crypto.load_public(msg.channel_pk)
         crypto.load_public(msg.mask_pk)
+        if is_low_order(msg.channel_pk) or is_low_order(msg.mask_pk):
+            raise MalformedMessage(f"{msg.sender!r} advertises an X25519 key of small order: every "
+                                   "agreement with it would be a value anyone knows")
+        if self.config.active:
+            self._check_signed(msg)
         if msg.channel_pk == msg.mask_pk or {msg.channel_pk, msg.mask_pk} & self._seen_keys:
             raise DuplicateMessage(f"{msg.sender!r} advertises a public key already in use: "
                                    f"keys must be fresh and distinct")
         self._seen_keys.update((msg.channel_pk, msg.mask_pk))
         self._keys[i] = (msg.channel_pk, msg.mask_pk)
+        if self.config.active:
+            self._signed[i] = (msg.seed_commitment, msg.credential, msg.signature)
+
+    def _check_signed(self, msg: AdvertiseKeys) -> None:
+        if msg.version != 2:
+            raise MalformedMessage(f"{msg.sender!r} sends unsigned keys to an active session")
+        try:
+            key = identity_key(msg.credential, msg.sender, self.root_public_key)
+        except CertificateError as err:
+            raise MalformedMessage(f"{msg.sender!r}'s credential: {err}") from None
+        signed = advertise_message(self.config, msg.sender, msg.channel_pk, msg.mask_pk, msg.seed_commitment)
+        if not verify(key, signed, msg.signature):
+            raise MalformedMessage(f"{msg.sender!r}'s keys are not signed by the identity key its "
+                                   "credential names")
 
     def _on_shares(self, i: int, sender: str, names: list[str], cts: list[bytes]) -> None:
         expected = self._nbrs[i] & self._keys.keys()
@@ -311,7 +352,7 @@ class SecAggServer:
                                            f"length {len(ct)}, expected {base + id_len[j]}")
         if len(recipients) != len(known):
             raise DuplicateMessage(f"{sender!r} sends two ciphertexts to the same neighbour")
-        if recipients != expected:
+        if recipients != expected and not self.config.active:
             missing = sorted(self._ids[j] for j in expected - recipients)
             raise MalformedMessage(f"{sender!r} must send shares to every neighbour that "
                                    f"advertised keys; missing {missing}")
@@ -342,7 +383,8 @@ class SecAggServer:
             if len(set(names)) != len(names):
                 raise DuplicateMessage(f"{sender!r} sends two shares for one node")
             owners = list(map(get, names))
-            if set(owners) != want:
+            if set(owners) != want and not (self.config.active and set(owners) <= want):
+                # (An active holder leaves out owners whose ciphertext failed to open.)
                 asked = {self._ids[j] for j in want}
                 raise UnknownPeer(f"{sender!r} sends shares for {sorted(set(names) - asked)} "
                                   f"and misses {sorted(asked - set(names))}: not what was asked")
@@ -376,7 +418,8 @@ class SecAggServer:
             if stage is Stage.ADVERTISE_KEYS:
                 self._prune(alive)
                 self._keys = {j: k for j, k in self._keys.items() if j in alive}
-                self._peer_keys = {j: PeerKeys(self._ids[j], *k) for j, k in self._keys.items()}
+                self._peer_keys = {j: PeerKeys(self._ids[j], *k, *self._signed.get(j, (b"", b"", b"")))
+                                   for j, k in self._keys.items()}
             elif stage is Stage.SHARE_KEYS:
                 self._prune(alive)
                 self._u2 = frozenset(alive)
@@ -398,16 +441,23 @@ class SecAggServer:
                 # seed, a dropped node's mask key), so receiving a share is one store.
                 self._seed_shares = {u: {} for u in self._u3}
                 self._key_shares = {d: {} for d in self._u2 - self._u3}
+                if self.config.active:
+                    self._view = View(len(self._ids), self._u2, self._u3).to_bytes()
+            elif stage is Stage.CONSISTENCY:
+                self._check_reconstructible(frozenset(sent), "signed the survivor view")
             else:
                 self._unmask(sent)
         except SecAggAbort as err:
             self.stage = Stage.ABORTED
             self.abort_reason = str(err)
+            self._seed_shares.clear()  # an aborted session's secrets are of no use to anyone
+            self._key_shares.clear()
+            crypto.load_private_cached.cache_clear()
             raise
         excluded = sent - alive
         self._live = alive
         self._sent = set()
-        self.stage = _NEXT[stage]
+        self.stage = (_NEXT_ACTIVE if self.config.active else _NEXT)[stage]
         ids = self._ids
         return StageReport(stage, self.stage, tuple(ids[j] for j in sorted(sent)),
                            tuple(ids[j] for j in sorted(dropped)),
@@ -447,7 +497,6 @@ class SecAggServer:
         """Round 4 server side: reconstruct b_u of survivors and s_sk of dropped nodes,
         then remove PRG(b_u) and the dropped nodes' pairwise masks from the sum."""
         cfg = self.config
-        t = cfg.threshold
         self._check_reconstructible(frozenset(responders), "responded")
         total = self._total if self._total is not None else np.zeros(cfg.vector_length, self._dtype)
         agreements = 0
@@ -462,15 +511,12 @@ class SecAggServer:
                 # with every core idle).
                 survivors = sorted(self._u3)
                 for lo in range(0, len(survivors), folder.batch):
-                    seeds = reconstruct_many_bytes(
-                        {self._ids[u]: self._seed_shares.get(u, {})
-                         for u in survivors[lo:lo + folder.batch]}, t, SEED_BYTES)
-                    for seed in seeds.values():
+                    batch = {u: self._seed_shares.get(u, {}) for u in survivors[lo:lo + folder.batch]}
+                    for seed in self._recover(batch, SEED_BYTES).values():
                         folder.add(seed, -1)
                 # Dropped nodes with a surviving neighbour: their pairwise masks are in the sum.
                 dropped = [d for d in sorted(self._u2 - self._u3) if self._nbrs[d] & self._u3]
-                keys = reconstruct_many_bytes({d: self._key_shares.get(d, {}) for d in dropped},
-                                              t, crypto.KEY_BYTES)
+                keys = self._recover({d: self._key_shares.get(d, {}) for d in dropped}, crypto.KEY_BYTES)
                 for d in dropped:
                     # Cached: the mask threads' PairwiseSeeds load the same key again.
                     s_sk = crypto.load_private_cached(keys[d])
@@ -494,15 +540,45 @@ class SecAggServer:
         m["key_agreements"] = float(agreements)
         m["contributors"] = float(len(self._u3))
         m["dropped_pairwise_removed"] = float(agreements)
+        m["offenders"] = float(len(self._offenders))
         self._result = SecAggResult(
             total=total,
             contributors=tuple(self._ids[j] for j in sorted(self._u3)),
             dropped=tuple(p for j, p in enumerate(self._ids) if j not in self._u3),
             measurements=dict(m),
+            offenders=tuple(self._ids[j] for j in sorted(self._offenders)),
         )
         self._total = None
         self._seed_shares.clear()
         self._key_shares.clear()
+        # The dropped nodes' reconstructed mask keys are of no use past this session: out of
+        # the process-wide cache (which spares re-deriving a public key per pairwise seed).
+        crypto.load_private_cached.cache_clear()
+
+    def _recover(self, shares: dict[int, dict[int, bytes]], secret_len: int) -> dict[int, bytes]:
+        """Each owner's secret from its holders' shares: the t lowest points (semi-honest),
+        or every share, checked and checked against the owner's commitment (active)."""
+        cfg, t, ids = self.config, self.config.threshold, self._ids
+        if not cfg.active:
+            got = reconstruct_many_bytes({ids[u]: held for u, held in shares.items()}, t, secret_len)
+            return {u: got[ids[u]] for u in shares}
+        if secret_len == SEED_BYTES:
+            def check(u: int, secret: bytes) -> bool:
+                return seed_commitment(cfg, ids[u], secret) == self._signed[u][0]
+        else:
+            def check(u: int, secret: bytes) -> bool:
+                return crypto.public_bytes(crypto.load_private(secret)) == self._keys[u][1]
+        got = recover_verified(shares, t, secret_len, check, self._rand)
+        for points in got.discarded.values():
+            self._offenders.update(x - 1 for x in points)
+        if got.failed:
+            named = [ids[u] for u in sorted(got.failed)]
+            raise SecAggAbort(
+                f"the secrets of {named} cannot be recovered ({got.failed[min(got.failed)]}): they "
+                f"dealt shares of no committed secret, or too many of their holders lied"
+                + (f"; holders whose shares disagreed: {[ids[j] for j in sorted(self._offenders)]}"
+                   if self._offenders else ""))
+        return got.secrets
 
     def result(self) -> SecAggResult:
         """The unmasked sum once the UNMASKING stage has closed."""

@@ -5,8 +5,9 @@ from __future__ import annotations
 from orchard.errors import SecAggError
 from orchard.secure_agg.messages import Stage
 
+# CONSISTENCY (active sessions) comes last so that the older stages keep their numbers.
 STAGE_ORDER: tuple[Stage, ...] = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING,
-                                  Stage.DONE, Stage.ABORTED)
+                                  Stage.DONE, Stage.ABORTED, Stage.CONSISTENCY)
 
 
 def stage_index(stage: Stage) -> int:

@@ -43,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from orchard.secure_agg.crypto import load_private_cached
 from orchard.secure_agg.prg import Batch, available_cores, fold_batch
 
 __all__ = ["MaskWorkers"]
@@ -286,6 +287,7 @@ def _serve(conn: Connection, cancelled: Any) -> None:
             zeros = bytes(min(words, chunk_words) * acc.dtype.itemsize)
             error = None
         elif kind == "end":
+            load_private_cached.cache_clear()  # the session's reconstructed mask keys go with it
             if error is not None or acc is None:
                 conn.send(("error", _picklable(error or RuntimeError("a mask worker got "
                                                                      "'end' before 'begin'"))))
@@ -294,6 +296,7 @@ def _serve(conn: Connection, cancelled: Any) -> None:
                 conn.send_bytes(acc.data)
             error = None
         elif kind == "drop":
+            load_private_cached.cache_clear()
             error = None
         elif kind == "stop":
             return

@@ -13,7 +13,7 @@ in the header that comes with the masked input. The unmasked, dequantised sum ti
 other and pushed up the tree as a PARTIAL_SUM.
 
 Stage deadlines, as fractions of the round's time: keys 15% each, masked input until
-85%, unmasking until the deadline.
+85%, the consistency round (active sessions) until 92%, unmasking until the deadline.
 
 With ``secure_aggregation.scope = "tree"`` the session is the root's, over every client
 selected anywhere below it, and the tiers between relay (``TreeRoster``,
@@ -21,12 +21,25 @@ selected anywhere below it, and the tiers between relay (``TreeRoster``,
 sees a subset of what the root's session sees (its own clients' messages: keys, shares
 encrypted to their neighbours, masked inputs, unmasking shares), and the root's view
 reveals only the sum over the whole round (SecAgg+'s guarantee, see
-``orchard.secure_agg``); no tier ever learns a partial sum.
+``orchard.secure_agg``). That holds against a relay that lies only in an active session
+(``secure_aggregation.adversary = "active"``, the default) whose clients hold the root's
+key: each client's keys are signed with its device identity key and certified by the
+root, so a relay that substitutes keys is detected and gets nothing. In a semi-honest
+session, or with clients that were never enrolled (``--insecure``), a relay that
+substitutes keys reads the updates it relays.
+
+Each session logs the bounds its k and t achieve (correctness, secret leak,
+disconnection) for the configured dropout rate and corrupt fraction. After unmasking,
+the sum is checked against the bound honest inputs imply (every quantised input is below
+2^bits): a coordinate above it means a malicious client's input was out of range. Below
+that bound a malicious client can still move the sum by up to its clip: without a proof
+of each input's range (not implemented) no server can tell.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import secrets
 import time
@@ -53,6 +66,8 @@ from orchard.secure_agg import (
 from orchard.server.maskworkers import MaskWorkers
 from orchard.typing import TensorSpec
 
+log = logging.getLogger("orchard.server.secagg")
+
 # A tier starts its mask worker processes (orchard.server.maskworkers) with the first
 # session that will expand at least this many bytes of mask (about 25 ms of keystream on
 # one core), where sparing the threads' waits for the GIL outweighs the workers' start
@@ -60,7 +75,8 @@ from orchard.typing import TensorSpec
 MASK_WORKERS_MIN_BYTES = 256 << 20
 
 # Fraction of the round's time by which each stage must be over.
-STAGE_END = {Stage.ADVERTISE_KEYS: 0.15, Stage.SHARE_KEYS: 0.30, Stage.MASKED_INPUT: 0.85, Stage.UNMASKING: 1.0}
+STAGE_END = {Stage.ADVERTISE_KEYS: 0.15, Stage.SHARE_KEYS: 0.30, Stage.MASKED_INPUT: 0.85,
+             Stage.CONSISTENCY: 0.92, Stage.UNMASKING: 1.0}
 
 
 # A tree-scope session opens once every selected aggregator reported its roster, or at
@@ -172,6 +188,7 @@ class SecureCohort:
     # the session takes no message and writes no broadcast until close_due_stage returns.
     closing: bool = False
     failure: str = ""  # the unmasking raised something other than an abort (a bug): no sum
+    bounds: dict[str, float] = field(default_factory=dict)  # what k and t achieve (log2 failure bounds)
 
     def __post_init__(self) -> None:
         n = len(self.participants)
@@ -181,9 +198,18 @@ class SecureCohort:
             check_headroom(n, self.cfg.bits, self.cfg.modulus_bits)
         params = parameters_from_config(self.cfg, n)
         self.neighbours, self.threshold = params.neighbours, params.threshold
+        log.info("round %d: secure session over %d clients (%s), k=%d t=%d; for dropout %.3g and corrupt "
+                 "fraction %.3g: correctness failure <= 2^%.1f, secret leak <= 2^%.1f, disconnection <= 2^%.1f",
+                 self.round_number, n, self.cfg.adversary, params.neighbours, params.threshold,
+                 params.dropout_rate, params.corrupt_fraction, params.log2_correctness_failure,
+                 params.log2_secret_leak, params.log2_disconnection)
+        self.bounds = {"log2_correctness_failure": params.log2_correctness_failure,
+                       "log2_secret_leak": params.log2_secret_leak,
+                       "log2_disconnection": params.log2_disconnection}
         session = SessionConfig.create(sorted(self.participants), d, neighbours=params.neighbours,
                                        threshold=params.threshold, round_number=self.round_number,
-                                       entropy=secrets.token_bytes(32), modulus_bits=self.cfg.modulus_bits)
+                                       entropy=secrets.token_bytes(32), modulus_bits=self.cfg.modulus_bits,
+                                       active=self.cfg.adversary == "active")
         self.server = SecAggServer(session, workers=self.workers)
 
     @property
@@ -257,6 +283,13 @@ class SecureCohort:
                                   "would fall short of the target)")
             total = ddg_decode(res.total, self.ddg)
             return Partial(sums=flat_to_sums(total, self.schema), weight=float(n), count=n, metrics=metrics)
+        if res.offenders:
+            log.warning("round %d: shares of %s disagreed with the other holders' and were discarded",
+                        self.round_number, list(res.offenders))
+        bound = n * ((1 << self.cfg.bits) - 1)
+        if n and int(res.total.max(initial=0)) > bound:
+            raise SecAggAbort(f"the unmasked sum exceeds {bound}, the most {n} quantised inputs below 2^"
+                              f"{self.cfg.bits} can add to: a client's input was out of range; no sum is released")
         w_scale = self.cfg.weight_scale
         total = dequantize(res.total, self.cfg.clip, self.cfg.bits, n) * w_scale
         weight = 0.0

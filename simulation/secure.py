@@ -113,9 +113,13 @@ class SecureClients:
         me, t = tier.secure[a.node_id]
         seed = train_seed(ctx.run.seed, t.round, a.partition)
         noise_rng = np.random.default_rng([ctx.seed, t.round, t.attempt, a.partition, 0xD9])
-        masked = masked_input(ctx.round_cfg, ctx.codec, t, o.header, o.payload, seed, me.participants, noise_rng)
+        # A simulation is reproducible by design: rounding from the training seed, noise
+        # from the run's seed (a deployed client draws both from OS entropy).
+        masked = masked_input(ctx.round_cfg, ctx.codec, t, o.header, o.payload, seed, me.participants,
+                              noise_rng if ctx.round_cfg.privacy.mode == "distributed" else None,
+                              reproducible=True)
         if not self._turn(tier, a.node_id, masked):
             raise SecAggError(f"round {t.round}: the secure cohort no longer takes masked inputs")
         sc = self.session(tier)
-        if sc is not None and sc.stage is Stage.UNMASKING:
+        if sc is not None and sc.stage in (Stage.CONSISTENCY, Stage.UNMASKING):
             self.answer(tier)

@@ -376,7 +376,8 @@ def _secagg_session(n: int, d: int, k: int, t: int, bits: int, drop_after_shares
     ids = [f"client-{i:02d}" for i in range(n)]
     entropy = {p: hashlib.sha256(f"{p}/{seed}".encode()).digest() for p in ids}
     config = SessionConfig.create(ids, d, neighbours=k, threshold=t, round_number=seed + 1,
-                                  entropy=hashlib.sha256(f"session/{seed}".encode()).digest(), modulus_bits=bits)
+                                  entropy=hashlib.sha256(f"session/{seed}".encode()).digest(), modulus_bits=bits,
+                                  active=False)  # the native client speaks the semi-honest protocol (version 1)
     g = np.random.default_rng(seed)
     inputs = {p: g.integers(0, 1 << min(bits, 16), size=d, dtype=np.uint32) for p in ids}
     server = SecAggServer(config)

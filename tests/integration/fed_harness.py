@@ -60,7 +60,9 @@ async def add_clients(fed: Federation, target: str, partitions: list[int], num_p
         factory = make(k)
         if wrap is not None:
             factory = (lambda f: lambda cfg: wrap(f(cfg)))(factory)
-        rt = ClientRuntime(link, factory, partition_id=k)
+        # Rounding as the simulator rounds (from the training seed), so that a federation and
+        # a simulation agree bit for bit; a deployed client rounds from OS entropy.
+        rt = ClientRuntime(link, factory, partition_id=k, reproducible_rounding=True)
         fed.clients.append(rt)
         fed.client_tasks.append(asyncio.create_task(rt.run()))
         new.append(rt)

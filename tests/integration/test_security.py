@@ -10,7 +10,8 @@ import grpc
 import pytest
 from fed_harness import FAST, Federation, add_clients, start_run, wait_status
 
-from orchard.config import CohortConfig, RunConfig
+from orchard.client.secure import DeviceTrust
+from orchard.config import CohortConfig, RunConfig, SecureAggregationConfig
 from orchard.ops import ControlClient
 from orchard.server.app import start_aggregator, start_root
 from orchard.server.store import SQLiteStore
@@ -50,6 +51,32 @@ def test_tls_tree_with_tokens(tmp_path: Path) -> None:
     st, nodes, agg_name = asyncio.run(main())
     assert st["status"] == "completed" and st["rounds"][0]["participants"] == 3, st
     assert nodes == {agg_name}
+
+
+def test_enrolled_clients_run_the_active_secure_session(tmp_path: Path) -> None:
+    """Clients enrolled with tokens hold the root's certificate of their identity keys: the
+    secure session is the active protocol, each client checking its neighbours' keys
+    against the root, and the round completes with every client in it."""
+    async def main():
+        data = tmp_path / "root"
+        root = await start_root(data, server_cfg=FAST, start_grace_s=0.2)
+        paths = TlsPaths.in_dir(data / "tls")
+        agg = await start_aggregator(root.address, token=_issue(data, "aggregator")[0], ca_cert=paths.ca_cert,
+                                     tls_dir=data / "tls", server_cfg=FAST)
+        fed = Federation(root, [agg])
+        for i, tok in enumerate(_issue(data, "client", 3)):
+            await add_clients(fed, agg.address, [i], 3, token=tok, ca=paths.ca_cert, insecure=False)
+        run = RunConfig(task="digits", rounds=1, cohort=CohortConfig(target=3, over_selection=1.0),
+                        secure_aggregation=SecureAggregationConfig(enabled=True))
+        await start_run(root, run, insecure=False)
+        st = await wait_status(root, lambda s: s.get("status") in ("completed", "failed"), 90)
+        trust = [DeviceTrust.of(rt.link.identity) for rt in fed.clients]
+        await fed.stop()
+        return st, trust
+
+    st, trust = asyncio.run(main())
+    assert st["status"] == "completed" and st["rounds"][0]["participants"] == 3, st
+    assert all(t.identity.certificate and t.policy.root_public_key for t in trust)
 
 
 @pytest.fixture()

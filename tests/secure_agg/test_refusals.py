@@ -1,5 +1,8 @@
 """Malformed, replayed, tampered and out-of-stage messages are refused with a named
-SecAggError, change no state, and the session still completes; below t it aborts."""
+SecAggError, change no state, and the session still completes; below t it aborts.
+
+These sessions run the semi-honest protocol (version 1), where a client leaves on any bad
+message; what an active session does instead is in test_active_adversary.py."""
 
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ class Session:
     """A session driven by hand: ``step(stage)`` runs every live client through a stage."""
 
     def __init__(self, seed: int = 0, round_number: int = 1) -> None:
-        self.cfg = make_config(N, D, K, T, seed=seed, round_number=round_number)
+        self.cfg = make_config(N, D, K, T, seed=seed, round_number=round_number, active=False)
         self.server = SecAggServer(self.cfg)
         self.clients = {p: SecAggClient(p, entropy=entropy(p, seed)) for p in self.cfg.participants}
         rng = np.random.default_rng(seed)

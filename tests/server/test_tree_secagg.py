@@ -37,7 +37,8 @@ SCHEMA = (TensorSpec("w", (3,), "float32"), TensorSpec("b", (2,), "float32"))
 D = sum(s.numel for s in SCHEMA)
 WALL0 = 1_700_000_000.0
 DEADLINE_S = 120.0  # well inside the node timeout (600 s): no one times out on the fake clock
-STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING)
+# An active session (the default) has the consistency round between masked input and unmasking.
+STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.CONSISTENCY, Stage.UNMASKING)
 NEVER = len(STAGES) + 1  # a client that answers every stage and keeps polling to the end
 
 
