@@ -7,13 +7,15 @@ the events this module builds.
 Central DP (McMahan et al., 2018, "Learning differentially private recurrent language
 models"; the trusted root adds the noise). Each client's update is clipped to L2 norm
 ``C``; the root adds ``N(0, (z C)^2)`` to every coordinate of the cohort's sum and
-divides by the number of contributions (the cohort size is treated as public, as in
-TensorFlow Federated's DP aggregators). One round is a Poisson-subsampled Gaussian
-mechanism with noise multiplier ``z`` and sampling rate ``q``.
+divides by the number of contributions (public under replace-one adjacency: which
+devices take part is not what the guarantee hides). One round is a Gaussian mechanism
+whose sensitivity is ``2 C`` (replace one device's data), composed over every round a
+device may take part in: all of them, as Orchard's selection is not Poisson sampling
+and no amplification by sampling is claimed.
 
 Adaptive clipping (Andrew et al., 2021, "Differentially private learning with adaptive
 clipping"). Each client also contributes ``b_i = [||x_i|| <= C]``; the root noises the
-count with ``N(0, sigma_b^2)`` and moves ``C <- C exp(-eta (b_bar - gamma))`` towards
+centred count ``sum (b_i - 1/2)`` with ``N(0, sigma_b^2)`` and moves ``C <- C exp(-eta (b_bar - gamma))`` towards
 the target quantile ``gamma``. Their Theorem 1: updates with multiplier ``z_update``
 and the count with ``sigma_b`` together are a Gaussian mechanism with
 ``z = (z_update^-2 + (2 sigma_b)^-2)^(-1/2)``; given the ``z`` the budget allows,
@@ -90,13 +92,31 @@ def add_gaussian_noise(sums: NDArrays, stddev: float, rng: np.random.Generator) 
     return {k: np.asarray(v, np.float64) + rng.normal(0.0, stddev, size=np.shape(v)) for k, v in sums.items()}
 
 
-def update_noise_multiplier(z: float, count_stddev: float) -> float:
-    """``z_update`` such that updates with it and the clipped-count with ``count_stddev``
-    together spend what one Gaussian mechanism with ``z`` spends (Andrew et al., Thm 1)."""
-    rest = z ** -2 - (2.0 * count_stddev) ** -2
+def count_sensitivity(adjacency: str) -> float:
+    """How far one device moves adaptive clipping's count of clients within the norm.
+    The count is of centred bits ``b_i - 1/2`` (Andrew et al., 2021, Alg. 1; TF Privacy):
+    adding or removing a device moves it by 1/2, replacing one device's data by at most 1."""
+    return 0.5 if adjacency == "add_remove" else 1.0
+
+
+def update_noise_multiplier(z: float, count_stddev: float, adjacency: str = "replace_one") -> float:
+    """``z_update`` such that the updates' sum with noise ``z_update C`` and the count with
+    noise ``count_stddev``, released together, spend what one Gaussian mechanism with
+    noise multiplier ``z`` spends under ``adjacency`` (Andrew et al., Thm 1).
+
+    The pair is one Gaussian mechanism whose sensitivity in noise units is
+    ``sqrt((k C / (z_update C))^2 + (s_b / count_stddev)^2)`` with ``k`` the sum's
+    sensitivity in clip norms and ``s_b`` the count's (:func:`count_sensitivity`); it
+    must equal ``k / z``, the sensitivity the accountant charges. So
+    ``z_update = (z^-2 - (s_b / (k count_stddev))^2)^(-1/2)``: Andrew et al.'s
+    ``(z^-2 - (2 sigma_b)^-2)^(-1/2)`` under both adjacencies (``s_b / k`` is 1/2 in
+    each), which holds only because the count is centred: an uncentred count under
+    add/remove (``s_b = 1``, ``k = 1``) would spend four times as much on it."""
+    ratio = count_sensitivity(adjacency) / (sensitivity_factor(adjacency) * count_stddev)
+    rest = z ** -2 - ratio ** 2
     if rest <= 0:
         raise ConfigError(f"the clipped-count noise (stddev {count_stddev}) leaves no budget for the updates at "
-                          f"noise multiplier {z}: raise privacy.adaptive.count_stddev above {z / 2:.3g}")
+                          f"noise multiplier {z}: raise privacy.adaptive.count_stddev above {z * ratio * count_stddev:.3g}")
     return rest ** -0.5
 
 
@@ -324,25 +344,56 @@ def ddg_decode(total: np.ndarray, p: DDGParams) -> np.ndarray:
 # ------------------------------------------------------------------------------ accounting
 
 
-def _round_event(noise_multiplier: float, sampling_rate: float):  # -> dp_accounting.DpEvent
+# How far one device's contribution can move a round's clipped sum, in clip norms, under
+# each adjacency: adding or removing a device moves it by at most C; replacing one
+# device's data by another's, by at most 2C (the difference of two vectors of norm <= C).
+SENSITIVITY = {"add_remove": 1.0, "replace_one": 2.0}
+
+
+def sensitivity_factor(adjacency: str) -> float:
+    """The L2 sensitivity of a round's clipped sum in units of the clip norm."""
+    try:
+        return SENSITIVITY[adjacency]
+    except KeyError:
+        raise ConfigError(f"unknown adjacency {adjacency!r}: use one of {sorted(SENSITIVITY)}") from None
+
+
+def _round_event(noise_multiplier: float, adjacency: str):  # -> dp_accounting.DpEvent
+    """One round as the accountant sees it: a Gaussian mechanism on the round's sum, with
+    noise multiplier ``z / sensitivity`` (``z`` is the noise's stddev over the clip norm).
+
+    No amplification by sampling: Orchard's selection is not Poisson sampling (the root
+    takes a fixed number among the devices that are live and eligible when the round
+    opens, late joiners first come, first served; the simulator among the devices online
+    at the simulated hour), so the accountant assumes a device may be in every round.
+    A device that takes part in fewer rounds spends less than this."""
     import dp_accounting
 
-    return dp_accounting.PoissonSampledDpEvent(sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier))
+    return dp_accounting.GaussianDpEvent(noise_multiplier / sensitivity_factor(adjacency))
 
 
-def epsilon_spent(noise_multiplier: float, sampling_rate: float, rounds: int, delta: float) -> float:
-    """ε after ``rounds`` Poisson-subsampled Gaussian rounds (dp_accounting, RDP)."""
-    if rounds <= 0:
+def epsilon_spent(noise_multiplier: float, rounds: int, delta: float, adjacency: str = "replace_one") -> float:
+    """ε after ``rounds`` Gaussian rounds at noise multiplier ``noise_multiplier`` (stddev
+    over clip norm) under ``adjacency`` (dp_accounting, RDP)."""
+    return epsilon_of([(noise_multiplier, rounds)], delta, adjacency)
+
+
+def epsilon_of(rounds: list[tuple[float, int]], delta: float, adjacency: str = "replace_one") -> float:
+    """ε of a composition of rounds given as ``(noise multiplier, count)`` pairs
+    (several runs on the same devices compose this way: the population ledger)."""
+    events = [(z, n) for z, n in rounds if n > 0]
+    if not events:
         return 0.0
     import dp_accounting
     from dp_accounting.rdp import RdpAccountant
 
     acc = RdpAccountant()
-    acc.compose(dp_accounting.SelfComposedDpEvent(_round_event(noise_multiplier, sampling_rate), rounds))
+    for z, n in events:
+        acc.compose(dp_accounting.SelfComposedDpEvent(_round_event(z, adjacency), n))
     return float(acc.get_epsilon(delta))
 
 
-def noise_multiplier_for(epsilon: float, delta: float, sampling_rate: float, rounds: int) -> float:
+def noise_multiplier_for(epsilon: float, delta: float, rounds: int, adjacency: str = "replace_one") -> float:
     """The smallest noise multiplier whose ``rounds`` rounds spend at most ``epsilon``
     (dp_accounting's calibration over its RDP accountant)."""
     problems = []
@@ -350,8 +401,6 @@ def noise_multiplier_for(epsilon: float, delta: float, sampling_rate: float, rou
         problems.append(f"target epsilon must be > 0, got {epsilon}")
     if not 0 < delta < 1:
         problems.append(f"delta must be in (0, 1), got {delta}")
-    if not 0 < sampling_rate <= 1:
-        problems.append(f"sampling rate must be in (0, 1], got {sampling_rate}")
     if rounds < 1:
         problems.append(f"rounds must be >= 1, got {rounds}")
     if problems:
@@ -360,7 +409,7 @@ def noise_multiplier_for(epsilon: float, delta: float, sampling_rate: float, rou
     from dp_accounting.rdp import RdpAccountant
 
     return float(dp_accounting.calibrate_dp_mechanism(
-        RdpAccountant, lambda z: dp_accounting.SelfComposedDpEvent(_round_event(z, sampling_rate), rounds),
+        RdpAccountant, lambda z: dp_accounting.SelfComposedDpEvent(_round_event(z, adjacency), rounds),
         epsilon, delta))
 
 
@@ -385,6 +434,27 @@ def session_params(cfg: RunConfig, participants: int, dim: int) -> DDGParams:
                       min_contributors(participants, sa.dropout_rate), dim, sa.modulus_bits)
 
 
+def population_problems(cfg: RunConfig, population: int | None) -> list[str]:
+    """What the run's privacy needs from the population it touches: a size (the δ rule
+    and the population ledger are about it), and ``delta <= 1 / population``."""
+    p = cfg.privacy
+    if not p.enabled:
+        return []
+    size = p.population if p.population is not None else population
+    if size is None:
+        return ["privacy.population: state how many devices the run may touch (the guarantee is about them, and "
+                "delta must be at most 1 / population)"]
+    out = []
+    if population is not None and p.population is not None and p.population < population:
+        out.append(f"privacy.population = {p.population} is below the {population} devices the run touches; "
+                   "raise it or leave it unset")
+    if p.delta > 1.0 / size:
+        out.append(f"privacy.delta = {p.delta:g} is above 1 / population = {1.0 / size:.3g}: a mechanism may then "
+                   f"release one device's data outright with probability delta; lower delta to at most "
+                   f"{1.0 / size:.3g}")
+    return out
+
+
 @dataclass
 class PrivacyLedger:
     """One run's privacy: its mechanism, its current clip norm, and what it has spent.
@@ -392,15 +462,17 @@ class PrivacyLedger:
     The root and the simulator keep one each and call it around every round attempt:
     ``check_next`` (refuses a round that would exceed the target), ``round_config`` (the
     round's config: the resolved noise multiplier and the current clip norm),
-    ``noise_stddev`` (what the root adds, central DP), ``charge`` (after an attempt that
-    opened: every opened round counts, retried or not), ``adapt`` (adaptive clipping,
-    after a completed round). Epsilon is always the accountant's, never a running sum.
+    ``noise_stddev`` (what the root adds, central DP), ``charge`` (before an attempt
+    opens: every opened round counts, retried or not, failed or not), ``adapt``
+    (adaptive clipping, after a completed round). Epsilon is always the accountant's,
+    never a running sum.
     """
 
     mode: str
     noise_multiplier: float  # z of the whole round's Gaussian mechanism (what is accounted)
     update_noise_multiplier: float  # z for the updates (z unless adaptive clipping spends some on the count)
-    sampling_rate: float
+    adjacency: str
+    population: int
     delta: float
     target_epsilon: float | None
     clip_norm: float
@@ -414,46 +486,42 @@ class PrivacyLedger:
     def plan(cls, cfg: RunConfig, population: int | None = None) -> PrivacyLedger | None:
         """The ledger of a run (None when privacy is off). Derives the noise multiplier from
         the target epsilon for ``cfg.rounds`` rounds; refuses a run whose given noise cannot
-        meet its target.
+        meet its target, and one whose delta exceeds 1 / population.
 
-        The sampling rate, unless the config states it, is the share of the population a
-        round selects, ``ceil(target x over_selection) / population``: every selected
-        client's update can reach the sum (under secure aggregation all of them do; in a
-        plain round the first ``target`` to arrive, which for a fast device is nearly
-        certain once selected), so ``target / population`` would understate a device's
-        chance of being in a round by the over-selection factor."""
+        ``population``: the devices the run touches where the caller knows them (the
+        simulator's); a gRPC run states ``privacy.population``. Every round is accounted
+        as if every device took part in it (see :func:`_round_event`)."""
         p = cfg.privacy
         if not p.enabled:
             return None
-        q = p.sampling_rate
-        if q is None:
-            if population is None:
-                raise ConfigError("privacy.sampling_rate is needed for accounting: the share of the population "
-                                  "selected per round (ceil(cohort.target x cohort.over_selection) / population)")
-            q = min(1.0, math.ceil(cfg.cohort.target * cfg.cohort.over_selection) / population)
+        problems = population_problems(cfg, population)
+        if problems:
+            raise ConfigError(problems)
+        size = p.population if p.population is not None else cast(int, population)
         if p.noise_multiplier is not None:
             z = p.noise_multiplier
             if p.target_epsilon is not None:
-                planned = epsilon_spent(z, q, cfg.rounds, p.delta)
+                planned = epsilon_spent(z, cfg.rounds, p.delta, p.adjacency)
                 if planned > p.target_epsilon * (1 + 1e-9):
-                    raise ConfigError(f"privacy: noise multiplier {z} over {cfg.rounds} rounds at sampling rate "
-                                      f"{q:.4g} spends epsilon {planned:.3f} > target {p.target_epsilon}; raise "
-                                      f"the noise multiplier to {noise_multiplier_for(p.target_epsilon, p.delta, q, cfg.rounds):.4g}, "
-                                      "or plan fewer rounds")
+                    need = noise_multiplier_for(p.target_epsilon, p.delta, cfg.rounds, p.adjacency)
+                    raise ConfigError(f"privacy: noise multiplier {z} over {cfg.rounds} rounds spends epsilon "
+                                      f"{planned:.3f} > target {p.target_epsilon}; raise the noise multiplier to "
+                                      f"{need:.4g}, or plan fewer rounds")
         else:
-            z = noise_multiplier_for(cast(float, p.target_epsilon), p.delta, q, cfg.rounds)
+            z = noise_multiplier_for(cast(float, p.target_epsilon), p.delta, cfg.rounds, p.adjacency)
         z_update, count_stddev = z, None
         if p.adaptive is not None:
             count_stddev = p.adaptive.count_stddev or cfg.cohort.target / 20.0
-            z_update = update_noise_multiplier(z, count_stddev)
-        return cls(mode=p.mode, noise_multiplier=z, update_noise_multiplier=z_update, sampling_rate=q,
-                   delta=p.delta, target_epsilon=p.target_epsilon, clip_norm=p.clip_norm, count_stddev=count_stddev)
+            z_update = update_noise_multiplier(z, count_stddev, p.adjacency)
+        return cls(mode=p.mode, noise_multiplier=z, update_noise_multiplier=z_update, adjacency=p.adjacency,
+                   population=size, delta=p.delta, target_epsilon=p.target_epsilon, clip_norm=p.clip_norm,
+                   count_stddev=count_stddev)
 
     def epsilon_after(self, rounds: int) -> float:
         """Epsilon after ``rounds`` charged rounds (the accountant's)."""
         if self._last is not None and self._last[0] == rounds:
             return self._last[1]
-        eps = epsilon_spent(self.noise_multiplier, self.sampling_rate, rounds, self.delta)
+        eps = epsilon_spent(self.noise_multiplier, rounds, self.delta, self.adjacency)
         self._last = (rounds, eps)
         return eps
 
@@ -491,14 +559,19 @@ class PrivacyLedger:
 
     def adapt(self, below_fraction: float | None, clients: int, target_quantile: float, learning_rate: float,
               rng: np.random.Generator) -> None:
-        """Adaptive clipping after a completed round: the count of clients within the norm
-        is noised with ``count_stddev`` (its share of the budget) before it steers."""
+        """Adaptive clipping after a completed round: the centred count of clients within
+        the norm, ``sum (b_i - 1/2)``, is noised with ``count_stddev`` (its share of the
+        budget, :func:`update_noise_multiplier`) before it steers; ``clients``, the
+        round's number of contributions, is public under replace-one adjacency."""
         if self.count_stddev is None or below_fraction is None or clients <= 0:
             return
-        noisy = (below_fraction * clients + rng.normal(0.0, self.count_stddev)) / clients
+        centred = below_fraction * clients - 0.5 * clients
+        noisy = (centred + rng.normal(0.0, self.count_stddev)) / clients + 0.5
         self.clip_norm = adapt_clip(self.clip_norm, noisy, target_quantile, learning_rate)
 
     def as_dict(self) -> dict[str, object]:
         return {"mode": self.mode, "epsilon": round(self.epsilon, 6), "delta": self.delta,
                 "target_epsilon": self.target_epsilon, "noise_multiplier": self.noise_multiplier,
-                "sampling_rate": self.sampling_rate, "clip_norm": self.clip_norm, "rounds_charged": self.rounds}
+                "adjacency": self.adjacency, "population": self.population,
+                "participation": "every round (no amplification by sampling)", "clip_norm": self.clip_norm,
+                "rounds_charged": self.rounds}

@@ -313,15 +313,16 @@ def test_a_field_too_small_is_refused_with_what_to_do() -> None:
 # ---------------------------------------------------------------------- accounting
 
 
-@pytest.mark.parametrize(("z", "q", "rounds"), [(1.0, 0.01, 100), (0.7, 0.05, 30), (2.0, 1.0, 5)])
-def test_epsilon_is_the_accountant_librarys(z: float, q: float, rounds: int) -> None:
+@pytest.mark.parametrize(("z", "rounds", "adjacency"), [(1.0, 100, "replace_one"), (0.7, 30, "add_remove"),
+                                                      (2.0, 5, "replace_one")])
+def test_epsilon_is_the_accountant_librarys(z: float, rounds: int, adjacency: str) -> None:
     import dp_accounting
     from dp_accounting.rdp import RdpAccountant
 
     acc = RdpAccountant()
-    for _ in range(rounds):
-        acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)))
-    assert epsilon_spent(z, q, rounds, 1e-5) == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+    for _ in range(rounds):  # sensitivity 2C under replace-one, C under add/remove
+        acc.compose(dp_accounting.GaussianDpEvent(z / (2.0 if adjacency == "replace_one" else 1.0)))
+    assert epsilon_spent(z, rounds, 1e-5, adjacency) == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
 
 
 def _dp_config(**privacy: object) -> RunConfig:
@@ -332,10 +333,7 @@ def _dp_config(**privacy: object) -> RunConfig:
 def test_the_ledger_spends_exactly_its_target_and_stops_there() -> None:
     ledger = PrivacyLedger.plan(_dp_config(target_epsilon=4.0), population=10_000)
     assert ledger is not None
-    # 130 of 10,000 devices are selected per round (target 100, over-selection 1.3): any
-    # of them may be in the sum, so the accountant's sampling rate is 0.013, not 0.01.
-    assert ledger.sampling_rate == pytest.approx(0.013)
-    assert ledger.noise_multiplier == pytest.approx(noise_multiplier_for(4.0, 1e-5, 0.013, 20))
+    assert ledger.noise_multiplier == pytest.approx(noise_multiplier_for(4.0, 1e-5, 20))
     for _ in range(20):
         ledger.check_next()
         ledger.charge()
@@ -346,10 +344,10 @@ def test_the_ledger_spends_exactly_its_target_and_stops_there() -> None:
 
 
 def test_the_ledger_refuses_what_cannot_work() -> None:
-    with pytest.raises(ConfigError, match="sampling_rate"):
-        PrivacyLedger.plan(_dp_config(target_epsilon=4.0))  # no population, no sampling rate
+    with pytest.raises(ConfigError, match="privacy.population"):
+        PrivacyLedger.plan(_dp_config(target_epsilon=4.0))  # no population
     with pytest.raises(ConfigError, match="raise the noise multiplier"):
-        PrivacyLedger.plan(_dp_config(target_epsilon=1.0, noise_multiplier=0.3, sampling_rate=0.5))
+        PrivacyLedger.plan(_dp_config(target_epsilon=1.0, noise_multiplier=0.3, population=1000))
     assert PrivacyLedger.plan(RunConfig()) is None
 
 
