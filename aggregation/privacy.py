@@ -246,6 +246,26 @@ def _delta2(scale: float, dim: int, beta: float) -> float:
     return math.sqrt(scale ** 2 + dim / 4.0 + math.sqrt(2.0 * math.log(1.0 / beta)) * (scale + math.sqrt(dim) / 2.0))
 
 
+def _finest_scale(participants: int, dim: int, modulus_bits: int, beta: float, per_share: float) -> float:
+    """The largest power-of-two scale at which ``participants`` rounded vectors of norm
+    ``delta2(scale)``, each with a noise share of at most ``per_share * delta2`` per
+    coordinate, sum inside ``(-M/2, M/2)``; ConfigError when none is useful."""
+    limit = float(2 ** (modulus_bits - 1) - 1)
+
+    def worst(scale: float) -> float:  # the largest |coordinate| the sum can reach
+        return participants * _delta2(scale, dim, beta) * (1.0 + per_share)
+
+    scale = 2.0 ** 52
+    while scale >= 1.0 and worst(scale) >= limit:
+        scale /= 2.0
+    if scale < 1.0 or scale < math.sqrt(dim):
+        raise ConfigError(
+            f"a {modulus_bits}-bit field cannot hold the sum of {participants} clients' {dim}-dimensional updates "
+            f"with their noise at any useful granularity; raise secure_aggregation.modulus_bits (up to 62) "
+            f"or use smaller cohorts")
+    return scale
+
+
 def ddg_params(clip: float, noise_multiplier: float, participants: int, min_contributors: int, dim: int,
                modulus_bits: int, beta: float = math.exp(-0.5)) -> DDGParams:
     """The finest granularity at which the session's sum cannot wrap modulo 2^modulus_bits:
@@ -261,20 +281,8 @@ def ddg_params(clip: float, noise_multiplier: float, participants: int, min_cont
         problems.append(f"dimension must be >= 1, got {dim}")
     if problems:
         raise ConfigError(problems)
-    limit = float(2 ** (modulus_bits - 1) - 1)
     per_share = NOISE_SHARE_BOUND * noise_multiplier / math.sqrt(min_contributors)
-
-    def worst(scale: float) -> float:  # the largest |coordinate| the sum can reach
-        return participants * _delta2(scale, dim, beta) * (1.0 + per_share)
-
-    scale = 2.0 ** 52
-    while scale >= 1.0 and worst(scale) >= limit:
-        scale /= 2.0
-    if scale < 1.0 or scale < math.sqrt(dim):
-        raise ConfigError(
-            f"a {modulus_bits}-bit field cannot hold the sum of {participants} clients' {dim}-dimensional updates "
-            f"with their noise at any useful granularity; raise secure_aggregation.modulus_bits (up to 62) "
-            f"or use smaller cohorts")
+    scale = _finest_scale(participants, dim, modulus_bits, beta, per_share)
     delta2 = _delta2(scale, dim, beta)
     sigma = noise_multiplier * delta2
     share = sigma / math.sqrt(min_contributors)
@@ -288,10 +296,33 @@ def ddg_params(clip: float, noise_multiplier: float, participants: int, min_cont
                      beta=beta, tau=tau)
 
 
+def bounded_params(clip: float, participants: int, dim: int, modulus_bits: int,
+                   beta: float = math.exp(-0.5)) -> DDGParams:
+    """Central DP under secure aggregation: the encoding of :func:`ddg_params` without
+    noise shares, with the clip scaled so that a decoded contribution has norm at most
+    ``clip``, rounding included.
+
+    A client clips to ``clip * scale / delta2``, scales by ``1 / gamma`` (``gamma =
+    clip / delta2``: norm ``scale``), and rounds conditionally (norm ``<= delta2``):
+    decoded, ``gamma * delta2 = clip``. The root's noise, ``z * clip``, is then calibrated
+    to what is really summed; a plain stochastic rounding onto a grid (the secure path
+    without DP) could move each coordinate by a grid step, far beyond the clip for a
+    large model."""
+    if not clip > 0:
+        raise ConfigError(f"clip must be > 0, got {clip}")
+    if dim < 1 or participants < 1:
+        raise ConfigError(f"need participants >= 1 and dimension >= 1, got {participants} and {dim}")
+    scale = _finest_scale(participants, dim, modulus_bits, beta, 0.0)
+    delta2 = _delta2(scale, dim, beta)
+    return DDGParams(clip=clip * scale / delta2, gamma=clip / delta2, delta2=delta2, sigma=0.0, share_sigma=0.0,
+                     participants=participants, min_contributors=1, modulus_bits=modulus_bits, beta=beta, tau=0.0)
+
+
 def ddg_encode(x: np.ndarray, p: DDGParams, rng: np.random.Generator, max_tries: int = 1000) -> np.ndarray:
     """A client's field vector: clip ``x`` to ``p.clip``, scale by ``1 / gamma``, round
     conditionally (norm <= delta2), add its noise share (clamped at
-    NOISE_SHARE_BOUND sigmas), reduce modulo 2^modulus_bits. Unsigned words."""
+    NOISE_SHARE_BOUND sigmas; none with :func:`bounded_params`), reduce modulo
+    2^modulus_bits. Unsigned words."""
     x = np.asarray(x).reshape(-1)
     n = math.sqrt(squared_norm(x))
     factor = (min(1.0, p.clip / n) if n > 0 else 1.0) / p.gamma
@@ -299,7 +330,7 @@ def ddg_encode(x: np.ndarray, p: DDGParams, rng: np.random.Generator, max_tries:
     out = np.empty(size, np.uint32 if p.modulus_bits <= 32 else np.uint64)
     mask = (1 << p.modulus_bits) - 1
     limit = float(int(NOISE_SHARE_BOUND * p.share_sigma))
-    noise = _DiscreteGaussian(p.share_sigma)
+    noise = _DiscreteGaussian(p.share_sigma) if p.share_sigma > 0 else None
     b = min(_BLOCK, size)
     y, r, e, w = np.empty(b), np.empty(b), np.empty(b), np.empty(b, np.int64)
     bound2 = p.delta2 ** 2
@@ -321,9 +352,10 @@ def ddg_encode(x: np.ndarray, p: DDGParams, rng: np.random.Generator, max_tries:
             total += squared_norm(rs)
             if total > bound2:
                 break
-            noise.fill(es, rng)
-            np.clip(es, -limit, limit, out=es)
-            rs += es  # integers below 2^53: exact in float64
+            if noise is not None:
+                noise.fill(es, rng)
+                np.clip(es, -limit, limit, out=es)
+                rs += es  # integers below 2^53: exact in float64
             np.copyto(ws, rs, casting="unsafe")
             np.bitwise_and(ws, mask, out=ws)
             out[i:j] = ws
@@ -423,14 +455,19 @@ def min_contributors(participants: int, dropout_rate: float) -> int:
     return max(1, math.ceil(participants * (1.0 - dropout_rate)))
 
 
-def session_params(cfg: RunConfig, participants: int, dim: int) -> DDGParams:
-    """The distributed discrete Gaussian encoding of one secure session of ``cfg``'s run:
-    what its clients encode with and its tier decodes with (both know the session's
-    participants and the model's size)."""
-    if cfg.privacy.noise_multiplier is None:
+def session_params(cfg: RunConfig, participants: int, dim: int) -> DDGParams | None:
+    """How the clients of one secure session of ``cfg``'s run encode, and its tier decodes
+    (both know the session's participants and the model's size), when DP is on: the
+    distributed discrete Gaussian (distributed DP) or the bounded rounding of
+    :func:`bounded_params` (central DP). None without DP."""
+    p, sa = cfg.privacy, cfg.secure_aggregation
+    if not p.enabled:
+        return None
+    if p.mode == "central":
+        return bounded_params(cast(float, cfg.clip_norm), participants, dim, sa.modulus_bits)
+    if p.noise_multiplier is None:
         raise ConfigError("distributed DP needs the run's noise multiplier; the root resolves it at start")
-    sa = cfg.secure_aggregation
-    return ddg_params(cast(float, cfg.clip_norm), cfg.privacy.noise_multiplier, participants,
+    return ddg_params(cast(float, cfg.clip_norm), p.noise_multiplier, participants,
                       min_contributors(participants, sa.dropout_rate), dim, sa.modulus_bits)
 
 

@@ -30,15 +30,18 @@ from orchard.updates import split
 def masked_vector(cfg: RunConfig, codec: Codec, t: TaskAssignment, header: UploadHeader, payload: bytes,
                   rng: np.random.Generator, participants: int = 0) -> np.ndarray:
     """The field vector a client masks: its weighted, scaled, quantised update values; with
-    distributed DP, its clipped update in the session's discrete Gaussian encoding with
-    its share of the noise (``aggregation.privacy.ddg_encode``; ``rng`` must then be
-    unpredictable to everyone else)."""
+    DP, its decoded update values clipped and rounded so that what the tier sums is
+    bounded by the clip norm (after the codec, error feedback's residual included):
+    central DP, :func:`~orchard.aggregation.privacy.bounded_params`; distributed DP, the
+    discrete Gaussian encoding with the client's share of the noise (``rng`` must then
+    be unpredictable to everyone else)."""
     shapes = {s.name: tuple(s.shape) for s in t.schema}
     parts = dict(zip(shapes, split(payload, header.payload_sizes), strict=True))
     values = decode_update(codec, parts, shapes, num_summands=1, shared_seed=t.shared_seed)
     flat = np.concatenate([np.asarray(values[k], np.float64).ravel() for k in shapes])
-    if cfg.privacy.mode == "distributed":
-        return ddg_encode(flat, session_params(cfg, participants, flat.size), rng)
+    params = session_params(cfg, participants, flat.size)
+    if params is not None:  # DP: what the tier sums must be bounded by the clip, codec and rounding included
+        return ddg_encode(flat, params, rng)
     sa = cfg.secure_aggregation
     return quantize(flat * prescale_factor(header.weight, sa.weight_scale), sa.clip, sa.bits, rng)
 
