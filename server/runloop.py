@@ -171,13 +171,17 @@ async def _attempt(state: RunState, backend: RoundBackend, sink: RunSink, rnd: i
     out, cfg, ledger = played.outcome, state.config, state.privacy
     privacy = None
     if ledger is not None:  # every attempt that opened: its cohort sums may have left the tiers
-        privacy = {**ledger.charge(),
-                   **{k: v for k, v in out.measurements.items() if k in ("clipped", "noise_stddev")}}
+        # Nothing measured from the clients' data is released un-noised: not how many were
+        # clipped, not the cohort's metric means (clip_below, train loss, ...), which no
+        # noise covers; adaptive clipping reads clip_below here and noises it (ledger.adapt).
+        privacy = {**ledger.charge(), "noise_stddev": out.measurements.get("noise_stddev", 0.0)}
     if not enough(out, cfg):
         stopped = state.stop_requested
         record = RoundRecord.from_outcome(out, RoundStatus.STOPPED if stopped else RoundStatus.FAILED)
         record.simulated = played.simulated
         record.privacy = privacy
+        if ledger is not None:
+            record.metrics = {}
         if not stopped:
             record.reason = (f"{out.partial.count} of the {updates_needed(cfg)} updates needed arrived "
                              f"({out.reason}); global model unchanged, round retried")
@@ -194,6 +198,7 @@ async def _attempt(state: RunState, backend: RoundBackend, sink: RunSink, rnd: i
                          adaptive.learning_rate, adapt_rng)
         privacy["next_clip_norm"] = ledger.clip_norm
         record.privacy = privacy
+        record.metrics = {}
     await sink.completed(state, plan, record, played, new_arrays)
     state.arrays, state.completed_rounds = new_arrays, rnd
     return True

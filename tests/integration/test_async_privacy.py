@@ -108,7 +108,7 @@ def test_fedbuff_with_central_dp_and_a_norm_bound_over_grpc(tmp_path: Path) -> N
     done = [r for r in st["rounds"] if r["status"] == "completed"]
     for r in done:
         # The noise is calibrated to the DP clip norm (z x 0.5); updates are clipped to the
-        # tighter norm_bound, 1e-3, which none is within.
+        # tighter norm_bound, 1e-3. How many were clipped is not released under DP.
         assert r["privacy"]["noise_stddev"] == z * 0.5, r["privacy"]
-        assert r["metrics"]["clip_below"] == 0.0, r["metrics"]
+        assert r["metrics"] == {} and "clipped" not in r["privacy"], r
     assert sum(agg_staleness.values()) >= sum(r["participants"] for r in done)
