@@ -1,8 +1,8 @@
 """Differential privacy: clipping, noise, the distributed discrete Gaussian, accounting.
 
-Pure: arrays and explicit randomness in, arrays and numbers out. The privacy
-accounting is not written here: it is ``dp_accounting``'s RDP accountant, called with
-the events this module builds.
+Pure: arrays and explicit randomness in, arrays and numbers out. What the mechanisms
+here cost is :mod:`orchard.aggregation.accounting` (``dp_accounting``'s RDP accountant);
+a run's ledger is :mod:`orchard.aggregation.ledger`.
 
 Central DP (McMahan et al., 2018, "Learning differentially private recurrent language
 models"; the trusted root adds the noise). Each client's update is clipped to L2 norm
@@ -19,7 +19,7 @@ centred count ``sum (b_i - 1/2)`` with ``N(0, sigma_b^2)`` and moves ``C <- C ex
 the target quantile ``gamma``. Their Theorem 1: updates with multiplier ``z_update``
 and the count with ``sigma_b`` together are a Gaussian mechanism with
 ``z = (z_update^-2 + (2 sigma_b)^-2)^(-1/2)``; given the ``z`` the budget allows,
-:func:`update_noise_multiplier` returns ``z_update``.
+:func:`~orchard.aggregation.accounting.update_noise_multiplier` returns ``z_update``.
 
 Distributed DP under secure aggregation (Kairouz et al., 2021, "The distributed discrete
 Gaussian mechanism for federated learning with secure aggregation"). Tiers are not
@@ -39,7 +39,7 @@ the accountant sees (negligible at the scales chosen here).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
@@ -90,34 +90,6 @@ def clip_l2(update: NDArrays, norm: float) -> tuple[NDArrays, float]:
 def add_gaussian_noise(sums: NDArrays, stddev: float, rng: np.random.Generator) -> NDArrays:
     """``sums + N(0, stddev^2)`` element-wise (float64), a new dict."""
     return {k: np.asarray(v, np.float64) + rng.normal(0.0, stddev, size=np.shape(v)) for k, v in sums.items()}
-
-
-def count_sensitivity(adjacency: str) -> float:
-    """How far one device moves adaptive clipping's count of clients within the norm.
-    The count is of centred bits ``b_i - 1/2`` (Andrew et al., 2021, Alg. 1; TF Privacy):
-    adding or removing a device moves it by 1/2, replacing one device's data by at most 1."""
-    return 0.5 if adjacency == "add_remove" else 1.0
-
-
-def update_noise_multiplier(z: float, count_stddev: float, adjacency: str = "replace_one") -> float:
-    """``z_update`` such that the updates' sum with noise ``z_update C`` and the count with
-    noise ``count_stddev``, released together, spend what one Gaussian mechanism with
-    noise multiplier ``z`` spends under ``adjacency`` (Andrew et al., Thm 1).
-
-    The pair is one Gaussian mechanism whose sensitivity in noise units is
-    ``sqrt((k C / (z_update C))^2 + (s_b / count_stddev)^2)`` with ``k`` the sum's
-    sensitivity in clip norms and ``s_b`` the count's (:func:`count_sensitivity`); it
-    must equal ``k / z``, the sensitivity the accountant charges. So
-    ``z_update = (z^-2 - (s_b / (k count_stddev))^2)^(-1/2)``: Andrew et al.'s
-    ``(z^-2 - (2 sigma_b)^-2)^(-1/2)`` under both adjacencies (``s_b / k`` is 1/2 in
-    each), which holds only because the count is centred: an uncentred count under
-    add/remove (``s_b = 1``, ``k = 1``) would spend four times as much on it."""
-    ratio = count_sensitivity(adjacency) / (sensitivity_factor(adjacency) * count_stddev)
-    rest = z ** -2 - ratio ** 2
-    if rest <= 0:
-        raise ConfigError(f"the clipped-count noise (stddev {count_stddev}) leaves no budget for the updates at "
-                          f"noise multiplier {z}: raise privacy.adaptive.count_stddev above {z * ratio * count_stddev:.3g}")
-    return rest ** -0.5
 
 
 def adapt_clip(norm: float, below_fraction: float, target_quantile: float, learning_rate: float) -> float:
@@ -373,78 +345,6 @@ def ddg_decode(total: np.ndarray, p: DDGParams) -> np.ndarray:
     return signed.astype(np.float64) * p.gamma
 
 
-# ------------------------------------------------------------------------------ accounting
-
-
-# How far one device's contribution can move a round's clipped sum, in clip norms, under
-# each adjacency: adding or removing a device moves it by at most C; replacing one
-# device's data by another's, by at most 2C (the difference of two vectors of norm <= C).
-SENSITIVITY = {"add_remove": 1.0, "replace_one": 2.0}
-
-
-def sensitivity_factor(adjacency: str) -> float:
-    """The L2 sensitivity of a round's clipped sum in units of the clip norm."""
-    try:
-        return SENSITIVITY[adjacency]
-    except KeyError:
-        raise ConfigError(f"unknown adjacency {adjacency!r}: use one of {sorted(SENSITIVITY)}") from None
-
-
-def _round_event(noise_multiplier: float, adjacency: str):  # -> dp_accounting.DpEvent
-    """One round as the accountant sees it: a Gaussian mechanism on the round's sum, with
-    noise multiplier ``z / sensitivity`` (``z`` is the noise's stddev over the clip norm).
-
-    No amplification by sampling: Orchard's selection is not Poisson sampling (the root
-    takes a fixed number among the devices that are live and eligible when the round
-    opens, late joiners first come, first served; the simulator among the devices online
-    at the simulated hour), so the accountant assumes a device may be in every round.
-    A device that takes part in fewer rounds spends less than this."""
-    import dp_accounting
-
-    return dp_accounting.GaussianDpEvent(noise_multiplier / sensitivity_factor(adjacency))
-
-
-def epsilon_spent(noise_multiplier: float, rounds: int, delta: float, adjacency: str = "replace_one") -> float:
-    """ε after ``rounds`` Gaussian rounds at noise multiplier ``noise_multiplier`` (stddev
-    over clip norm) under ``adjacency`` (dp_accounting, RDP)."""
-    return epsilon_of([(noise_multiplier, rounds)], delta, adjacency)
-
-
-def epsilon_of(rounds: list[tuple[float, int]], delta: float, adjacency: str = "replace_one") -> float:
-    """ε of a composition of rounds given as ``(noise multiplier, count)`` pairs
-    (several runs on the same devices compose this way: the population ledger)."""
-    events = [(z, n) for z, n in rounds if n > 0]
-    if not events:
-        return 0.0
-    import dp_accounting
-    from dp_accounting.rdp import RdpAccountant
-
-    acc = RdpAccountant()
-    for z, n in events:
-        acc.compose(dp_accounting.SelfComposedDpEvent(_round_event(z, adjacency), n))
-    return float(acc.get_epsilon(delta))
-
-
-def noise_multiplier_for(epsilon: float, delta: float, rounds: int, adjacency: str = "replace_one") -> float:
-    """The smallest noise multiplier whose ``rounds`` rounds spend at most ``epsilon``
-    (dp_accounting's calibration over its RDP accountant)."""
-    problems = []
-    if not epsilon > 0:
-        problems.append(f"target epsilon must be > 0, got {epsilon}")
-    if not 0 < delta < 1:
-        problems.append(f"delta must be in (0, 1), got {delta}")
-    if rounds < 1:
-        problems.append(f"rounds must be >= 1, got {rounds}")
-    if problems:
-        raise ConfigError(problems)
-    import dp_accounting
-    from dp_accounting.rdp import RdpAccountant
-
-    return float(dp_accounting.calibrate_dp_mechanism(
-        RdpAccountant, lambda z: dp_accounting.SelfComposedDpEvent(_round_event(z, adjacency), rounds),
-        epsilon, delta))
-
-
 # ------------------------------------------------------------------------------ a run's plan
 
 
@@ -469,146 +369,3 @@ def session_params(cfg: RunConfig, participants: int, dim: int) -> DDGParams | N
         raise ConfigError("distributed DP needs the run's noise multiplier; the root resolves it at start")
     return ddg_params(cast(float, cfg.clip_norm), p.noise_multiplier, participants,
                       min_contributors(participants, sa.dropout_rate), dim, sa.modulus_bits)
-
-
-def population_problems(cfg: RunConfig, population: int | None) -> list[str]:
-    """What the run's privacy needs from the population it touches: a size (the δ rule
-    and the population ledger are about it), and ``delta <= 1 / population``."""
-    p = cfg.privacy
-    if not p.enabled:
-        return []
-    size = p.population if p.population is not None else population
-    if size is None:
-        return ["privacy.population: state how many devices the run may touch (the guarantee is about them, and "
-                "delta must be at most 1 / population)"]
-    out = []
-    if population is not None and p.population is not None and p.population < population:
-        out.append(f"privacy.population = {p.population} is below the {population} devices the run touches; "
-                   "raise it or leave it unset")
-    if p.delta > 1.0 / size:
-        out.append(f"privacy.delta = {p.delta:g} is above 1 / population = {1.0 / size:.3g}: a mechanism may then "
-                   f"release one device's data outright with probability delta; lower delta to at most "
-                   f"{1.0 / size:.3g}")
-    return out
-
-
-@dataclass
-class PrivacyLedger:
-    """One run's privacy: its mechanism, its current clip norm, and what it has spent.
-
-    The root and the simulator keep one each and call it around every round attempt:
-    ``check_next`` (refuses a round that would exceed the target), ``round_config`` (the
-    round's config: the resolved noise multiplier and the current clip norm),
-    ``noise_stddev`` (what the root adds, central DP), ``charge`` (before an attempt
-    opens: every opened round counts, retried or not, failed or not), ``adapt``
-    (adaptive clipping, after a completed round). Epsilon is always the accountant's,
-    never a running sum.
-    """
-
-    mode: str
-    noise_multiplier: float  # z of the whole round's Gaussian mechanism (what is accounted)
-    update_noise_multiplier: float  # z for the updates (z unless adaptive clipping spends some on the count)
-    adjacency: str
-    population: int
-    delta: float
-    target_epsilon: float | None
-    clip_norm: float
-    count_stddev: float | None = None  # adaptive clipping's noise on the clipped count
-    rounds: int = 0  # round attempts charged
-    epsilon: float = 0.0
-    # The accountant's last answer, (rounds, epsilon): check_next and charge ask for the same one.
-    _last: tuple[int, float] | None = field(default=None, repr=False, compare=False)
-
-    @classmethod
-    def plan(cls, cfg: RunConfig, population: int | None = None) -> PrivacyLedger | None:
-        """The ledger of a run (None when privacy is off). Derives the noise multiplier from
-        the target epsilon for ``cfg.rounds`` rounds; refuses a run whose given noise cannot
-        meet its target, and one whose delta exceeds 1 / population.
-
-        ``population``: the devices the run touches where the caller knows them (the
-        simulator's); a gRPC run states ``privacy.population``. Every round is accounted
-        as if every device took part in it (see :func:`_round_event`)."""
-        p = cfg.privacy
-        if not p.enabled:
-            return None
-        problems = population_problems(cfg, population)
-        if problems:
-            raise ConfigError(problems)
-        size = p.population if p.population is not None else cast(int, population)
-        if p.noise_multiplier is not None:
-            z = p.noise_multiplier
-            if p.target_epsilon is not None:
-                planned = epsilon_spent(z, cfg.rounds, p.delta, p.adjacency)
-                if planned > p.target_epsilon * (1 + 1e-9):
-                    need = noise_multiplier_for(p.target_epsilon, p.delta, cfg.rounds, p.adjacency)
-                    raise ConfigError(f"privacy: noise multiplier {z} over {cfg.rounds} rounds spends epsilon "
-                                      f"{planned:.3f} > target {p.target_epsilon}; raise the noise multiplier to "
-                                      f"{need:.4g}, or plan fewer rounds")
-        else:
-            z = noise_multiplier_for(cast(float, p.target_epsilon), p.delta, cfg.rounds, p.adjacency)
-        z_update, count_stddev = z, None
-        if p.adaptive is not None:
-            count_stddev = p.adaptive.count_stddev or cfg.cohort.target / 20.0
-            z_update = update_noise_multiplier(z, count_stddev, p.adjacency)
-        return cls(mode=p.mode, noise_multiplier=z, update_noise_multiplier=z_update, adjacency=p.adjacency,
-                   population=size, delta=p.delta, target_epsilon=p.target_epsilon, clip_norm=p.clip_norm,
-                   count_stddev=count_stddev)
-
-    def epsilon_after(self, rounds: int) -> float:
-        """Epsilon after ``rounds`` charged rounds (the accountant's)."""
-        if self._last is not None and self._last[0] == rounds:
-            return self._last[1]
-        eps = epsilon_spent(self.noise_multiplier, rounds, self.delta, self.adjacency)
-        self._last = (rounds, eps)
-        return eps
-
-    def check_next(self) -> None:
-        """Raise PrivacyBudgetExceeded if one more round would spend more than the target."""
-        from orchard.errors import PrivacyBudgetExceeded
-
-        if self.target_epsilon is None:
-            return
-        nxt = self.epsilon_after(self.rounds + 1)
-        if nxt > self.target_epsilon * (1 + 1e-9):
-            raise PrivacyBudgetExceeded(f"round {self.rounds + 1} would bring epsilon to {nxt:.3f} > the target "
-                                        f"{self.target_epsilon} (delta {self.delta}); the run stops here")
-
-    def round_config(self, cfg: RunConfig) -> RunConfig:
-        """``cfg`` for the next round: the resolved noise multiplier (updates' share) and
-        the current clip norm, which tiers and clients read from the round's config."""
-        privacy = cfg.privacy.model_copy(update={"noise_multiplier": self.update_noise_multiplier,
-                                                 "clip_norm": self.clip_norm})
-        return cfg.model_copy(update={"privacy": privacy})
-
-    @property
-    def noise_stddev(self) -> float:
-        """The Gaussian noise the root adds to a round's sum: central DP only."""
-        return self.update_noise_multiplier * self.clip_norm if self.mode == "central" else 0.0
-
-    def charge(self) -> dict[str, float]:
-        """Account one more round attempt; what the round's record says of its privacy:
-        the epsilon spent so far, delta, the clip norm it ran with, the noise multiplier."""
-        clip_norm = self.clip_norm
-        self.rounds += 1
-        self.epsilon = self.epsilon_after(self.rounds)
-        return {"epsilon": round(self.epsilon, 6), "delta": self.delta, "clip_norm": clip_norm,
-                "noise_multiplier": self.noise_multiplier}
-
-    def adapt(self, below_fraction: float | None, clients: int, target_quantile: float, learning_rate: float,
-              rng: np.random.Generator) -> None:
-        """Adaptive clipping after a completed round: the centred count of clients within
-        the norm, ``sum (b_i - 1/2)``, is noised with ``count_stddev`` (its share of the
-        budget, :func:`update_noise_multiplier`) before it steers; ``clients``, the
-        round's number of contributions, is public under replace-one adjacency."""
-        if self.count_stddev is None or below_fraction is None or clients <= 0:
-            return
-        centred = below_fraction * clients - 0.5 * clients
-        noisy = (centred + rng.normal(0.0, self.count_stddev)) / clients + 0.5
-        self.clip_norm = adapt_clip(self.clip_norm, noisy, target_quantile, learning_rate)
-
-    def as_dict(self) -> dict[str, object]:
-        return {"mode": self.mode, "epsilon": round(self.epsilon, 6), "delta": self.delta,
-                "target_epsilon": self.target_epsilon, "noise_multiplier": self.noise_multiplier,
-                "adjacency": self.adjacency, "population": self.population,
-                "participation": "every round (no amplification by sampling)", "clip_norm": self.clip_norm,
-                "rounds_charged": self.rounds}

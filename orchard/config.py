@@ -206,6 +206,11 @@ class PrivacyConfig(_Strict):
     clip_norm: float = Field(1.0, gt=0.0)
     adjacency: Literal["replace_one", "add_remove"] = "replace_one"
     population: int | None = Field(None, ge=1)
+    # The population ledger a gRPC root charges every round of this run to, before it
+    # opens: runs on the same devices name the same ledger, and together may spend at
+    # most lifetime_epsilon (None: no lifetime budget, but the charges are still kept).
+    population_ledger: str = Field("default", min_length=1, max_length=200)
+    lifetime_epsilon: float | None = Field(None, gt=0.0)
     sampling_rate: float | None = Field(None, gt=0.0, le=1.0)
     adaptive: AdaptiveClipConfig | None = None
 

@@ -13,21 +13,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchard.aggregation import Accumulator, MetricSums, Partial
+from orchard.aggregation.accounting import epsilon_spent, noise_multiplier_for
 from orchard.aggregation.layer import STATISTICS, Clip, WeightedSum, clip, noise, robust
+from orchard.aggregation.ledger import PrivacyLedger
 from orchard.aggregation.privacy import _BLOCK as privacy_block
 from orchard.aggregation.privacy import (
     NOISE_SHARE_BOUND,
     DDGParams,
-    PrivacyLedger,
     clip_l2,
     ddg_decode,
     ddg_encode,
     ddg_params,
     discrete_gaussian,
-    epsilon_spent,
     global_norm,
     min_contributors,
-    noise_multiplier_for,
 )
 from orchard.config import RunConfig
 from orchard.errors import ConfigError, PrivacyBudgetExceeded

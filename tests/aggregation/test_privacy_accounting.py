@@ -8,7 +8,8 @@ import math
 
 import pytest
 
-from orchard.aggregation.privacy import PrivacyLedger, update_noise_multiplier
+from orchard.aggregation.accounting import update_noise_multiplier
+from orchard.aggregation.ledger import PrivacyLedger
 from orchard.config import RunConfig
 from orchard.errors import ConfigError
 

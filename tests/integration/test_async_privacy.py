@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from fed_harness import FAST, Federation, add_clients, start_run, wait_joined, wait_status
 
-from orchard.aggregation.privacy import epsilon_spent
+from orchard.aggregation.accounting import epsilon_spent
 from orchard.config import CohortConfig, ModeConfig, RunConfig
 from orchard.server.app import start_aggregator, start_root
 from orchard.tasks import get_task

@@ -15,7 +15,7 @@ from fed_harness import FAST, Federation, add_clients, start_run, wait_joined, w
 from typer.testing import CliRunner
 
 from orchard import wire
-from orchard.aggregation.privacy import epsilon_spent
+from orchard.aggregation.accounting import epsilon_spent
 from orchard.cli import app
 from orchard.config import RunConfig
 from orchard.ops import ControlClient
