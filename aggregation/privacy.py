@@ -87,9 +87,40 @@ def clip_l2(update: NDArrays, norm: float) -> tuple[NDArrays, float]:
 # ------------------------------------------------------------------------------ central noise
 
 
-def add_gaussian_noise(sums: NDArrays, stddev: float, rng: np.random.Generator) -> NDArrays:
-    """``sums + N(0, stddev^2)`` element-wise (float64), a new dict."""
-    return {k: np.asarray(v, np.float64) + rng.normal(0.0, stddev, size=np.shape(v)) for k, v in sums.items()}
+LATTICE_SLACK = 1e-6  # the sum's rounding onto the noise lattice may move it by this many clip norms
+
+
+def add_gaussian_noise(sums: NDArrays, stddev: float, clip: float, rng: np.random.Generator) -> NDArrays:
+    """Central DP's noise on a round's sum: ``gamma (round(S / gamma) + K)`` element-wise
+    (float64, a new dict), ``K`` discrete Gaussian with stddev ``stddev' / gamma``.
+
+    The output lies on the lattice ``gamma Z`` whatever the sum was, so the floating-point
+    attack on continuous noise (Mironov, 2012: the low bits and the holes in the
+    support of floating-point noise reveal the value it was added to) has nothing to
+    read. ``gamma = LATTICE_SLACK clip / sqrt(d)``: rounding the sum moves it by at most
+    ``gamma sqrt(d) = LATTICE_SLACK clip`` in L2, which can add that much to the
+    sensitivity (at least ``clip``), so the stddev is raised by the same factor,
+    ``stddev' = stddev (1 + LATTICE_SLACK)``: ``stddev' / (Delta + gamma sqrt(d)) >=
+    stddev / Delta`` and the accountant's noise multiplier still holds. The discrete
+    Gaussian on integers satisfies the Gaussian mechanism's RDP at the same stddev
+    (Canonne, Kamath and Steinke, 2020, Thm. 14 for integer-valued queries), and the
+    draws come from ``rng`` (a root passes ``orchard.randomness.os_random()``)."""
+    if not (stddev > 0 and clip > 0):
+        raise ConfigError(f"central noise needs stddev > 0 and a clip norm > 0, got {stddev} and {clip}")
+    dim = sum(int(np.size(v)) for v in sums.values())
+    gamma = LATTICE_SLACK * clip / math.sqrt(max(dim, 1))
+    sampler = _DiscreteGaussian(stddev * (1.0 + LATTICE_SLACK) / gamma)
+    out: NDArrays = {}
+    for k, v in sums.items():
+        lattice = np.rint(np.asarray(v, np.float64) / gamma)
+        if lattice.size and float(np.abs(lattice).max()) >= 2.0 ** 52:
+            raise ConfigError(f"a sum of norm {global_norm({k: v}):.3g} is too large for the noise lattice at clip "
+                              f"{clip}: were the updates clipped?")
+        noise = np.empty(lattice.size, np.float64)
+        sampler.fill(noise, rng)
+        lattice += noise.reshape(lattice.shape)  # integers below 2^53: exact
+        out[k] = lattice * gamma
+    return out
 
 
 def adapt_clip(norm: float, below_fraction: float, target_quantile: float, learning_rate: float) -> float:

@@ -22,6 +22,7 @@ from orchard.config import RunConfig
 from orchard.errors import SecAggAbort
 from orchard.link import FleetLink
 from orchard.messages import TaskAssignment, UploadHeader
+from orchard.randomness import os_random
 from orchard.secure_agg import SecAggClient, Stage, decode, quantize
 from orchard.secure_agg.stages import stage_of
 from orchard.updates import split
@@ -88,10 +89,10 @@ def masked_input(cfg: RunConfig, codec: Codec, t: TaskAssignment, header: Upload
                  noise_rng: np.random.Generator | None = None) -> tuple[UploadHeader, np.ndarray]:
     """What a client posts at the masked-input stage for an update trained with ``seed``:
     its header (in the clear) and its field vector (quantised with its own stream). With
-    distributed DP the noise and rounding draw from ``noise_rng`` (default: OS entropy:
-    nobody else may be able to replay a client's noise)."""
+    distributed DP the noise and rounding draw from ``noise_rng`` (default: the operating
+    system's CSPRNG: nobody else may be able to replay or predict a client's noise)."""
     if cfg.privacy.mode == "distributed":
-        rng = noise_rng if noise_rng is not None else np.random.default_rng()
+        rng = noise_rng if noise_rng is not None else os_random()
     else:
         rng = np.random.default_rng([seed, 0x5EC])
     return header, masked_vector(cfg, codec, t, header, payload, rng, participants)

@@ -89,7 +89,7 @@ def test_with_noise_off_the_layer_is_todays_sum_in_every_tree_shape(seed: int, n
     rng = np.random.default_rng(0)
 
     def layer_leaf(idx: list[int]) -> Partial:
-        agg = noise(0.0, clip(1e9, WeightedSum(SCHEMA)), rng)
+        agg = noise(0.0, clip(1e9, WeightedSum(SCHEMA)), rng, 1e9)
         state = agg.zero()
         for i in idx:
             state = agg.accumulate(state, ups[i], weights[i], MetricSums({"loss": 1.0}, {"loss": weights[i]}))
@@ -113,14 +113,22 @@ def test_with_noise_off_the_layer_is_todays_sum_in_every_tree_shape(seed: int, n
         assert got.sums[k].tobytes() == root_plain.partial.sums[k].tobytes()
 
 
-def test_noise_has_the_stated_stddev_and_is_added_once() -> None:
-    agg = noise(2.0, WeightedSum([TensorSpec("x", (200_000,), "float32")]), np.random.default_rng(1))
+@pytest.mark.parametrize("secure", [False, True])
+def test_noise_has_the_stated_stddev_and_is_added_once(secure: bool) -> None:
+    from orchard.randomness import os_random
+
+    rng = os_random() if secure else np.random.default_rng(1)
+    agg = noise(2.0, WeightedSum([TensorSpec("x", (200_000,), "float32")]), rng, 1.0)
     state = agg.zero()
-    state = agg.accumulate(state, {"x": np.ones(200_000, np.float32)}, 1.0)
+    state = agg.accumulate(state, {"x": np.full(200_000, 0.7, np.float32)}, 1.0)
     partial, m = agg.finalize(state)
-    residual = partial.sums["x"] - 1.0
+    residual = partial.sums["x"] - np.float32(0.7)
     assert abs(residual.mean()) < 0.02 and residual.std() == pytest.approx(2.0, rel=0.01)
     assert m["noise_stddev"] == 2.0
+    # Every released value is on the noise lattice, whatever the sum was: no low bits to read.
+    gamma = 1e-6 * 1.0 / np.sqrt(200_000)
+    on = partial.sums["x"] / gamma
+    assert np.abs(on - np.rint(on)).max() < 1e-3
 
 
 # ---------------------------------------------------------------------- robust statistics
