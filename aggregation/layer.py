@@ -12,7 +12,7 @@ An :class:`Aggregator` is what a tier folds one round through::
 
 States are mutable and folded in place (O(model) memory for the sums); every method
 returns the state so that stacks compose. Transforms wrap an inner aggregator, as
-TensorFlow Federated's factories do: ``clip(norm, inner)``, ``noise(stddev, inner, rng)``,
+TensorFlow Federated's factories do: ``clip(norm, inner)``, ``noise(stddev, inner, rng, clip)``,
 ``robust(statistic, inner)``, ``stale(weighting, inner)``. An update or partial may come
 with its ``staleness`` (asynchronous mode: server steps since its model was pulled);
 every stage passes it inward, the stale stage turns it into FedBuff's weight, and a
@@ -174,14 +174,17 @@ class Clip:
 
 
 class Noise:
-    """Gaussian noise ``N(0, stddev^2)`` on every coordinate of the finished sum: the
-    trusted root's step of central DP. Merging before finalize stays linear; the noise
-    is added once, at finalize."""
+    """Gaussian noise of stddev ``stddev`` on every coordinate of the finished sum, drawn
+    as a discrete Gaussian on a lattice fine against ``clip``
+    (:func:`~orchard.aggregation.privacy.add_gaussian_noise`): the trusted root's step of
+    central DP. Merging before finalize stays linear; the noise is added once, at
+    finalize."""
 
-    def __init__(self, stddev: float, inner: Aggregator, rng: np.random.Generator) -> None:
+    def __init__(self, stddev: float, inner: Aggregator, rng: np.random.Generator, clip: float) -> None:
         if not stddev >= 0:
             raise ConfigError(f"noise stddev must be >= 0, got {stddev}")
         self.stddev = float(stddev)
+        self.clip = float(clip)  # the norm each contribution is clipped to: sets the noise lattice
         self.inner = inner
         self.rng = rng
         self.linear = inner.linear
@@ -200,7 +203,7 @@ class Noise:
         partial, m = self.inner.finalize(state)
         if self.stddev == 0 or partial.count == 0:
             return partial, m
-        noised = Partial(sums=add_gaussian_noise(partial.sums, self.stddev, self.rng), weight=partial.weight,
+        noised = Partial(sums=add_gaussian_noise(partial.sums, self.stddev, self.clip, self.rng), weight=partial.weight,
                          count=partial.count, metrics=partial.metrics)
         return noised, {**m, "noise_stddev": self.stddev}
 
@@ -374,11 +377,11 @@ def clip(norm: float, inner: Aggregator) -> Clip:
     return Clip(norm, inner)
 
 
-def noise(stddev: float, inner: Aggregator, rng: np.random.Generator) -> Noise:
-    return Noise(stddev, inner, rng)
+def noise(stddev: float, inner: Aggregator, rng: np.random.Generator, clip: float) -> Noise:
+    return Noise(stddev, inner, rng, clip)
 
 
-dp = noise  # central DP's transform, ``dp(stddev, inner, rng)``: Gaussian noise on the finalized sum
+dp = noise  # central DP's transform, ``dp(stddev, inner, rng, clip)``: Gaussian noise on the finalized sum
 
 
 def robust(statistic: str, inner: Aggregator, trim_fraction: float = 0.1) -> Robust:

@@ -1,23 +1,25 @@
 """Differential privacy: clipping, noise, the distributed discrete Gaussian, accounting.
 
-Pure: arrays and explicit randomness in, arrays and numbers out. The privacy
-accounting is not written here: it is ``dp_accounting``'s RDP accountant, called with
-the events this module builds.
+Pure: arrays and explicit randomness in, arrays and numbers out. What the mechanisms
+here cost is :mod:`orchard.aggregation.accounting` (``dp_accounting``'s RDP accountant);
+a run's ledger is :mod:`orchard.aggregation.ledger`.
 
 Central DP (McMahan et al., 2018, "Learning differentially private recurrent language
 models"; the trusted root adds the noise). Each client's update is clipped to L2 norm
 ``C``; the root adds ``N(0, (z C)^2)`` to every coordinate of the cohort's sum and
-divides by the number of contributions (the cohort size is treated as public, as in
-TensorFlow Federated's DP aggregators). One round is a Poisson-subsampled Gaussian
-mechanism with noise multiplier ``z`` and sampling rate ``q``.
+divides by the number of contributions (public under replace-one adjacency: which
+devices take part is not what the guarantee hides). One round is a Gaussian mechanism
+whose sensitivity is ``2 C`` (replace one device's data), composed over every round a
+device may take part in: all of them, as Orchard's selection is not Poisson sampling
+and no amplification by sampling is claimed.
 
 Adaptive clipping (Andrew et al., 2021, "Differentially private learning with adaptive
 clipping"). Each client also contributes ``b_i = [||x_i|| <= C]``; the root noises the
-count with ``N(0, sigma_b^2)`` and moves ``C <- C exp(-eta (b_bar - gamma))`` towards
+centred count ``sum (b_i - 1/2)`` with ``N(0, sigma_b^2)`` and moves ``C <- C exp(-eta (b_bar - gamma))`` towards
 the target quantile ``gamma``. Their Theorem 1: updates with multiplier ``z_update``
 and the count with ``sigma_b`` together are a Gaussian mechanism with
 ``z = (z_update^-2 + (2 sigma_b)^-2)^(-1/2)``; given the ``z`` the budget allows,
-:func:`update_noise_multiplier` returns ``z_update``.
+:func:`~orchard.aggregation.accounting.update_noise_multiplier` returns ``z_update``.
 
 Distributed DP under secure aggregation (Kairouz et al., 2021, "The distributed discrete
 Gaussian mechanism for federated learning with secure aggregation"). Tiers are not
@@ -37,7 +39,7 @@ the accountant sees (negligible at the scales chosen here).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
@@ -85,19 +87,40 @@ def clip_l2(update: NDArrays, norm: float) -> tuple[NDArrays, float]:
 # ------------------------------------------------------------------------------ central noise
 
 
-def add_gaussian_noise(sums: NDArrays, stddev: float, rng: np.random.Generator) -> NDArrays:
-    """``sums + N(0, stddev^2)`` element-wise (float64), a new dict."""
-    return {k: np.asarray(v, np.float64) + rng.normal(0.0, stddev, size=np.shape(v)) for k, v in sums.items()}
+LATTICE_SLACK = 1e-6  # the sum's rounding onto the noise lattice may move it by this many clip norms
 
 
-def update_noise_multiplier(z: float, count_stddev: float) -> float:
-    """``z_update`` such that updates with it and the clipped-count with ``count_stddev``
-    together spend what one Gaussian mechanism with ``z`` spends (Andrew et al., Thm 1)."""
-    rest = z ** -2 - (2.0 * count_stddev) ** -2
-    if rest <= 0:
-        raise ConfigError(f"the clipped-count noise (stddev {count_stddev}) leaves no budget for the updates at "
-                          f"noise multiplier {z}: raise privacy.adaptive.count_stddev above {z / 2:.3g}")
-    return rest ** -0.5
+def add_gaussian_noise(sums: NDArrays, stddev: float, clip: float, rng: np.random.Generator) -> NDArrays:
+    """Central DP's noise on a round's sum: ``gamma (round(S / gamma) + K)`` element-wise
+    (float64, a new dict), ``K`` discrete Gaussian with stddev ``stddev' / gamma``.
+
+    The output lies on the lattice ``gamma Z`` whatever the sum was, so the floating-point
+    attack on continuous noise (Mironov, 2012: the low bits and the holes in the
+    support of floating-point noise reveal the value it was added to) has nothing to
+    read. ``gamma = LATTICE_SLACK clip / sqrt(d)``: rounding the sum moves it by at most
+    ``gamma sqrt(d) = LATTICE_SLACK clip`` in L2, which can add that much to the
+    sensitivity (at least ``clip``), so the stddev is raised by the same factor,
+    ``stddev' = stddev (1 + LATTICE_SLACK)``: ``stddev' / (Delta + gamma sqrt(d)) >=
+    stddev / Delta`` and the accountant's noise multiplier still holds. The discrete
+    Gaussian on integers satisfies the Gaussian mechanism's RDP at the same stddev
+    (Canonne, Kamath and Steinke, 2020, Thm. 14 for integer-valued queries), and the
+    draws come from ``rng`` (a root passes ``orchard.randomness.os_random()``)."""
+    if not (stddev > 0 and clip > 0):
+        raise ConfigError(f"central noise needs stddev > 0 and a clip norm > 0, got {stddev} and {clip}")
+    dim = sum(int(np.size(v)) for v in sums.values())
+    gamma = LATTICE_SLACK * clip / math.sqrt(max(dim, 1))
+    sampler = _DiscreteGaussian(stddev * (1.0 + LATTICE_SLACK) / gamma)
+    out: NDArrays = {}
+    for k, v in sums.items():
+        lattice = np.rint(np.asarray(v, np.float64) / gamma)
+        if lattice.size and float(np.abs(lattice).max()) >= 2.0 ** 52:
+            raise ConfigError(f"a sum of norm {global_norm({k: v}):.3g} is too large for the noise lattice at clip "
+                              f"{clip}: were the updates clipped?")
+        noise = np.empty(lattice.size, np.float64)
+        sampler.fill(noise, rng)
+        lattice += noise.reshape(lattice.shape)  # integers below 2^53: exact
+        out[k] = lattice * gamma
+    return out
 
 
 def adapt_clip(norm: float, below_fraction: float, target_quantile: float, learning_rate: float) -> float:
@@ -226,6 +249,26 @@ def _delta2(scale: float, dim: int, beta: float) -> float:
     return math.sqrt(scale ** 2 + dim / 4.0 + math.sqrt(2.0 * math.log(1.0 / beta)) * (scale + math.sqrt(dim) / 2.0))
 
 
+def _finest_scale(participants: int, dim: int, modulus_bits: int, beta: float, per_share: float) -> float:
+    """The largest power-of-two scale at which ``participants`` rounded vectors of norm
+    ``delta2(scale)``, each with a noise share of at most ``per_share * delta2`` per
+    coordinate, sum inside ``(-M/2, M/2)``; ConfigError when none is useful."""
+    limit = float(2 ** (modulus_bits - 1) - 1)
+
+    def worst(scale: float) -> float:  # the largest |coordinate| the sum can reach
+        return participants * _delta2(scale, dim, beta) * (1.0 + per_share)
+
+    scale = 2.0 ** 52
+    while scale >= 1.0 and worst(scale) >= limit:
+        scale /= 2.0
+    if scale < 1.0 or scale < math.sqrt(dim):
+        raise ConfigError(
+            f"a {modulus_bits}-bit field cannot hold the sum of {participants} clients' {dim}-dimensional updates "
+            f"with their noise at any useful granularity; raise secure_aggregation.modulus_bits (up to 62) "
+            f"or use smaller cohorts")
+    return scale
+
+
 def ddg_params(clip: float, noise_multiplier: float, participants: int, min_contributors: int, dim: int,
                modulus_bits: int, beta: float = math.exp(-0.5)) -> DDGParams:
     """The finest granularity at which the session's sum cannot wrap modulo 2^modulus_bits:
@@ -241,20 +284,8 @@ def ddg_params(clip: float, noise_multiplier: float, participants: int, min_cont
         problems.append(f"dimension must be >= 1, got {dim}")
     if problems:
         raise ConfigError(problems)
-    limit = float(2 ** (modulus_bits - 1) - 1)
     per_share = NOISE_SHARE_BOUND * noise_multiplier / math.sqrt(min_contributors)
-
-    def worst(scale: float) -> float:  # the largest |coordinate| the sum can reach
-        return participants * _delta2(scale, dim, beta) * (1.0 + per_share)
-
-    scale = 2.0 ** 52
-    while scale >= 1.0 and worst(scale) >= limit:
-        scale /= 2.0
-    if scale < 1.0 or scale < math.sqrt(dim):
-        raise ConfigError(
-            f"a {modulus_bits}-bit field cannot hold the sum of {participants} clients' {dim}-dimensional updates "
-            f"with their noise at any useful granularity; raise secure_aggregation.modulus_bits (up to 62) "
-            f"or use smaller cohorts")
+    scale = _finest_scale(participants, dim, modulus_bits, beta, per_share)
     delta2 = _delta2(scale, dim, beta)
     sigma = noise_multiplier * delta2
     share = sigma / math.sqrt(min_contributors)
@@ -268,10 +299,33 @@ def ddg_params(clip: float, noise_multiplier: float, participants: int, min_cont
                      beta=beta, tau=tau)
 
 
+def bounded_params(clip: float, participants: int, dim: int, modulus_bits: int,
+                   beta: float = math.exp(-0.5)) -> DDGParams:
+    """Central DP under secure aggregation: the encoding of :func:`ddg_params` without
+    noise shares, with the clip scaled so that a decoded contribution has norm at most
+    ``clip``, rounding included.
+
+    A client clips to ``clip * scale / delta2``, scales by ``1 / gamma`` (``gamma =
+    clip / delta2``: norm ``scale``), and rounds conditionally (norm ``<= delta2``):
+    decoded, ``gamma * delta2 = clip``. The root's noise, ``z * clip``, is then calibrated
+    to what is really summed; a plain stochastic rounding onto a grid (the secure path
+    without DP) could move each coordinate by a grid step, far beyond the clip for a
+    large model."""
+    if not clip > 0:
+        raise ConfigError(f"clip must be > 0, got {clip}")
+    if dim < 1 or participants < 1:
+        raise ConfigError(f"need participants >= 1 and dimension >= 1, got {participants} and {dim}")
+    scale = _finest_scale(participants, dim, modulus_bits, beta, 0.0)
+    delta2 = _delta2(scale, dim, beta)
+    return DDGParams(clip=clip * scale / delta2, gamma=clip / delta2, delta2=delta2, sigma=0.0, share_sigma=0.0,
+                     participants=participants, min_contributors=1, modulus_bits=modulus_bits, beta=beta, tau=0.0)
+
+
 def ddg_encode(x: np.ndarray, p: DDGParams, rng: np.random.Generator, max_tries: int = 1000) -> np.ndarray:
     """A client's field vector: clip ``x`` to ``p.clip``, scale by ``1 / gamma``, round
     conditionally (norm <= delta2), add its noise share (clamped at
-    NOISE_SHARE_BOUND sigmas), reduce modulo 2^modulus_bits. Unsigned words."""
+    NOISE_SHARE_BOUND sigmas; none with :func:`bounded_params`), reduce modulo
+    2^modulus_bits. Unsigned words."""
     x = np.asarray(x).reshape(-1)
     n = math.sqrt(squared_norm(x))
     factor = (min(1.0, p.clip / n) if n > 0 else 1.0) / p.gamma
@@ -279,7 +333,7 @@ def ddg_encode(x: np.ndarray, p: DDGParams, rng: np.random.Generator, max_tries:
     out = np.empty(size, np.uint32 if p.modulus_bits <= 32 else np.uint64)
     mask = (1 << p.modulus_bits) - 1
     limit = float(int(NOISE_SHARE_BOUND * p.share_sigma))
-    noise = _DiscreteGaussian(p.share_sigma)
+    noise = _DiscreteGaussian(p.share_sigma) if p.share_sigma > 0 else None
     b = min(_BLOCK, size)
     y, r, e, w = np.empty(b), np.empty(b), np.empty(b), np.empty(b, np.int64)
     bound2 = p.delta2 ** 2
@@ -301,9 +355,10 @@ def ddg_encode(x: np.ndarray, p: DDGParams, rng: np.random.Generator, max_tries:
             total += squared_norm(rs)
             if total > bound2:
                 break
-            noise.fill(es, rng)
-            np.clip(es, -limit, limit, out=es)
-            rs += es  # integers below 2^53: exact in float64
+            if noise is not None:
+                noise.fill(es, rng)
+                np.clip(es, -limit, limit, out=es)
+                rs += es  # integers below 2^53: exact in float64
             np.copyto(ws, rs, casting="unsafe")
             np.bitwise_and(ws, mask, out=ws)
             out[i:j] = ws
@@ -321,49 +376,6 @@ def ddg_decode(total: np.ndarray, p: DDGParams) -> np.ndarray:
     return signed.astype(np.float64) * p.gamma
 
 
-# ------------------------------------------------------------------------------ accounting
-
-
-def _round_event(noise_multiplier: float, sampling_rate: float):  # -> dp_accounting.DpEvent
-    import dp_accounting
-
-    return dp_accounting.PoissonSampledDpEvent(sampling_rate, dp_accounting.GaussianDpEvent(noise_multiplier))
-
-
-def epsilon_spent(noise_multiplier: float, sampling_rate: float, rounds: int, delta: float) -> float:
-    """ε after ``rounds`` Poisson-subsampled Gaussian rounds (dp_accounting, RDP)."""
-    if rounds <= 0:
-        return 0.0
-    import dp_accounting
-    from dp_accounting.rdp import RdpAccountant
-
-    acc = RdpAccountant()
-    acc.compose(dp_accounting.SelfComposedDpEvent(_round_event(noise_multiplier, sampling_rate), rounds))
-    return float(acc.get_epsilon(delta))
-
-
-def noise_multiplier_for(epsilon: float, delta: float, sampling_rate: float, rounds: int) -> float:
-    """The smallest noise multiplier whose ``rounds`` rounds spend at most ``epsilon``
-    (dp_accounting's calibration over its RDP accountant)."""
-    problems = []
-    if not epsilon > 0:
-        problems.append(f"target epsilon must be > 0, got {epsilon}")
-    if not 0 < delta < 1:
-        problems.append(f"delta must be in (0, 1), got {delta}")
-    if not 0 < sampling_rate <= 1:
-        problems.append(f"sampling rate must be in (0, 1], got {sampling_rate}")
-    if rounds < 1:
-        problems.append(f"rounds must be >= 1, got {rounds}")
-    if problems:
-        raise ConfigError(problems)
-    import dp_accounting
-    from dp_accounting.rdp import RdpAccountant
-
-    return float(dp_accounting.calibrate_dp_mechanism(
-        RdpAccountant, lambda z: dp_accounting.SelfComposedDpEvent(_round_event(z, sampling_rate), rounds),
-        epsilon, delta))
-
-
 # ------------------------------------------------------------------------------ a run's plan
 
 
@@ -374,131 +386,17 @@ def min_contributors(participants: int, dropout_rate: float) -> int:
     return max(1, math.ceil(participants * (1.0 - dropout_rate)))
 
 
-def session_params(cfg: RunConfig, participants: int, dim: int) -> DDGParams:
-    """The distributed discrete Gaussian encoding of one secure session of ``cfg``'s run:
-    what its clients encode with and its tier decodes with (both know the session's
-    participants and the model's size)."""
-    if cfg.privacy.noise_multiplier is None:
+def session_params(cfg: RunConfig, participants: int, dim: int) -> DDGParams | None:
+    """How the clients of one secure session of ``cfg``'s run encode, and its tier decodes
+    (both know the session's participants and the model's size), when DP is on: the
+    distributed discrete Gaussian (distributed DP) or the bounded rounding of
+    :func:`bounded_params` (central DP). None without DP."""
+    p, sa = cfg.privacy, cfg.secure_aggregation
+    if not p.enabled:
+        return None
+    if p.mode == "central":
+        return bounded_params(cast(float, cfg.clip_norm), participants, dim, sa.modulus_bits)
+    if p.noise_multiplier is None:
         raise ConfigError("distributed DP needs the run's noise multiplier; the root resolves it at start")
-    sa = cfg.secure_aggregation
-    return ddg_params(cast(float, cfg.clip_norm), cfg.privacy.noise_multiplier, participants,
+    return ddg_params(cast(float, cfg.clip_norm), p.noise_multiplier, participants,
                       min_contributors(participants, sa.dropout_rate), dim, sa.modulus_bits)
-
-
-@dataclass
-class PrivacyLedger:
-    """One run's privacy: its mechanism, its current clip norm, and what it has spent.
-
-    The root and the simulator keep one each and call it around every round attempt:
-    ``check_next`` (refuses a round that would exceed the target), ``round_config`` (the
-    round's config: the resolved noise multiplier and the current clip norm),
-    ``noise_stddev`` (what the root adds, central DP), ``charge`` (after an attempt that
-    opened: every opened round counts, retried or not), ``adapt`` (adaptive clipping,
-    after a completed round). Epsilon is always the accountant's, never a running sum.
-    """
-
-    mode: str
-    noise_multiplier: float  # z of the whole round's Gaussian mechanism (what is accounted)
-    update_noise_multiplier: float  # z for the updates (z unless adaptive clipping spends some on the count)
-    sampling_rate: float
-    delta: float
-    target_epsilon: float | None
-    clip_norm: float
-    count_stddev: float | None = None  # adaptive clipping's noise on the clipped count
-    rounds: int = 0  # round attempts charged
-    epsilon: float = 0.0
-    # The accountant's last answer, (rounds, epsilon): check_next and charge ask for the same one.
-    _last: tuple[int, float] | None = field(default=None, repr=False, compare=False)
-
-    @classmethod
-    def plan(cls, cfg: RunConfig, population: int | None = None) -> PrivacyLedger | None:
-        """The ledger of a run (None when privacy is off). Derives the noise multiplier from
-        the target epsilon for ``cfg.rounds`` rounds; refuses a run whose given noise cannot
-        meet its target.
-
-        The sampling rate, unless the config states it, is the share of the population a
-        round selects, ``ceil(target x over_selection) / population``: every selected
-        client's update can reach the sum (under secure aggregation all of them do; in a
-        plain round the first ``target`` to arrive, which for a fast device is nearly
-        certain once selected), so ``target / population`` would understate a device's
-        chance of being in a round by the over-selection factor."""
-        p = cfg.privacy
-        if not p.enabled:
-            return None
-        q = p.sampling_rate
-        if q is None:
-            if population is None:
-                raise ConfigError("privacy.sampling_rate is needed for accounting: the share of the population "
-                                  "selected per round (ceil(cohort.target x cohort.over_selection) / population)")
-            q = min(1.0, math.ceil(cfg.cohort.target * cfg.cohort.over_selection) / population)
-        if p.noise_multiplier is not None:
-            z = p.noise_multiplier
-            if p.target_epsilon is not None:
-                planned = epsilon_spent(z, q, cfg.rounds, p.delta)
-                if planned > p.target_epsilon * (1 + 1e-9):
-                    raise ConfigError(f"privacy: noise multiplier {z} over {cfg.rounds} rounds at sampling rate "
-                                      f"{q:.4g} spends epsilon {planned:.3f} > target {p.target_epsilon}; raise "
-                                      f"the noise multiplier to {noise_multiplier_for(p.target_epsilon, p.delta, q, cfg.rounds):.4g}, "
-                                      "or plan fewer rounds")
-        else:
-            z = noise_multiplier_for(cast(float, p.target_epsilon), p.delta, q, cfg.rounds)
-        z_update, count_stddev = z, None
-        if p.adaptive is not None:
-            count_stddev = p.adaptive.count_stddev or cfg.cohort.target / 20.0
-            z_update = update_noise_multiplier(z, count_stddev)
-        return cls(mode=p.mode, noise_multiplier=z, update_noise_multiplier=z_update, sampling_rate=q,
-                   delta=p.delta, target_epsilon=p.target_epsilon, clip_norm=p.clip_norm, count_stddev=count_stddev)
-
-    def epsilon_after(self, rounds: int) -> float:
-        """Epsilon after ``rounds`` charged rounds (the accountant's)."""
-        if self._last is not None and self._last[0] == rounds:
-            return self._last[1]
-        eps = epsilon_spent(self.noise_multiplier, self.sampling_rate, rounds, self.delta)
-        self._last = (rounds, eps)
-        return eps
-
-    def check_next(self) -> None:
-        """Raise PrivacyBudgetExceeded if one more round would spend more than the target."""
-        from orchard.errors import PrivacyBudgetExceeded
-
-        if self.target_epsilon is None:
-            return
-        nxt = self.epsilon_after(self.rounds + 1)
-        if nxt > self.target_epsilon * (1 + 1e-9):
-            raise PrivacyBudgetExceeded(f"round {self.rounds + 1} would bring epsilon to {nxt:.3f} > the target "
-                                        f"{self.target_epsilon} (delta {self.delta}); the run stops here")
-
-    def round_config(self, cfg: RunConfig) -> RunConfig:
-        """``cfg`` for the next round: the resolved noise multiplier (updates' share) and
-        the current clip norm, which tiers and clients read from the round's config."""
-        privacy = cfg.privacy.model_copy(update={"noise_multiplier": self.update_noise_multiplier,
-                                                 "clip_norm": self.clip_norm})
-        return cfg.model_copy(update={"privacy": privacy})
-
-    @property
-    def noise_stddev(self) -> float:
-        """The Gaussian noise the root adds to a round's sum: central DP only."""
-        return self.update_noise_multiplier * self.clip_norm if self.mode == "central" else 0.0
-
-    def charge(self) -> dict[str, float]:
-        """Account one more round attempt; what the round's record says of its privacy:
-        the epsilon spent so far, delta, the clip norm it ran with, the noise multiplier."""
-        clip_norm = self.clip_norm
-        self.rounds += 1
-        self.epsilon = self.epsilon_after(self.rounds)
-        return {"epsilon": round(self.epsilon, 6), "delta": self.delta, "clip_norm": clip_norm,
-                "noise_multiplier": self.noise_multiplier}
-
-    def adapt(self, below_fraction: float | None, clients: int, target_quantile: float, learning_rate: float,
-              rng: np.random.Generator) -> None:
-        """Adaptive clipping after a completed round: the count of clients within the norm
-        is noised with ``count_stddev`` (its share of the budget) before it steers."""
-        if self.count_stddev is None or below_fraction is None or clients <= 0:
-            return
-        noisy = (below_fraction * clients + rng.normal(0.0, self.count_stddev)) / clients
-        self.clip_norm = adapt_clip(self.clip_norm, noisy, target_quantile, learning_rate)
-
-    def as_dict(self) -> dict[str, object]:
-        return {"mode": self.mode, "epsilon": round(self.epsilon, 6), "delta": self.delta,
-                "target_epsilon": self.target_epsilon, "noise_multiplier": self.noise_multiplier,
-                "sampling_rate": self.sampling_rate, "clip_norm": self.clip_norm, "rounds_charged": self.rounds}

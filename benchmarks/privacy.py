@@ -5,14 +5,15 @@ client), a 10,000-device population, 100 clients per round, uniform weighting, t
 rounds for every case. No over-selection by default (``--over-selection``): a plain round
 folds its first ``target`` arrivals but a secure cohort sums every masked input, so with
 over-selection the secure and distributed cases would sum more clients than the plain
-and central ones, and the comparison would measure cohort size, not DP. The sampling
-rate the accountant uses is ``ceil(target × over_selection) / population``. Cases, all
-in one invocation:
+and central ones, and the comparison would measure cohort size, not DP. The accountant claims no
+amplification by sampling: every round is charged as if every device took part, under
+replace-one adjacency (``orchard.aggregation.accounting``). Cases, all in one
+invocation:
 
 - **non-private**: the baseline every accuracy is compared with (epsilon = infinity);
 - **central DP** at each target epsilon (delta 1e-5 over the run): clipping at the
   lowest tier, Gaussian noise at the root, the noise multiplier from dp-accounting's RDP
-  accountant at sampling rate 100 / 10,000;
+  accountant;
 - **secure aggregation, no DP**, and **distributed DP** at each target epsilon: SecAgg+
   with each client's share of discrete Gaussian noise (the cost of DP is read against
   the secure run: same transport). ``--scope tree`` (the default) runs one session per

@@ -32,6 +32,7 @@ from orchard.errors import SecAggAbort
 from orchard.identity import NodeIdentity
 from orchard.link import FleetLink
 from orchard.messages import TaskAssignment, UploadHeader
+from orchard.randomness import os_random
 from orchard.secure_agg import ClientPolicy, SecAggClient, SessionIdentity, Stage, decode, quantize
 from orchard.secure_agg.stages import stage_of
 from orchard.updates import split
@@ -40,15 +41,18 @@ from orchard.updates import split
 def masked_vector(cfg: RunConfig, codec: Codec, t: TaskAssignment, header: UploadHeader, payload: bytes,
                   rng: np.random.Generator, participants: int = 0) -> np.ndarray:
     """The field vector a client masks: its weighted, scaled, quantised update values; with
-    distributed DP, its clipped update in the session's discrete Gaussian encoding with
-    its share of the noise (``aggregation.privacy.ddg_encode``; ``rng`` must then be
-    unpredictable to everyone else)."""
+    DP, its decoded update values clipped and rounded so that what the tier sums is
+    bounded by the clip norm (after the codec, error feedback's residual included):
+    central DP, :func:`~orchard.aggregation.privacy.bounded_params`; distributed DP, the
+    discrete Gaussian encoding with the client's share of the noise (``rng`` must then
+    be unpredictable to everyone else)."""
     shapes = {s.name: tuple(s.shape) for s in t.schema}
     parts = dict(zip(shapes, split(payload, header.payload_sizes), strict=True))
     values = decode_update(codec, parts, shapes, num_summands=1, shared_seed=t.shared_seed)
     flat = np.concatenate([np.asarray(values[k], np.float64).ravel() for k in shapes])
-    if cfg.privacy.mode == "distributed":
-        return ddg_encode(flat, session_params(cfg, participants, flat.size), rng)
+    params = session_params(cfg, participants, flat.size)
+    if params is not None:  # DP: what the tier sums must be bounded by the clip, codec and rounding included
+        return ddg_encode(flat, params, rng)
     sa = cfg.secure_aggregation
     return quantize(flat * prescale_factor(header.weight, sa.weight_scale), sa.clip, sa.bits, rng)
 
@@ -101,13 +105,17 @@ def masked_input(cfg: RunConfig, codec: Codec, t: TaskAssignment, header: Upload
                  seed: int, participants: int = 0, noise_rng: np.random.Generator | None = None,
                  reproducible: bool = False) -> tuple[UploadHeader, np.ndarray]:
     """What a client posts at the masked-input stage for an update trained with ``seed``:
-    its header (in the clear) and its field vector. Rounding (and, with distributed DP,
-    the noise) draw from ``noise_rng``, by default :func:`os_generator`: nobody else may
-    replay a client's noise or rounding. ``reproducible``: round with a stream derived from
-    ``seed`` instead (a simulation, or a test comparing a federation with one)."""
+    its header (in the clear) and its field vector. Rounding and, with distributed DP, the
+    noise draw from ``noise_rng``; by default the noise from the operating system's CSPRNG
+    (:func:`orchard.randomness.os_random`) and the rounding from :func:`os_generator`:
+    nobody else may replay or predict a client's noise or rounding. ``reproducible``
+    (without distributed DP): round with a stream derived from ``seed`` instead (a
+    simulation, or a test comparing a federation with one)."""
     if noise_rng is not None:
         rng = noise_rng
-    elif reproducible and cfg.privacy.mode != "distributed":
+    elif cfg.privacy.mode == "distributed":
+        rng = os_random()
+    elif reproducible:
         rng = np.random.default_rng([seed, 0x5EC])
     else:
         rng = os_generator()

@@ -148,9 +148,14 @@ def deltas_of(t: TaskAssignment, global_arrays: NDArrays, results: Sequence[Trai
 def upload_header(t: TaskAssignment, cfg: RunConfig, node_id: str, payload: bytes, sizes: tuple[int, ...],
                   result: TrainResult, weight: float) -> UploadHeader:
     """A client update's header: its payload's sizes and hash, its weight, and the
-    result's counts and metrics (weighted by its examples)."""
+    result's counts and metrics (weighted by its examples). Under DP the header carries
+    no count and no metric: it travels in the clear to tiers (untrusted under
+    distributed DP) and nothing noises it."""
     metric_w = float(max(result.num_examples, 1))
     metrics = {k: float(v) for k, v in result.metrics.items() if math.isfinite(v)}
+    if cfg.privacy.enabled:
+        metrics = {}
+        result = dataclasses.replace(result, num_examples=0, num_steps=0)
     return UploadHeader(
         node_id=node_id, run_id=t.run_id, round=t.round, attempt=t.attempt, task_id=t.task_id,
         kind=UploadKind.CLIENT_UPDATE, schema=t.schema, payload_sizes=sizes, codec=cfg.codec.name,

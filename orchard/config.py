@@ -184,16 +184,26 @@ class AdaptiveClipConfig(_Strict):
 
 
 class PrivacyConfig(_Strict):
-    """``[run.privacy]``: user-level differential privacy (``orchard.aggregation.privacy``).
+    """``[run.privacy]``: device-level differential privacy (``orchard.aggregation.privacy``,
+    docs/privacy.md says exactly what holds).
 
-    ``mode``: "off"; "central" (the root is trusted: updates are clipped where they are
-    seen -- at the lowest tier, or on the client under secure aggregation -- and the root
-    adds Gaussian noise); "distributed" (no tier is trusted: under secure aggregation
-    each client clips and adds its share of discrete Gaussian noise, so every cohort sum
-    a tier learns is already private). The noise multiplier comes from ``target_epsilon``
-    (at ``delta``, over the planned rounds, at ``sampling_rate`` = clients selected per
-    round / population, ``ceil(cohort.target x cohort.over_selection) / population`` by
-    default; the simulator knows its population) or is given as ``noise_multiplier``.
+    ``mode``: "off"; "central" (the root and every tier that sees updates or cohort sums
+    are trusted: updates are clipped where they are seen -- at the lowest tier, or on the
+    client under secure aggregation -- and the root adds Gaussian noise); "distributed"
+    (no tier is trusted: under secure aggregation each client clips and adds its share of
+    discrete Gaussian noise, so every cohort sum a tier learns is already private). The
+    noise multiplier comes from ``target_epsilon`` (at ``delta``, over the planned rounds,
+    every round accounted as if every device took part: no amplification by sampling) or
+    is given as ``noise_multiplier``.
+
+    ``adjacency``: which datasets the guarantee tells apart. "replace_one": one device's
+    data replaced by any other (a round's sum moves by at most 2 clip norms; which
+    devices take part, and how many, is public). "add_remove" is refused: the number of
+    contributions is the divisor of every round's mean and decides retries, so it would
+    have to be noised too. ``population``: how many devices the run may touch (the
+    simulator knows it); ``delta`` must be at most ``1 / population``.
+    ``sampling_rate`` is refused: it claimed amplification by Poisson sampling, which
+    Orchard's selection does not perform.
     """
 
     mode: Literal["off", "central", "distributed"] = "off"
@@ -201,12 +211,36 @@ class PrivacyConfig(_Strict):
     delta: float = Field(1e-5, gt=0.0, lt=1.0)
     noise_multiplier: float | None = Field(None, gt=0.0)
     clip_norm: float = Field(1.0, gt=0.0)
+    adjacency: Literal["replace_one", "add_remove"] = "replace_one"
+    population: int | None = Field(None, ge=1)
+    # The population ledger a gRPC root charges every round of this run to, before it
+    # opens: runs on the same devices name the same ledger, and together may spend at
+    # most lifetime_epsilon (None: no lifetime budget, but the charges are still kept).
+    population_ledger: str = Field("default", min_length=1, max_length=200)
+    lifetime_epsilon: float | None = Field(None, gt=0.0)
     sampling_rate: float | None = Field(None, gt=0.0, le=1.0)
     adaptive: AdaptiveClipConfig | None = None
 
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
+
+    def problems(self) -> list[str]:
+        """What this table claims that Orchard does not deliver, with what to change."""
+        out = []
+        if self.sampling_rate is not None:
+            out.append("privacy.sampling_rate claims amplification by Poisson sampling, which Orchard's selection does "
+                       "not perform (the root takes a fixed number among the devices live and eligible when a round "
+                       "opens, late joiners first come, first served; the simulator, devices online at the hour): "
+                       "remove it; every round is accounted as if every device took part")
+        if self.enabled and self.adjacency == "add_remove":
+            out.append("privacy.adjacency 'add_remove' is not supported: the number of contributions to a round is "
+                       "its mean's divisor, is recorded and decides retries, so adding or removing a device changes "
+                       "it un-noised; use 'replace_one' (the default)")
+        if self.enabled and self.population is not None and self.delta > 1.0 / self.population:
+            out.append(f"privacy.delta = {self.delta:g} is above 1 / population = {1.0 / self.population:.3g}: "
+                       f"lower it to at most {1.0 / self.population:.3g}")
+        return out
 
 
 class RobustConfig(_Strict):
@@ -301,7 +335,7 @@ class RunConfig(_Strict):
     def _stack_problems(self) -> list[str]:
         """Privacy and robustness settings that cannot work together, with what would."""
         p, r, secure = self.privacy, self.robust, self.secure_aggregation.enabled
-        out = []
+        out = p.problems()
         if p.enabled and self.cohort.weighting != Weighting.UNIFORM:
             out.append(f"privacy.mode {p.mode!r} needs cohort.weighting = 'uniform' (each client's contribution "
                        f"must be bounded by the clip norm); got {self.cohort.weighting.value!r}")

@@ -118,7 +118,7 @@ def run_demo(spec: DemoSpec, console: Console | None = None) -> dict[str, Any]:
         cfg = RunConfig.model_validate({
             **cfg.model_dump(), "cohort": {**cfg.cohort.model_dump(), "weighting": "uniform"},
             "privacy": {"mode": "distributed" if spec.secure_aggregation else "central",
-                        "target_epsilon": spec.dp_epsilon, "sampling_rate": 1.0},
+                        "target_epsilon": spec.dp_epsilon, "population": spec.clients},
             # Distributed DP: one secure session over the whole tree, so one noise (sized
             # for every client of the round) serves the round instead of one per aggregator.
             "secure_aggregation": {**cfg.secure_aggregation.model_dump(),

@@ -132,8 +132,11 @@ async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int
                      metrics_port: int | None = None, start_grace_s: float = 5.0, seed: int | None = None,
                      base_model: str | Path | None = None, dashboard_port: int | None = None,
                      noise_rng: np.random.Generator | None = None) -> TierHandle:
-    """The root. ``noise_rng``: where central DP noise comes from; None (every real root)
-    is OS entropy. Tests that hold a root to a seeded simulation pass the simulator's."""
+    """The root. ``noise_rng``: where central DP noise (and adaptive clipping's) comes
+    from; None (every real root) is the operating system's CSPRNG (``os.urandom``)
+    through ``orchard.randomness.SecureGenerator``. Tests that hold a root to a seeded
+    simulation pass the simulator's."""
+    from orchard.randomness import os_random
     from orchard.server.control import ControlServicer
     from orchard.server.root import RootRunner, warm_up
 
@@ -143,7 +146,8 @@ async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int
     private_dir(data_dir)
     cfg = (server_cfg or ServerConfig()).model_copy(update={"host": host, "port": port})
     store = SQLiteStore(data_dir / "orchard.db")
-    coord = Coordinator("root", cfg, np.random.default_rng(seed), ClientUpdateDecoder(), noise_rng=noise_rng)
+    coord = Coordinator("root", cfg, np.random.default_rng(seed), ClientUpdateDecoder(),
+                        noise_rng=noise_rng if noise_rng is not None else os_random())
     runner = RootRunner(coord, store, data_dir, cfg, start_grace_s=start_grace_s, base_model=base_model)
     auth: Authenticator
     creds = None

@@ -25,6 +25,7 @@ import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import cast
 
 import numpy as np
 
@@ -172,7 +173,7 @@ def tier_aggregator(task: RoundTask, noise_rng: np.random.Generator | None = Non
     if task.noise_stddev > 0:
         if noise_rng is None:
             raise ConfigError("a round with DP noise needs a noise generator")
-        agg = noise(task.noise_stddev, agg, noise_rng)
+        agg = noise(task.noise_stddev, agg, noise_rng, cast(float, cfg.clip_norm))  # DP on: a clip norm is set
     return agg
 
 

@@ -25,13 +25,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from orchard import wire
-from orchard.aggregation.privacy import PrivacyLedger
+from orchard.aggregation.ledger import PrivacyLedger
 from orchard.aggregation.server_opt import ServerOptimizer
 from orchard.aggregation.staleness import merge_histograms
 from orchard.config import RunConfig, ServerConfig, ServerOptimizerConfig, base_model_dir
 from orchard.errors import ConfigError, RoundClosedError, StoreError, UpdateSchemaError
 from orchard.files import atomic_write
 from orchard.server.buffer import BufferState
+from orchard.server.charges import Charge, ChargeLog, SQLiteChargeLog
 from orchard.server.coordinator import Coordinator
 from orchard.server.round import RoundRecord, RoundStatus, root_task
 from orchard.server.runloop import Played, RoundPlan, RunState, run_rounds, updates_needed
@@ -70,6 +71,8 @@ class RootRunner:
         self.base_model = str(base_model_dir(base_model)) if base_model is not None else None
         self.store = store
         self.data_dir = data_dir
+        # Every privacy charge, by population, durable before the round it pays for opens.
+        self.charges: ChargeLog = SQLiteChargeLog(data_dir / "privacy-ledger.db")
         self.server_cfg = server_cfg
         self.start_grace_s = start_grace_s
         self.run: ActiveRun | None = None
@@ -113,11 +116,11 @@ class RootRunner:
         """The ledger of a resumed run: the same plan, every attempt already opened charged
         (interrupted ones too: their cohort sums may have been released), and the clip norm
         the last completed round left."""
-        ledger = PrivacyLedger.plan(cfg)
+        ledger = PrivacyLedger.plan(cfg, prior=self._prior(cfg, run_id))
         if ledger is None:
             return None
         rounds = self.store.rounds(run_id)
-        ledger.rounds = len(rounds)
+        ledger.rounds = max(len(rounds), self.charges.run_rounds(run_id))
         ledger.epsilon = ledger.epsilon_after(ledger.rounds)
         done = [r for r in rounds if r.get("status") == "completed" and r.get("privacy")]
         if done:
@@ -183,7 +186,8 @@ class RootRunner:
                 raise UpdateSchemaError(f"initial tensor {k!r} is {v.dtype}; the global model must be float32")
             if not np.isfinite(v).all():
                 raise UpdateSchemaError(f"initial tensor {k!r} holds NaN or Inf")
-        privacy = PrivacyLedger.plan(config)  # refuses a run whose noise cannot meet its target
+        # Refuses a run whose noise cannot meet its target, or its population's lifetime budget.
+        privacy = PrivacyLedger.plan(config, prior=self._prior(config))
         run_id = time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         config_json = config.model_dump_json()
         self.store.create_run(run_id, config_json)
@@ -276,6 +280,17 @@ class RootRunner:
 
     def offload(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
         return asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    def _prior(self, cfg: RunConfig, run_id: str = "") -> tuple[tuple[float, int], ...]:
+        """Earlier runs' charges on this run's population (none without DP)."""
+        p = cfg.privacy
+        return self.charges.prior(p.population_ledger, p.adjacency, run_id) if p.enabled else ()
+
+    def charged(self, state: RunState, plan: RoundPlan) -> None:
+        ledger = state.privacy
+        assert ledger is not None
+        self.charges.record(Charge(state.config.privacy.population_ledger, state.run_id, plan.round, plan.attempt,
+                                   ledger.noise_multiplier, ledger.adjacency))
 
     def first_attempt(self, state: RunState, rnd: int) -> int:
         return self.store.attempts(state.run_id, rnd)  # > 0 after a restart mid-round

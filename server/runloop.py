@@ -12,8 +12,9 @@ cannot drift apart::
     for each round r, attempt a (retried up to cohort.max_retries times):
         plan      the ledger checks the budget (PrivacyBudgetExceeded ends the run) and
                   gives the round its config (clip norm, noise multiplier) and noise
+        charge    the ledger charges the attempt, and the sink records the charge,
+                  before it opens (its sums may leave the tiers)
         play      the backend opens the round and returns its outcome
-        charge    the ledger charges every attempt that opened (its sums left the tiers)
         judge     enough(outcome): at least ceil(buffer_target x min_fraction) updates
                   with a positive weight, else the attempt fails and the model stays
         step      server_step (finalize, FedNova rescale, server optimizer)
@@ -36,7 +37,7 @@ import numpy as np
 
 from orchard.aggregation import server_step
 from orchard.aggregation.layer import CLIP_BELOW
-from orchard.aggregation.privacy import PrivacyLedger
+from orchard.aggregation.ledger import PrivacyLedger
 from orchard.aggregation.server_opt import ServerOptimizer
 from orchard.config import RunConfig
 from orchard.errors import PrivacyBudgetExceeded
@@ -113,6 +114,11 @@ class RoundBackend(Protocol):
 class RunSink(Protocol):
     """Where a run's records go."""
 
+    def charged(self, state: RunState, plan: RoundPlan) -> None:
+        """The ledger charged ``plan``'s attempt (DP on); called before the attempt opens.
+        A root makes it durable in its population ledger before returning."""
+        ...
+
     def first_attempt(self, state: RunState, rnd: int) -> int:
         """The attempt ``rnd`` starts at (a restarted root counts the attempts it made)."""
         ...
@@ -165,19 +171,31 @@ def _plan(state: RunState, rnd: int, attempt: int) -> RoundPlan:
 async def _attempt(state: RunState, backend: RoundBackend, sink: RunSink, rnd: int, attempt: int,
                    adapt_rng: np.random.Generator | None) -> bool:
     plan = _plan(state, rnd, attempt)
+    ledger = state.privacy
+    charge = None
+    if ledger is not None:
+        # Charged before the attempt opens, durably where the sink keeps charges: an
+        # attempt whose wait raises, or a root killed mid-round, has paid for whatever its
+        # tiers released. (One stopped before it opened is charged too: conservative.)
+        charge = ledger.charge()
+        sink.charged(state, plan)
     played = await backend.play(state, plan)
     if played is None:
         return False
-    out, cfg, ledger = played.outcome, state.config, state.privacy
+    out, cfg = played.outcome, state.config
     privacy = None
-    if ledger is not None:  # every attempt that opened: its cohort sums may have left the tiers
-        privacy = {**ledger.charge(),
-                   **{k: v for k, v in out.measurements.items() if k in ("clipped", "noise_stddev")}}
+    if charge is not None:
+        # Nothing measured from the clients' data is released un-noised: not how many were
+        # clipped, not the cohort's metric means (clip_below, train loss, ...), which no
+        # noise covers; adaptive clipping reads clip_below here and noises it (ledger.adapt).
+        privacy = {**charge, "noise_stddev": out.measurements.get("noise_stddev", 0.0)}
     if not enough(out, cfg):
         stopped = state.stop_requested
         record = RoundRecord.from_outcome(out, RoundStatus.STOPPED if stopped else RoundStatus.FAILED)
         record.simulated = played.simulated
         record.privacy = privacy
+        if ledger is not None:
+            record.metrics = {}
         if not stopped:
             record.reason = (f"{out.partial.count} of the {updates_needed(cfg)} updates needed arrived "
                              f"({out.reason}); global model unchanged, round retried")
@@ -194,6 +212,7 @@ async def _attempt(state: RunState, backend: RoundBackend, sink: RunSink, rnd: i
                          adaptive.learning_rate, adapt_rng)
         privacy["next_clip_norm"] = ledger.clip_norm
         record.privacy = privacy
+        record.metrics = {}
     await sink.completed(state, plan, record, played, new_arrays)
     state.arrays, state.completed_rounds = new_arrays, rnd
     return True

@@ -50,7 +50,7 @@ from typing import Protocol
 import numpy as np
 
 from orchard.aggregation import MetricSums, Partial
-from orchard.aggregation.privacy import ddg_decode, session_params
+from orchard.aggregation.privacy import DDGParams, ddg_decode, session_params
 from orchard.config import RunConfig, SecureAggregationConfig
 from orchard.errors import SecAggAbort, SecAggError, UpdateSchemaError
 from orchard.messages import UploadHeader
@@ -163,12 +163,13 @@ def flat_to_sums(flat: np.ndarray, schema: tuple[TensorSpec, ...]) -> dict[str, 
 class SecureCohort:
     """One SecAgg+ session over a tier's selected direct clients, for one round.
 
-    With distributed DP (``run.privacy.mode = "distributed"``) the clients' field vectors
-    are their clipped updates in the discrete Gaussian encoding of
-    ``aggregation.privacy.session_params``, each with its share of the noise: the sum is
-    decoded with the same parameters, released only when at least ``min_contributors``
-    clients contributed (fewer would carry less than the target noise), and weighted by
-    the number of contributors (every weight is 1)."""
+    With DP on, the clients' field vectors are their clipped, conditionally rounded
+    updates in the encoding of ``aggregation.privacy.session_params`` (each decoded
+    contribution within the clip norm under central DP; with its share of the noise
+    under distributed DP): the sum is decoded with the same parameters, weighted by the
+    number of contributors (every weight is 1), and under distributed DP released only
+    when at least ``min_contributors`` clients contributed (fewer would carry less than
+    the target noise)."""
 
     cfg: SecureAggregationConfig
     run: RunConfig
@@ -193,7 +194,7 @@ class SecureCohort:
     def __post_init__(self) -> None:
         n = len(self.participants)
         d = sum(s.numel for s in self.schema)
-        self.ddg = session_params(self.run, n, d) if self.run.privacy.mode == "distributed" else None
+        self.ddg = session_params(self.run, n, d)  # with DP: the clients' bounded encoding
         if self.ddg is None:
             check_headroom(n, self.cfg.bits, self.cfg.modulus_bits)
         params = parameters_from_config(self.cfg, n)
@@ -276,12 +277,12 @@ class SecureCohort:
         for node in res.contributors:
             h = self.headers[node]
             metrics.merge(MetricSums(dict(h.metric_sums), dict(h.metric_weights)))
+        if self.ddg is not None and n < self.ddg.min_contributors:
+            raise SecAggAbort(f"{n} of {len(self.participants)} clients contributed; distributed DP releases a "
+                              f"cohort sum only with at least {self.ddg.min_contributors} (their noise shares "
+                              "would fall short of the target)")
+        total = decode_total(self.run, res.total, n, self.ddg)
         if self.ddg is not None:
-            if n < self.ddg.min_contributors:
-                raise SecAggAbort(f"{n} of {len(self.participants)} clients contributed; distributed DP releases a "
-                                  f"cohort sum only with at least {self.ddg.min_contributors} (their noise shares "
-                                  "would fall short of the target)")
-            total = ddg_decode(res.total, self.ddg)
             return Partial(sums=flat_to_sums(total, self.schema), weight=float(n), count=n, metrics=metrics)
         if res.offenders:
             log.warning("round %d: shares of %s disagreed with the other holders' and were discarded",
@@ -291,7 +292,6 @@ class SecureCohort:
             raise SecAggAbort(f"the unmasked sum exceeds {bound}, the most {n} quantised inputs below 2^"
                               f"{self.cfg.bits} can add to: a client's input was out of range; no sum is released")
         w_scale = self.cfg.weight_scale
-        total = dequantize(res.total, self.cfg.clip, self.cfg.bits, n) * w_scale
         weight = 0.0
         for node in res.contributors:
             weight += min(self.headers[node].weight, w_scale)
@@ -300,6 +300,17 @@ class SecureCohort:
 
     def contributors(self) -> list[str]:
         return list(self.server.result().contributors)
+
+
+def decode_total(run: RunConfig, total: np.ndarray, contributors: int, params: DDGParams | None) -> np.ndarray:
+    """The float sum (float64) a tier folds from the field sum of ``contributors``
+    clients' vectors: with DP, decoded with the session's ``params``
+    (``aggregation.privacy.session_params``); without, dequantised and times
+    ``weight_scale``."""
+    if params is not None:
+        return ddg_decode(total, params)
+    sa = run.secure_aggregation
+    return np.asarray(dequantize(total, sa.clip, sa.bits, contributors) * sa.weight_scale, np.float64)
 
 
 def new_cohort(run: RunConfig, schema: tuple[TensorSpec, ...], participants: list[str],

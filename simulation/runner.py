@@ -13,7 +13,7 @@ import numpy as np
 
 from orchard import wire
 from orchard.aggregation import ServerOptimizer
-from orchard.aggregation.privacy import PrivacyLedger
+from orchard.aggregation.ledger import PrivacyLedger
 from orchard.errors import ConfigError
 from orchard.heap import keep_freed_memory
 from orchard.server.coordinator import run_inline
@@ -165,6 +165,10 @@ class _SimulatedRounds:
 
     async def offload(self, fn: Callable[..., Any], *args: Any) -> Any:
         return fn(*args)  # on this thread: the simulator's loop never waits
+
+    def charged(self, state: RunState, plan: RoundPlan) -> None:
+        """Simulated devices are this simulation's own: no earlier run touched them, and
+        the ledger in ``state`` holds every charge."""
 
     def first_attempt(self, state: RunState, rnd: int) -> int:
         return 0

@@ -13,21 +13,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from orchard.aggregation import Accumulator, MetricSums, Partial
+from orchard.aggregation.accounting import epsilon_spent, noise_multiplier_for
 from orchard.aggregation.layer import STATISTICS, Clip, WeightedSum, clip, noise, robust
+from orchard.aggregation.ledger import PrivacyLedger
 from orchard.aggregation.privacy import _BLOCK as privacy_block
 from orchard.aggregation.privacy import (
     NOISE_SHARE_BOUND,
     DDGParams,
-    PrivacyLedger,
     clip_l2,
     ddg_decode,
     ddg_encode,
     ddg_params,
     discrete_gaussian,
-    epsilon_spent,
     global_norm,
     min_contributors,
-    noise_multiplier_for,
 )
 from orchard.config import RunConfig
 from orchard.errors import ConfigError, PrivacyBudgetExceeded
@@ -90,7 +89,7 @@ def test_with_noise_off_the_layer_is_todays_sum_in_every_tree_shape(seed: int, n
     rng = np.random.default_rng(0)
 
     def layer_leaf(idx: list[int]) -> Partial:
-        agg = noise(0.0, clip(1e9, WeightedSum(SCHEMA)), rng)
+        agg = noise(0.0, clip(1e9, WeightedSum(SCHEMA)), rng, 1e9)
         state = agg.zero()
         for i in idx:
             state = agg.accumulate(state, ups[i], weights[i], MetricSums({"loss": 1.0}, {"loss": weights[i]}))
@@ -114,14 +113,22 @@ def test_with_noise_off_the_layer_is_todays_sum_in_every_tree_shape(seed: int, n
         assert got.sums[k].tobytes() == root_plain.partial.sums[k].tobytes()
 
 
-def test_noise_has_the_stated_stddev_and_is_added_once() -> None:
-    agg = noise(2.0, WeightedSum([TensorSpec("x", (200_000,), "float32")]), np.random.default_rng(1))
+@pytest.mark.parametrize("secure", [False, True])
+def test_noise_has_the_stated_stddev_and_is_added_once(secure: bool) -> None:
+    from orchard.randomness import os_random
+
+    rng = os_random() if secure else np.random.default_rng(1)
+    agg = noise(2.0, WeightedSum([TensorSpec("x", (200_000,), "float32")]), rng, 1.0)
     state = agg.zero()
-    state = agg.accumulate(state, {"x": np.ones(200_000, np.float32)}, 1.0)
+    state = agg.accumulate(state, {"x": np.full(200_000, 0.7, np.float32)}, 1.0)
     partial, m = agg.finalize(state)
-    residual = partial.sums["x"] - 1.0
+    residual = partial.sums["x"] - np.float32(0.7)
     assert abs(residual.mean()) < 0.02 and residual.std() == pytest.approx(2.0, rel=0.01)
     assert m["noise_stddev"] == 2.0
+    # Every released value is on the noise lattice, whatever the sum was: no low bits to read.
+    gamma = 1e-6 * 1.0 / np.sqrt(200_000)
+    on = partial.sums["x"] / gamma
+    assert np.abs(on - np.rint(on)).max() < 1e-3
 
 
 # ---------------------------------------------------------------------- robust statistics
@@ -313,15 +320,16 @@ def test_a_field_too_small_is_refused_with_what_to_do() -> None:
 # ---------------------------------------------------------------------- accounting
 
 
-@pytest.mark.parametrize(("z", "q", "rounds"), [(1.0, 0.01, 100), (0.7, 0.05, 30), (2.0, 1.0, 5)])
-def test_epsilon_is_the_accountant_librarys(z: float, q: float, rounds: int) -> None:
+@pytest.mark.parametrize(("z", "rounds", "adjacency"), [(1.0, 100, "replace_one"), (0.7, 30, "add_remove"),
+                                                      (2.0, 5, "replace_one")])
+def test_epsilon_is_the_accountant_librarys(z: float, rounds: int, adjacency: str) -> None:
     import dp_accounting
     from dp_accounting.rdp import RdpAccountant
 
     acc = RdpAccountant()
-    for _ in range(rounds):
-        acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)))
-    assert epsilon_spent(z, q, rounds, 1e-5) == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
+    for _ in range(rounds):  # sensitivity 2C under replace-one, C under add/remove
+        acc.compose(dp_accounting.GaussianDpEvent(z / (2.0 if adjacency == "replace_one" else 1.0)))
+    assert epsilon_spent(z, rounds, 1e-5, adjacency) == pytest.approx(acc.get_epsilon(1e-5), rel=1e-9)
 
 
 def _dp_config(**privacy: object) -> RunConfig:
@@ -332,10 +340,7 @@ def _dp_config(**privacy: object) -> RunConfig:
 def test_the_ledger_spends_exactly_its_target_and_stops_there() -> None:
     ledger = PrivacyLedger.plan(_dp_config(target_epsilon=4.0), population=10_000)
     assert ledger is not None
-    # 130 of 10,000 devices are selected per round (target 100, over-selection 1.3): any
-    # of them may be in the sum, so the accountant's sampling rate is 0.013, not 0.01.
-    assert ledger.sampling_rate == pytest.approx(0.013)
-    assert ledger.noise_multiplier == pytest.approx(noise_multiplier_for(4.0, 1e-5, 0.013, 20))
+    assert ledger.noise_multiplier == pytest.approx(noise_multiplier_for(4.0, 1e-5, 20))
     for _ in range(20):
         ledger.check_next()
         ledger.charge()
@@ -346,10 +351,10 @@ def test_the_ledger_spends_exactly_its_target_and_stops_there() -> None:
 
 
 def test_the_ledger_refuses_what_cannot_work() -> None:
-    with pytest.raises(ConfigError, match="sampling_rate"):
-        PrivacyLedger.plan(_dp_config(target_epsilon=4.0))  # no population, no sampling rate
+    with pytest.raises(ConfigError, match="privacy.population"):
+        PrivacyLedger.plan(_dp_config(target_epsilon=4.0))  # no population
     with pytest.raises(ConfigError, match="raise the noise multiplier"):
-        PrivacyLedger.plan(_dp_config(target_epsilon=1.0, noise_multiplier=0.3, sampling_rate=0.5))
+        PrivacyLedger.plan(_dp_config(target_epsilon=1.0, noise_multiplier=0.3, population=1000))
     assert PrivacyLedger.plan(RunConfig()) is None
 
 

@@ -131,7 +131,7 @@ def test_a_stale_update_needs_the_stage() -> None:
 
 def test_the_running_sum_is_read_through_clip_noise_and_stale_without_drawing_noise() -> None:
     ups = _updates(3, 3)
-    agg = noise(1.0, clip(10.0, stale("polynomial", WeightedSum(SCHEMA))), np.random.default_rng(0))
+    agg = noise(1.0, clip(10.0, stale("polynomial", WeightedSum(SCHEMA))), np.random.default_rng(0), 10.0)
     state = agg.zero()
     for i, u in enumerate(ups):
         state = agg.accumulate(state, u, 2.0, staleness=i)

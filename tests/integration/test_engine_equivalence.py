@@ -267,9 +267,9 @@ def test_fedbuff_simulator_equals_grpc_federation(tmp_path: Path) -> None:
 
 def test_fedbuff_with_central_dp_simulator_equals_grpc_federation(tmp_path: Path) -> None:
     """FedBuff with the root's central DP noise: the same ledger (noise multiplier and
-    sampling rate stated, so both plan the same noise), the same clip, and the root's noise
+    population stated, so both plan the same noise), the same clip, and the root's noise
     drawn from the generator the simulator seeds its root with: the same models, bit for bit."""
-    privacy = {"mode": "central", "noise_multiplier": 1.0, "sampling_rate": 0.5, "clip_norm": 0.5}
+    privacy = {"mode": "central", "noise_multiplier": 1.0, "population": 6, "clip_norm": 0.5}
     cfg = _async_sim_config(privacy=privacy, cohort={"weighting": "uniform"})
     report = run_simulation(cfg)
     assert report.status == "completed" and len(report.rounds) == ROUNDS, report.status

@@ -15,7 +15,7 @@ from fed_harness import FAST, Federation, add_clients, start_run, wait_joined, w
 from typer.testing import CliRunner
 
 from orchard import wire
-from orchard.aggregation.privacy import epsilon_spent
+from orchard.aggregation.accounting import epsilon_spent
 from orchard.cli import app
 from orchard.config import RunConfig
 from orchard.ops import ControlClient
@@ -28,7 +28,7 @@ RUN = RunConfig.model_validate({
     "train": {"epochs": 1, "batch_size": 10, "learning_rate": 0.1},
     "cohort": {"target": 6, "over_selection": 1.0, "min_fraction": 1.0, "deadline_s": 120, "weighting": "uniform"},
     "secure_aggregation": {"enabled": True},
-    "privacy": {"mode": "distributed", "target_epsilon": 20.0, "sampling_rate": 0.1, "clip_norm": 1.0},
+    "privacy": {"mode": "distributed", "target_epsilon": 20.0, "population": 6, "clip_norm": 1.0},
 })
 
 
@@ -70,7 +70,7 @@ def test_distributed_dp_over_grpc_reports_epsilon(tmp_path: Path, scope: str) ->
     z = shown["noise_multiplier"]
     # The epsilon the run reports is the accountant's for the three rounds it charged.
     assert shown["mode"] == "distributed" and shown["rounds_charged"] == 3 and shown["delta"] == 1e-5
-    assert shown["epsilon"] == round(epsilon_spent(z, 0.1, 3, 1e-5), 6) and 0 < shown["epsilon"] <= 20.0
+    assert shown["epsilon"] == round(epsilon_spent(z, 3, 1e-5), 6) and 0 < shown["epsilon"] <= 20.0
     assert [r["privacy"]["epsilon"] for r in st["rounds"]] == sorted(r["privacy"]["epsilon"] for r in st["rounds"])
     # Trained, noisy but finite: the model moved from its start.
     init = get_task("digits", **DIGITS).initial_arrays(3)
