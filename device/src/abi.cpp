@@ -15,6 +15,7 @@
 #include "bundle.h"
 #include "failure.h"
 #include "et_program.h"
+#include "identity.h"
 #include "link.h"
 #include "participate.h"
 #include "train.h"
@@ -30,6 +31,9 @@ struct orchard_device {
   orchard_state_fn state_fn = nullptr;
   void* state_user = nullptr;
   orchard::LinkOptions link_options;
+  std::string data_dir;  // empty: the identity lives in memory, for this handle
+  std::unique_ptr<orchard::NodeIdentity> identity;  // made on first connection
+  int64_t bytes_up = 0, bytes_down = 0;  // of the connections closed so far
   std::mutex link_mu;  // guards `link` against orchard_device_cancel from another thread
   std::unique_ptr<orchard::Link> link;
   std::atomic<bool> cancelled{false};
@@ -122,11 +126,25 @@ orchard::Link& link_of(orchard_device* dev) {
     if (!o.insecure) o.ca_pem = dev->bundle.ca_pem;
     o.token = dev->bundle.token;
     o.task = dev->bundle.manifest.task;
+    o.root_public_key = dev->bundle.root_public_key;
+    if (!dev->identity)
+      dev->identity = std::make_unique<orchard::NodeIdentity>(dev->data_dir.empty() ? "" : dev->data_dir + "/identity");
+    o.identity = dev->identity.get();
     auto link = std::make_unique<orchard::Link>(o);
     std::lock_guard<std::mutex> g(dev->link_mu);
     dev->link = std::move(link);
   }
   return *dev->link;
+}
+
+// Close the connection (a new one is made on next use), keeping its traffic counts.
+void drop_link(orchard_device* dev) {
+  std::lock_guard<std::mutex> g(dev->link_mu);
+  if (dev->link) {
+    dev->bytes_up += dev->link->bytes_up();
+    dev->bytes_down += dev->link->bytes_down();
+  }
+  dev->link.reset();
 }
 
 double wall_now() {
@@ -234,16 +252,20 @@ orchard_status orchard_device_set_option(orchard_device* dev, const char* name, 
       if (v.empty() || *end != '\0' || a < 1 || a > 1000)
         throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "attempts must be an integer in 1..1000, got '" + v + "'");
       o.attempts = static_cast<int>(a);
+    } else if (n == "data_dir") {
+      // A new identity store: the key and credential kept there (or a new key).
+      dev->data_dir = v;
+      dev->identity.reset();
+      dev->joined = false;
     } else if (n == "insecure") {
       if (v != "0" && v != "1") throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "insecure is \"0\" or \"1\"");
       o.insecure = v == "1";
     } else {
       throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "unknown option '" + n +
-                                                       "' (server_address, node_id, attempts, insecure)");
+                                                       "' (server_address, node_id, attempts, insecure, data_dir)");
     }
     // A new connection with the new options on next use.
-    std::lock_guard<std::mutex> g(dev->link_mu);
-    dev->link.reset();
+    drop_link(dev);
   });
 }
 
@@ -320,6 +342,22 @@ orchard_status orchard_device_participate(orchard_device* dev, double max_wait_s
 
 const char* orchard_device_node_id(const orchard_device* dev) { return dev == nullptr ? "" : dev->node_id.c_str(); }
 
+orchard_status orchard_device_certificate(const orchard_device* dev, const uint8_t** data, size_t* len) {
+  if (dev == nullptr || data == nullptr || len == nullptr) return ORCHARD_ERR_ARGUMENT;
+  static const uint8_t kNone = 0;
+  const orchard::Enrolled* held = dev->identity && dev->identity->enrolled() ? &*dev->identity->enrolled() : nullptr;
+  *data = held != nullptr && !held->certificate.empty() ? held->certificate.data() : &kNone;
+  *len = held != nullptr ? held->certificate.size() : 0;
+  return ORCHARD_OK;
+}
+
+orchard_status orchard_device_traffic(const orchard_device* dev, int64_t* bytes_up, int64_t* bytes_down) {
+  if (dev == nullptr || bytes_up == nullptr || bytes_down == nullptr) return ORCHARD_ERR_ARGUMENT;
+  *bytes_up = dev->bytes_up + (dev->link ? dev->link->bytes_up() : 0);
+  *bytes_down = dev->bytes_down + (dev->link ? dev->link->bytes_down() : 0);
+  return ORCHARD_OK;
+}
+
 orchard_status orchard_device_cancel(orchard_device* dev) {
   if (dev == nullptr) return ORCHARD_ERR_ARGUMENT;
   // No errmsg here: another thread may be writing it.
@@ -333,8 +371,7 @@ orchard_status orchard_device_reset_cancel(orchard_device* dev) {
   if (dev == nullptr) return ORCHARD_ERR_ARGUMENT;
   return guarded(dev, [&] {
     dev->cancelled.store(false);
-    std::lock_guard<std::mutex> g(dev->link_mu);
-    dev->link.reset();
+    drop_link(dev);
   });
 }
 

@@ -109,8 +109,8 @@ struct Link::Impl {
   struct Call {
     Impl& impl;
     grpc::ClientContext ctx;
-    Call(Impl& i, const LinkOptions& o, double timeout_s) : impl(i) {
-      if (!o.token.empty()) ctx.AddMetadata("authorization", "Bearer " + o.token);
+    Call(Impl& i, const std::string& secret, double timeout_s) : impl(i) {
+      if (!secret.empty()) ctx.AddMetadata("authorization", "Bearer " + secret);
       ctx.set_deadline(std::chrono::system_clock::now() +
                        std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
       std::lock_guard<std::mutex> g(impl.mu);
@@ -124,6 +124,14 @@ struct Link::Impl {
 };
 
 Link::Link(LinkOptions options) : impl_(new Impl), options_(std::move(options)), node_id_(options_.node_id) {
+  if (options_.identity == nullptr) throw Failure(ORCHARD_ERR_INTERNAL, "a link needs the device's identity");
+  const auto& held = options_.identity->enrolled();
+  if (held && !options_.node_id.empty() && options_.node_id != held->node_id)
+    throw Failure(ORCHARD_ERR_ARGUMENT, options_.identity->directory() + " holds node '" + held->node_id +
+                                            "''s identity, not '" + options_.node_id +
+                                            "''s: drop the node_id option or use another data dir");
+  if (held) node_id_ = held->node_id;
+  secret_ = held ? held->credential : options_.token;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(static_cast<int>(kMaxChunk + (64 << 10)));
   args.SetMaxSendMessageSize(static_cast<int>(kMaxChunk + (64 << 10)));
@@ -182,17 +190,54 @@ void retry(Link& link, const LinkOptions& o, std::mt19937_64& jitter, const char
 }  // namespace
 
 void Link::join(const DeviceState& device) {
+  try {
+    join_once(device, false);
+  } catch (const Failure& f) {
+    const auto held = options_.identity->enrolled();
+    if (f.code() != ORCHARD_ERR_AUTH || !held || options_.token.empty() || options_.token == held->credential) throw;
+    // The credential kept was refused (revoked): the bundle's token enrolls the device
+    // again. The credential is kept until a new one replaces it.
+    secret_ = options_.token;
+    try {
+      join_once(device, true);
+    } catch (...) {
+      secret_ = held->credential;
+      throw;
+    }
+  }
+}
+
+void Link::join_once(const DeviceState& device, bool enrolling) {
+  NodeIdentity& id = *options_.identity;
   pb::JoinRequest req;
   req.set_node_id(node_id_);
   req.set_role("client");
   device_to_proto(device, req.mutable_device());
   if (!options_.task.empty()) (*req.mutable_capabilities())["task"] = options_.task;
   (*req.mutable_capabilities())["trainer"] = "executorch-native";
+  req.set_device_public_key(std::string(id.public_key().begin(), id.public_key().end()));
+  if ((enrolling || !id.enrolled()) && !secret_.empty()) {
+    const Bytes proof = id.sign(enrollment_message("client", node_id_, secret_));
+    req.set_key_proof(std::string(proof.begin(), proof.end()));
+  }
   pb::JoinReply reply;
   retry(*this, options_, impl_->jitter, "join", [&] {
-    Impl::Call call(*impl_, options_, options_.call_timeout_s);
+    Impl::Call call(*impl_, secret_, options_.call_timeout_s);
     return impl_->stub->Join(&call.ctx, req, &reply);
   }, nullptr);
+  const Bytes root_key(reply.root_public_key().begin(), reply.root_public_key().end());
+  if (!options_.root_public_key.empty() && !root_key.empty() && root_key != options_.root_public_key)
+    throw Failure(ORCHARD_ERR_AUTH, "join: the server answered with another root key than the bundle names: "
+                                    "another federation, or an impostor");
+  const Bytes cert(reply.certificate().begin(), reply.certificate().end());
+  if (!reply.credential().empty()) {
+    // Kept (on disk, with a data dir) before it is used: a device never holds a
+    // credential it could lose by stopping.
+    id.save(Enrolled{reply.node_id(), reply.credential(), cert, root_key});
+    secret_ = reply.credential();
+  } else if (!cert.empty()) {
+    id.refresh(cert, root_key);
+  }
   node_id_ = reply.node_id();
   if (reply.heartbeat_s() > 0) heartbeat_s_ = reply.heartbeat_s();
   if (reply.long_poll_s() > 0) long_poll_s_ = reply.long_poll_s();
@@ -207,7 +252,7 @@ Poll Link::poll(const DeviceState& device, double wait_s) {
     req.set_node_id(node_id_);
     device_to_proto(device, req.mutable_device());
     req.set_wait_s(wait);
-    Impl::Call call(*impl_, options_, wait + 15);
+    Impl::Call call(*impl_, secret_, wait + 15);
     return impl_->stub->Poll(&call.ctx, req, &reply);
   }, [&] { join(device); });
   Poll out;
@@ -239,7 +284,7 @@ bool Link::heartbeat(const std::string& task_id, const DeviceState& device, doub
   req.set_task_id(task_id);
   req.set_progress(progress);
   pb::HeartbeatReply reply;
-  Impl::Call call(*impl_, options_, 10.0);
+  Impl::Call call(*impl_, secret_, 10.0);
   grpc::Status st = impl_->stub->Heartbeat(&call.ctx, req, &reply);
   if (!st.ok()) {
     if (cancelled_.load()) throw Failure(ORCHARD_ERR_CANCELLED, "heartbeat: cancelled");
@@ -258,7 +303,7 @@ Bytes Link::pull_model(const std::string& model_hash) {
     req.set_node_id(node_id_);
     req.set_model_hash(model_hash);
     req.set_offset(static_cast<int64_t>(blob.size()));  // resume where the last try broke
-    Impl::Call call(*impl_, options_, options_.call_timeout_s * 4);
+    Impl::Call call(*impl_, secret_, options_.call_timeout_s * 4);
     auto reader = impl_->stub->PullModel(&call.ctx, req);
     pb::Chunk ch;
     while (reader->Read(&ch)) {
@@ -290,7 +335,7 @@ Bytes Link::pull_model(const std::string& model_hash) {
 void Link::push_update(const UploadHeader& header, const Bytes& payload) {
   retry(*this, options_, impl_->jitter, "push update", [&] {
     pb::UploadReply reply;
-    Impl::Call call(*impl_, options_, options_.call_timeout_s * 4);
+    Impl::Call call(*impl_, secret_, options_.call_timeout_s * 4);
     auto writer = impl_->stub->PushUpdate(&call.ctx, &reply);
     pb::UploadPart part;
     header_to_proto(header, part.mutable_header());
@@ -303,6 +348,7 @@ void Link::push_update(const UploadHeader& header, const Bytes& payload) {
     }
     writer->WritesDone();
     grpc::Status st = writer->Finish();
+    if (st.ok()) bytes_up_ += static_cast<int64_t>(payload.size());
     if (st.ok() && !reply.accepted())
       throw Failure(ORCHARD_ERR_REFUSED, "push update: the server refused the update: " + reply.reason());
     return st;
@@ -322,7 +368,7 @@ SecAggReply Link::secagg(const Task& t, int stage, const Bytes& message, const U
     req.set_message(std::string(message.begin(), message.end()));
     req.set_wait_s(wait_s);
     if (header != nullptr) header_to_proto(*header, req.mutable_header());
-    Impl::Call call(*impl_, options_, wait_s + 15);
+    Impl::Call call(*impl_, secret_, wait_s + 15);
     return impl_->stub->SecAgg(&call.ctx, req, &reply);
   }, nullptr);
   SecAggReply out;
