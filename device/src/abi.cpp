@@ -40,6 +40,7 @@ struct orchard_device {
   std::string node_id;
   std::unique_ptr<orchard::TrainingProgram> program;  // loaded on first participation
   orchard::DeviceData data;
+  orchard::HeldModel held;  // the last model pulled: the base a downlink delta applies to
   bool joined = false;
 };
 
@@ -331,6 +332,7 @@ orchard_status orchard_device_participate(orchard_device* dev, double max_wait_s
                            }
                          }};
     orchard::Participant p{link, dev->bundle, dev->policy, *dev->program, dev->data, io};
+    p.held = &dev->held;
     orchard::RoundReport r = orchard::participate(p, max_wait_s);
     *report = orchard_round_report{r.round, r.uploaded ? 1 : 0, r.num_steps, r.num_examples, r.weight, r.train_loss,
                                    r.stop != orchard::StopReason::none && r.stop != orchard::StopReason::completed};

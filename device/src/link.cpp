@@ -10,6 +10,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "downlink.h"
 #include "failure.h"
 #include "orchard/v1/orchard.grpc.pb.h"
 #include "sha256.h"
@@ -294,42 +295,86 @@ bool Link::heartbeat(const std::string& task_id, const DeviceState& device, doub
   return reply.task_still_wanted();
 }
 
-Bytes Link::pull_model(const std::string& model_hash) {
+// One PullModel reply, resumed after breaks: its bytes and its first chunk's header.
+struct Link::Stream {
   Bytes blob;
+  std::string blob_sha, delta_from, target_hash, result_sha, encoding;
+};
+
+Link::Stream Link::stream_model(const std::string& model_hash, const std::string& have_hash) {
+  Stream s;
   int64_t total = -1;
-  std::string blob_sha;
+  bool head = false;
   retry(*this, options_, impl_->jitter, "pull model", [&] {
     pb::PullModelRequest req;
     req.set_node_id(node_id_);
     req.set_model_hash(model_hash);
-    req.set_offset(static_cast<int64_t>(blob.size()));  // resume where the last try broke
+    req.set_have_hash(have_hash);
+    req.set_offset(static_cast<int64_t>(s.blob.size()));  // resume where the last try broke
     Impl::Call call(*impl_, secret_, options_.call_timeout_s * 4);
     auto reader = impl_->stub->PullModel(&call.ctx, req);
     pb::Chunk ch;
     while (reader->Read(&ch)) {
-      if (ch.offset() != static_cast<int64_t>(blob.size()))
+      if (ch.offset() != static_cast<int64_t>(s.blob.size()))
         throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: a chunk at offset " + std::to_string(ch.offset()) +
-                                                ", expected " + std::to_string(blob.size()));
-      if (!ch.delta_from().empty())
-        throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: the server sent a delta to a pull that offered no base");
-      if (blob_sha.empty()) {
-        blob_sha = ch.blob_sha256();
-      } else if (ch.blob_sha256() != blob_sha) {
+                                                ", expected " + std::to_string(s.blob.size()));
+      if (!head) {
+        head = true;
+        s.blob_sha = ch.blob_sha256();
+        s.delta_from = ch.delta_from();
+        s.target_hash = ch.target_hash();
+        s.result_sha = ch.result_sha256();
+        s.encoding = ch.encoding();
+      } else if (ch.blob_sha256() != s.blob_sha) {
+        // A resumed stream must continue the same blob (the server changed its answer).
         throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: the stream changed blobs while resuming");
       }
-      blob.insert(blob.end(), ch.data().begin(), ch.data().end());
+      s.blob.insert(s.blob.end(), ch.data().begin(), ch.data().end());
       bytes_down_ += static_cast<int64_t>(ch.data().size());
       total = ch.total_bytes();
     }
     return reader->Finish();
   }, nullptr);
-  if (total >= 0 && static_cast<int64_t>(blob.size()) != total)
-    throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: the stream ended after " + std::to_string(blob.size()) + " of " +
+  if (total >= 0 && static_cast<int64_t>(s.blob.size()) != total)
+    throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: the stream ended after " + std::to_string(s.blob.size()) + " of " +
                                             std::to_string(total) + " bytes");
-  if (sha256_hex(blob.data(), blob.size()) != model_hash)
+  return s;
+}
+
+HeldModel Link::pull_model(const std::string& model_hash, const HeldModel* held) {
+  if (held != nullptr && held->model_hash == model_hash) return *held;
+  if (held != nullptr && !held->blob.empty()) {
+    try {
+      Stream s = stream_model(model_hash, held->sha256);
+      const std::string got = sha256_hex(s.blob.data(), s.blob.size());
+      if (s.delta_from.empty()) {  // the server chose the full model
+        if (got != model_hash)
+          throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: the model blob does not match its sha256");
+        return {model_hash, std::move(s.blob), model_hash};
+      }
+      if (s.delta_from != held->sha256 || s.target_hash != model_hash)
+        throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: a delta from " + s.delta_from.substr(0, 12) + " to " +
+                                                s.target_hash.substr(0, 12) + ", asked from " +
+                                                held->sha256.substr(0, 12) + " to " + model_hash.substr(0, 12));
+      if (got != s.blob_sha) throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: the delta does not match its sha256");
+      Bytes result = apply_downlink_delta(held->blob, s.blob, s.encoding);
+      if (sha256_hex(result.data(), result.size()) != s.result_sha)
+        throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: the model rebuilt from the delta does not match the hash "
+                                            "the server stated");
+      return {model_hash, std::move(result), s.result_sha};
+    } catch (const Failure& f) {
+      // Only a delta that fails its checks falls back; a lost server or a cancel does not.
+      if (f.code() != ORCHARD_ERR_PROTOCOL) throw;
+      last_delta_refusal_ = f.what();
+    }
+  }
+  Stream s = stream_model(model_hash, "");
+  if (!s.delta_from.empty())
+    throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: the server sent a delta to a pull that offered no base");
+  if (sha256_hex(s.blob.data(), s.blob.size()) != model_hash)
     throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: the model blob does not match its sha256 " + model_hash +
                                             "; refusing it");
-  return blob;
+  return {model_hash, std::move(s.blob), model_hash};
 }
 
 void Link::push_update(const UploadHeader& header, const Bytes& payload) {

@@ -86,6 +86,15 @@ struct SecAggReply {
   std::string aborted;
 };
 
+// A model blob a node holds: the global model `model_hash` names, exact (sha256 ==
+// model_hash) or rebuilt from a downlink delta (sha256: the reconstruction's, which is
+// what the node offers as its base next time).
+struct HeldModel {
+  std::string model_hash;
+  Bytes blob;
+  std::string sha256;
+};
+
 class Link {
  public:
   explicit Link(LinkOptions options);
@@ -94,7 +103,11 @@ class Link {
   void join(const DeviceState& device);
   Poll poll(const DeviceState& device, double wait_s);
   bool heartbeat(const std::string& task_id, const DeviceState& device, double progress);
-  Bytes pull_model(const std::string& model_hash);
+  // The model for `model_hash`: `held` itself when it is that model; else, when a model
+  // is held, a downlink delta from it if the server sends one (checked against the
+  // hashes the server states; a delta that fails any check is dropped and the full
+  // model pulled); else the full model. Streams resume at the byte they broke at.
+  HeldModel pull_model(const std::string& model_hash, const HeldModel* held);
   void push_update(const UploadHeader& header, const Bytes& payload);
   SecAggReply secagg(const Task& t, int stage, const Bytes& message, const UploadHeader* header, double wait_s);
 
@@ -107,14 +120,19 @@ class Link {
   int64_t max_chunk_bytes() const { return max_chunk_bytes_; }
   int64_t bytes_down() const { return bytes_down_; }
   int64_t bytes_up() const { return bytes_up_; }
+  // Why the last downlink delta was dropped for the full model ("" if none was).
+  const std::string& last_delta_refusal() const { return last_delta_refusal_; }
 
  private:
   void join_once(const DeviceState& device, bool enrolling);
+  struct Stream;
+  Stream stream_model(const std::string& model_hash, const std::string& have_hash);
 
   struct Impl;
   std::unique_ptr<Impl> impl_;
   LinkOptions options_;
   std::string node_id_;
+  std::string last_delta_refusal_;
   std::string secret_;  // the bearer secret: the credential once enrolled, else the token
   double heartbeat_s_ = 10.0, long_poll_s_ = 20.0;
   int64_t max_chunk_bytes_ = 4 << 20;

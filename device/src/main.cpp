@@ -79,10 +79,13 @@ int main(int argc, char** argv) {
       orchard_round_report rep;
       st = orchard_device_participate(dev, wait_s, &rep);
       if (st != ORCHARD_OK) return report(dev, st);
-      std::printf("round %lld: %s steps=%lld examples=%lld weight=%g loss=%.4f%s%s\n",
+      int64_t up = 0, down = 0;
+      orchard_device_traffic(dev, &up, &down);
+      std::printf("round %lld: %s steps=%lld examples=%lld weight=%g loss=%.4f bytes_up=%lld bytes_down=%lld%s%s\n",
                   static_cast<long long>(rep.round), rep.uploaded ? "uploaded" : "no upload",
                   static_cast<long long>(rep.num_steps), static_cast<long long>(rep.num_examples), rep.weight,
-                  rep.train_loss, rep.uploaded ? "" : " ", rep.uploaded ? "" : orchard_device_errmsg(dev));
+                  rep.train_loss, static_cast<long long>(up), static_cast<long long>(down), rep.uploaded ? "" : " ",
+                  rep.uploaded ? "" : orchard_device_errmsg(dev));
       std::fflush(stdout);
     }
   }

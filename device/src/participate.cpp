@@ -90,8 +90,12 @@ RoundReport participate(Participant& p, double max_wait_s) {
                                            "', the bundle's training program is for '" + p.bundle.manifest.task + "'");
   const CodecSpec codec = CodecSpec::from_json(cfg.value("codec", nlohmann::json::object()));
   // The global model: the trained tensors, by the schema's names.
-  const Bytes blob = p.link.pull_model(t.model_hash);
-  const auto tensors = parse_safetensors(blob.data(), blob.size(), "the model blob", ORCHARD_ERR_PROTOCOL);
+  // The global model (or its reconstruction from a downlink delta, from which the
+  // update is then taken: client/update.delta_of), kept as the next pull's base.
+  HeldModel pulled = p.link.pull_model(t.model_hash, p.held);
+  if (p.held != nullptr) *p.held = std::move(pulled);
+  const HeldModel& model = p.held != nullptr ? *p.held : pulled;
+  const auto tensors = parse_safetensors(model.blob.data(), model.blob.size(), "the model blob", ORCHARD_ERR_PROTOCOL);
   std::map<std::string, std::vector<float>> global;
   for (const TensorSpec& s : t.schema) {
     auto it = tensors.find(s.name);

@@ -481,6 +481,26 @@ def training_vectors(directory: Path) -> dict[str, Any]:
     return out
 
 
+def downlink_vectors() -> list[dict[str, Any]]:
+    """Model deltas as a tier serves them (server.downlink.encode_delta_reply): the base,
+    the delta and the sha256 and bytes of the model the node must rebuild from them."""
+    from orchard import wire
+    from orchard.server.downlink import encode_delta_reply
+
+    g = np.random.default_rng(11)
+    out = []
+    for shapes in ({"b.weight": (5000,), "a.lora_A": (3, 4), "c": (1,)}, {"w": (4096, 2), "v": (7,)}):
+        base = {k: g.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+        target = {k: v + 0.01 * g.standard_normal(v.shape).astype(np.float32) for k, v in base.items()}
+        base_blob, target_blob = wire.arrays_to_blob(base), wire.arrays_to_blob(target)
+        got = encode_delta_reply(base_blob, wire.sha256_hex(base_blob), target_blob, wire.sha256_hex(target_blob))
+        assert got is not None
+        reply, result = got
+        out.append({"base": base_blob.hex(), "delta": reply.blob.hex(), "encoding": reply.encoding,
+                    "result_sha256": reply.result_sha256, "result": result.hex()})
+    return out
+
+
 def write_all(directory: str | Path) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
@@ -489,6 +509,7 @@ def write_all(directory: str | Path) -> Path:
     (d / "bundle.json").write_text(json.dumps(bundle_vectors(d)))
     (d / "policy.json").write_text(json.dumps(policy_vectors()))
     (d / "secagg.json").write_text(json.dumps(secagg_vectors()))
+    (d / "downlink.json").write_text(json.dumps(downlink_vectors()))
     training_vectors(d)
     return d
 

@@ -191,7 +191,9 @@ def test_damaged_bundle(command: Path, root, tmp_path: Path) -> None:
 
 def test_native_client_serves_rounds(command: Path, fresh_root, tmp_path: Path) -> None:
     """Two rounds of a LoRA run (a small random base, so the program exports in seconds)
-    served by the native client alone: each round's update accepted, the run completed."""
+    served by the native client alone: each round's update accepted, the run completed;
+    round 2's model comes as a downlink delta from round 1's, rebuilt and hash-checked
+    by the native client (a quarter of the bytes: 8-bit codes for float32)."""
     import json
     import time
 
@@ -215,7 +217,7 @@ def test_native_client_serves_rounds(command: Path, fresh_root, tmp_path: Path) 
     (tmp_path / "text.txt").write_text("".join(g.choice(chars, size=2000)))
     cfg = RunConfig(task="shakespeare", task_params=task.params, rounds=2,
                     cohort=CohortConfig(target=1, min_fraction=1.0),
-                    train=TrainConfig(batch_size=8, steps=3, learning_rate=0.5))
+                    train=TrainConfig(batch_size=8, steps=3, learning_rate=0.5), downlink_delta=True)
     admin = (data / "admin.token").read_text().strip()
     with ControlClient(handle.address, admin_token=admin, ca_cert=handle.ca_cert) as ctl:
         ctl.start_run(cfg, wire.arrays_to_blob(arrays))
@@ -224,6 +226,10 @@ def test_native_client_serves_rounds(command: Path, fresh_root, tmp_path: Path) 
         assert res.returncode == 0, res.stdout + res.stderr
         lines = [ln for ln in res.stdout.splitlines() if ln.startswith("round")]
         assert len(lines) == 2 and all("uploaded steps=3" in ln for ln in lines), res.stdout
+        down = [int(ln.split("bytes_down=")[1].split()[0]) for ln in lines]
+        full = len(wire.arrays_to_blob(arrays))
+        assert down[0] == full, (down, full)
+        assert 0 < down[1] - down[0] < full / 3, (down, full)  # the delta, not the model
         deadline = time.monotonic() + 60
         while (st := ctl.status())["status"] not in ("completed", "failed") and time.monotonic() < deadline:
             time.sleep(0.5)
