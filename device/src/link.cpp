@@ -31,17 +31,20 @@ std::string lower(std::string s) {
 }
 
 bool transient(grpc::StatusCode c) {
+  // CANCELLED too, as the Python link has it: a server that stops cancels its calls.
   return c == grpc::UNAVAILABLE || c == grpc::DEADLINE_EXCEEDED || c == grpc::RESOURCE_EXHAUSTED ||
-         c == grpc::INTERNAL || c == grpc::UNKNOWN;
+         c == grpc::INTERNAL || c == grpc::UNKNOWN || c == grpc::CANCELLED;
 }
 
 // The ABI status and message of a failed call.
 [[noreturn]] void fail(const char* what, const grpc::Status& st, bool cancelled) {
   const std::string details = st.error_message();
   const std::string where = std::string(what) + ": ";
-  if (cancelled || st.error_code() == grpc::CANCELLED)
-    throw Failure(ORCHARD_ERR_CANCELLED, where + "cancelled");
+  if (cancelled) throw Failure(ORCHARD_ERR_CANCELLED, where + "cancelled");
   switch (st.error_code()) {
+    case grpc::CANCELLED:  // not by the app (that is `cancelled`): the server ended the call
+      throw Failure(ORCHARD_ERR_UNAVAILABLE, where + "the server is unreachable or stopped answering: it ended the "
+                                                     "call (" + details + ")");
     case grpc::UNAUTHENTICATED:
     case grpc::PERMISSION_DENIED:
       throw Failure(ORCHARD_ERR_AUTH, where + "the server refused the credential: " + details +
