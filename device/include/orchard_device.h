@@ -212,6 +212,14 @@ typedef struct orchard_round_report {
 ORCHARD_API orchard_status orchard_device_participate(orchard_device* dev, double max_wait_s,
                                                       orchard_round_report* report);
 
+/* Train the bundle's own adapter on the device's text (orchard_device_set_text) for
+ * `steps` SGD steps of `batch_size` windows at `learning_rate`, through the bundle's
+ * ExecuTorch program, with no server and nothing sent: a check, before an app enrolls,
+ * that the program runs on this device. *report says what ran (round -1, uploaded 0).
+ * The adapter trained here is dropped; a participation trains the run's model. */
+ORCHARD_API orchard_status orchard_device_train_local(orchard_device* dev, int64_t steps, int64_t batch_size,
+                                                      double learning_rate, orchard_round_report* report);
+
 /* End the call in flight on `dev` (join, participate) with ORCHARD_ERR_CANCELLED, and
  * every later call that talks to the server, until orchard_device_reset_cancel. Any
  * thread may call it, at any time; it returns at once. */

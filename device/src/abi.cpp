@@ -21,6 +21,7 @@
 #include "train.h"
 #include "orchard_device.h"
 #include "policy.h"
+#include "safetensors.h"
 
 struct orchard_device {
   orchard_status code = ORCHARD_OK;
@@ -340,6 +341,36 @@ orchard_status orchard_device_participate(orchard_device* dev, double max_wait_s
   });
   if (st == ORCHARD_OK) dev->message = reason;
   return st;
+}
+
+orchard_status orchard_device_train_local(orchard_device* dev, int64_t steps, int64_t batch_size, double learning_rate,
+                                          orchard_round_report* report) {
+  if (dev == nullptr) return ORCHARD_ERR_ARGUMENT;
+  return guarded(dev, [&] {
+    if (report == nullptr) throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "report is NULL");
+    if (steps < 1 || batch_size < 1 || !(learning_rate > 0))
+      throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "steps and batch_size must be >= 1 and learning_rate > 0");
+    require_open(dev);
+    *report = orchard_round_report{-1, 0, 0, 0, 0.0, NAN, 0};
+    if (dev->data.rows == 0)
+      throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "no training data: call orchard_device_set_text first");
+    if (!dev->program) dev->program = std::make_unique<orchard::TrainingProgram>(dev->bundle.manifest);
+    // The bundle's adapter, by the program's parameter names (checked at open).
+    const auto& named = dev->bundle.config.at("adapter_safetensors");
+    const std::string path = dev->bundle.dir + "/" + named.at("name").get<std::string>();
+    const std::string bytes = orchard::read_file(path, ORCHARD_ERR_BUNDLE, " cannot be read");
+    const auto adapter = orchard::parse_safetensors(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), path,
+                                                    ORCHARD_ERR_BUNDLE);
+    std::map<std::string, std::vector<float>> start;
+    for (const auto& p : dev->bundle.manifest.parameters)
+      start[p.name] = adapter.at(orchard::peft_state_key(p.name)).values;
+    orchard::TrainConfig cfg;
+    cfg.steps = steps;
+    cfg.batch_size = batch_size;
+    cfg.learning_rate = learning_rate;
+    orchard::TrainResult r = orchard::train(*dev->program, dev->data, start, cfg, 0, nullptr);
+    *report = orchard_round_report{-1, 0, r.num_steps, r.num_examples, r.weight, r.train_loss, r.stopped ? 1 : 0};
+  });
 }
 
 const char* orchard_device_node_id(const orchard_device* dev) { return dev == nullptr ? "" : dev->node_id.c_str(); }
