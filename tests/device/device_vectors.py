@@ -366,7 +366,35 @@ def policy_vectors() -> dict[str, Any]:
     steady = [DeviceState(None, None, None, True, True)]
     runs.append(_run_governor(DevicePolicy.model_validate({"budget": {"time_s": 10.0}}), steady, 3.0, 1.0, 1.75e9))
     runs.append(_run_governor(DevicePolicy.model_validate({"budget": {"max_steps": 5}}), steady, 0.5, 2.0, 1.75e9))
-    return {"eligibility": eligibility, "runs": runs}
+    return {"eligibility": eligibility, "runs": runs, "windows": window_vectors()}
+
+
+ZONES = ("Europe/Paris", "America/New_York", "Australia/Sydney", "Asia/Kolkata", "America/Sao_Paulo",
+         "Pacific/Chatham", "Europe/London", "Africa/Casablanca", "UTC")
+
+
+def window_vectors() -> list[dict[str, Any]]:
+    """Daily windows in IANA zones (the system's zoneinfo, as Python's zoneinfo reads it):
+    contains and next_start at times around daylight-time changes and past 2037, where
+    the zone's table ends and its TZ rule takes over."""
+    import datetime as dt
+
+    from orchard.edge_runtime.policy import DailyWindow
+
+    g = np.random.default_rng(44)
+    out = []
+    for zone in ZONES:
+        for start, end in (("01:00", "06:00"), ("23:00", "02:30"), ("02:30", "03:15"), ("09:00", "17:00")):
+            w = DailyWindow(start=start, end=end, tz=zone)
+            # Spread over 1990-2060, and dense around late March and late October.
+            times = [float(g.integers(631152000, 2840140800)) for _ in range(12)]
+            for year in (2024, 2031, 2045):
+                for month_day in ((3, 9), (3, 30), (4, 6), (10, 6), (10, 27), (11, 3)):
+                    base = dt.datetime(year, *month_day, tzinfo=dt.UTC).timestamp()
+                    times += [base + float(g.integers(-86400, 86400)) for _ in range(2)]
+            out += [{"window": {"start": start, "end": end, "tz": zone}, "wall": t, "contains": w.contains(t),
+                     "next_start": w.next_start(t)} for t in times]
+    return out
 
 
 def _secagg_session(n: int, d: int, k: int, t: int, bits: int, drop_after_shares: list[str],
