@@ -95,7 +95,6 @@ RoundReport participate(Participant& p, double max_wait_s) {
     throw Failure(ORCHARD_ERR_REFUSED, "the run trains task '" + cfg.value("task", std::string()) +
                                            "', the bundle's training program is for '" + p.bundle.manifest.task + "'");
   const CodecSpec codec = CodecSpec::from_json(cfg.value("codec", nlohmann::json::object()));
-  // The global model: the trained tensors, by the schema's names.
   // The global model (or its reconstruction from a downlink delta, from which the
   // update is then taken: client/update.delta_of), kept as the next pull's base.
   HeldModel pulled = p.link.pull_model(t.model_hash, p.held);
