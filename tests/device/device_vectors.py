@@ -366,11 +366,23 @@ def policy_vectors() -> dict[str, Any]:
     steady = [DeviceState(None, None, None, True, True)]
     runs.append(_run_governor(DevicePolicy.model_validate({"budget": {"time_s": 10.0}}), steady, 3.0, 1.0, 1.75e9))
     runs.append(_run_governor(DevicePolicy.model_validate({"budget": {"max_steps": 5}}), steady, 0.5, 2.0, 1.75e9))
-    return {"eligibility": eligibility, "runs": runs, "windows": window_vectors()}
+    return {"eligibility": eligibility, "runs": runs, "windows": window_vectors(), "zoneinfo_dir": zoneinfo_dir()}
 
 
 ZONES = ("Europe/Paris", "America/New_York", "Australia/Sydney", "Asia/Kolkata", "America/Sao_Paulo",
          "Pacific/Chatham", "Europe/London", "Africa/Casablanca", "UTC")
+
+
+def zoneinfo_dir() -> str:
+    """Where Python's zoneinfo finds the zones (its TZPATH, else the tzdata package): the
+    native test reads the same files, so the two agree on a host without /usr/share/zoneinfo."""
+    import importlib.resources
+    import zoneinfo
+
+    for d in zoneinfo.TZPATH:
+        if all((Path(d) / z).is_file() for z in ZONES if z != "UTC"):
+            return d
+    return str(importlib.resources.files("tzdata") / "zoneinfo")
 
 
 def window_vectors() -> list[dict[str, Any]]:
