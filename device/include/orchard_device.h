@@ -150,11 +150,22 @@ ORCHARD_API orchard_status orchard_device_check_eligibility(orchard_device* dev,
  *   "attempts"        tries of a call that fails transiently, >= 1 (default 4)
  *   "insecure"        "1": plaintext gRPC without TLS, for loopback development only;
  *                     refused unless server_address is a loopback address
+ *   "data_dir"        a directory private to the app: the device's identity key and
+ *                     the credential enrollment returns are kept in DATA_DIR/identity
+ *                     (mode 0700, files 0600; the Python client's layout), so a
+ *                     restarted app resumes the same node. Unset: kept in memory for
+ *                     this handle only (a new handle needs a new enrollment token)
  * ORCHARD_ERR_ARGUMENT for an unknown name or a bad value. */
 ORCHARD_API orchard_status orchard_device_set_option(orchard_device* dev, const char* name, const char* value);
 
-/* Connect (TLS against the bundle's ca.pem, the enrollment token as credential) and
- * Fleet.Join with the device's state. Fails with ORCHARD_ERR_TLS (the server's
+/* Connect (TLS against the bundle's ca.pem) and Fleet.Join with the device's state.
+ * The first Join enrolls the device: it sends its Ed25519 public key (generated on the
+ * device; the private key never leaves it) and the signature proving it holds it, with
+ * the bundle's enrollment token; the root answers with the device's own credential and
+ * a certificate of its key, which are kept (see "data_dir") and the credential used from
+ * then on. A credential the server later refuses (revoked) is replaced by enrolling
+ * again with the bundle's token. A certificate that does not name this device's key, or
+ * a root key other than the one the bundle names, fails with ORCHARD_ERR_AUTH. Fails with ORCHARD_ERR_TLS (the server's
  * certificate is not the CA's), ORCHARD_ERR_AUTH (token refused or revoked),
  * ORCHARD_ERR_UNAVAILABLE (nobody answers), ORCHARD_ERR_CANCELLED. */
 ORCHARD_API orchard_status orchard_device_join(orchard_device* dev);
@@ -162,6 +173,15 @@ ORCHARD_API orchard_status orchard_device_join(orchard_device* dev);
 /* The node id the server knows this device by ("" before a join). Valid until the
  * next call on `dev`. */
 ORCHARD_API const char* orchard_device_node_id(const orchard_device* dev);
+
+/* The root's certificate of this device's key (orchard/identity.py's format): *data
+ * and *len are set to it, or to a length of 0 before enrollment. Valid until the next
+ * call on `dev`. */
+ORCHARD_API orchard_status orchard_device_certificate(const orchard_device* dev, const uint8_t** data, size_t* len);
+
+/* Bytes this handle has sent (update payloads) and received (model blobs and deltas)
+ * over its connections so far. */
+ORCHARD_API orchard_status orchard_device_traffic(const orchard_device* dev, int64_t* bytes_up, int64_t* bytes_down);
 
 /* The device's own training data: UTF-8 text, encoded with the bundle's character
  * vocabulary (tokenizer.json) and cut into the program's windows as the Python client
@@ -191,6 +211,14 @@ typedef struct orchard_round_report {
  * client does not do (the message says which). */
 ORCHARD_API orchard_status orchard_device_participate(orchard_device* dev, double max_wait_s,
                                                       orchard_round_report* report);
+
+/* Train the bundle's own adapter on the device's text (orchard_device_set_text) for
+ * `steps` SGD steps of `batch_size` windows at `learning_rate`, through the bundle's
+ * ExecuTorch program, with no server and nothing sent: a check, before an app enrolls,
+ * that the program runs on this device. *report says what ran (round -1, uploaded 0).
+ * The adapter trained here is dropped; a participation trains the run's model. */
+ORCHARD_API orchard_status orchard_device_train_local(orchard_device* dev, int64_t steps, int64_t batch_size,
+                                                      double learning_rate, orchard_round_report* report);
 
 /* End the call in flight on `dev` (join, participate) with ORCHARD_ERR_CANCELLED, and
  * every later call that talks to the server, until orchard_device_reset_cancel. Any

@@ -15,11 +15,13 @@
 #include "bundle.h"
 #include "failure.h"
 #include "et_program.h"
+#include "identity.h"
 #include "link.h"
 #include "participate.h"
 #include "train.h"
 #include "orchard_device.h"
 #include "policy.h"
+#include "safetensors.h"
 
 struct orchard_device {
   orchard_status code = ORCHARD_OK;
@@ -30,12 +32,16 @@ struct orchard_device {
   orchard_state_fn state_fn = nullptr;
   void* state_user = nullptr;
   orchard::LinkOptions link_options;
+  std::string data_dir;  // empty: the identity lives in memory, for this handle
+  std::unique_ptr<orchard::NodeIdentity> identity;  // made on first connection
+  int64_t bytes_up = 0, bytes_down = 0;  // of the connections closed so far
   std::mutex link_mu;  // guards `link` against orchard_device_cancel from another thread
   std::unique_ptr<orchard::Link> link;
   std::atomic<bool> cancelled{false};
   std::string node_id;
   std::unique_ptr<orchard::TrainingProgram> program;  // loaded on first participation
   orchard::DeviceData data;
+  orchard::HeldModel held;  // the last model pulled: the base a downlink delta applies to
   bool joined = false;
 };
 
@@ -122,11 +128,25 @@ orchard::Link& link_of(orchard_device* dev) {
     if (!o.insecure) o.ca_pem = dev->bundle.ca_pem;
     o.token = dev->bundle.token;
     o.task = dev->bundle.manifest.task;
+    o.root_public_key = dev->bundle.root_public_key;
+    if (!dev->identity)
+      dev->identity = std::make_unique<orchard::NodeIdentity>(dev->data_dir.empty() ? "" : dev->data_dir + "/identity");
+    o.identity = dev->identity.get();
     auto link = std::make_unique<orchard::Link>(o);
     std::lock_guard<std::mutex> g(dev->link_mu);
     dev->link = std::move(link);
   }
   return *dev->link;
+}
+
+// Close the connection (a new one is made on next use), keeping its traffic counts.
+void drop_link(orchard_device* dev) {
+  std::lock_guard<std::mutex> g(dev->link_mu);
+  if (dev->link) {
+    dev->bytes_up += dev->link->bytes_up();
+    dev->bytes_down += dev->link->bytes_down();
+  }
+  dev->link.reset();
 }
 
 double wall_now() {
@@ -234,16 +254,20 @@ orchard_status orchard_device_set_option(orchard_device* dev, const char* name, 
       if (v.empty() || *end != '\0' || a < 1 || a > 1000)
         throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "attempts must be an integer in 1..1000, got '" + v + "'");
       o.attempts = static_cast<int>(a);
+    } else if (n == "data_dir") {
+      // A new identity store: the key and credential kept there (or a new key).
+      dev->data_dir = v;
+      dev->identity.reset();
+      dev->joined = false;
     } else if (n == "insecure") {
       if (v != "0" && v != "1") throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "insecure is \"0\" or \"1\"");
       o.insecure = v == "1";
     } else {
       throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "unknown option '" + n +
-                                                       "' (server_address, node_id, attempts, insecure)");
+                                                       "' (server_address, node_id, attempts, insecure, data_dir)");
     }
     // A new connection with the new options on next use.
-    std::lock_guard<std::mutex> g(dev->link_mu);
-    dev->link.reset();
+    drop_link(dev);
   });
 }
 
@@ -309,6 +333,7 @@ orchard_status orchard_device_participate(orchard_device* dev, double max_wait_s
                            }
                          }};
     orchard::Participant p{link, dev->bundle, dev->policy, *dev->program, dev->data, io};
+    p.held = &dev->held;
     orchard::RoundReport r = orchard::participate(p, max_wait_s);
     *report = orchard_round_report{r.round, r.uploaded ? 1 : 0, r.num_steps, r.num_examples, r.weight, r.train_loss,
                                    r.stop != orchard::StopReason::none && r.stop != orchard::StopReason::completed};
@@ -318,7 +343,53 @@ orchard_status orchard_device_participate(orchard_device* dev, double max_wait_s
   return st;
 }
 
+orchard_status orchard_device_train_local(orchard_device* dev, int64_t steps, int64_t batch_size, double learning_rate,
+                                          orchard_round_report* report) {
+  if (dev == nullptr) return ORCHARD_ERR_ARGUMENT;
+  return guarded(dev, [&] {
+    if (report == nullptr) throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "report is NULL");
+    if (steps < 1 || batch_size < 1 || !(learning_rate > 0))
+      throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "steps and batch_size must be >= 1 and learning_rate > 0");
+    require_open(dev);
+    *report = orchard_round_report{-1, 0, 0, 0, 0.0, NAN, 0};
+    if (dev->data.rows == 0)
+      throw orchard::Failure(ORCHARD_ERR_ARGUMENT, "no training data: call orchard_device_set_text first");
+    if (!dev->program) dev->program = std::make_unique<orchard::TrainingProgram>(dev->bundle.manifest);
+    // The bundle's adapter, by the program's parameter names (checked at open).
+    const auto& named = dev->bundle.config.at("adapter_safetensors");
+    const std::string path = dev->bundle.dir + "/" + named.at("name").get<std::string>();
+    const std::string bytes = orchard::read_file(path, ORCHARD_ERR_BUNDLE, " cannot be read");
+    const auto adapter = orchard::parse_safetensors(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), path,
+                                                    ORCHARD_ERR_BUNDLE);
+    std::map<std::string, std::vector<float>> start;
+    for (const auto& p : dev->bundle.manifest.parameters)
+      start[p.name] = adapter.at(orchard::peft_state_key(p.name)).values;
+    orchard::TrainConfig cfg;
+    cfg.steps = steps;
+    cfg.batch_size = batch_size;
+    cfg.learning_rate = learning_rate;
+    orchard::TrainResult r = orchard::train(*dev->program, dev->data, start, cfg, 0, nullptr);
+    *report = orchard_round_report{-1, 0, r.num_steps, r.num_examples, r.weight, r.train_loss, r.stopped ? 1 : 0};
+  });
+}
+
 const char* orchard_device_node_id(const orchard_device* dev) { return dev == nullptr ? "" : dev->node_id.c_str(); }
+
+orchard_status orchard_device_certificate(const orchard_device* dev, const uint8_t** data, size_t* len) {
+  if (dev == nullptr || data == nullptr || len == nullptr) return ORCHARD_ERR_ARGUMENT;
+  static const uint8_t kNone = 0;
+  const orchard::Enrolled* held = dev->identity && dev->identity->enrolled() ? &*dev->identity->enrolled() : nullptr;
+  *data = held != nullptr && !held->certificate.empty() ? held->certificate.data() : &kNone;
+  *len = held != nullptr ? held->certificate.size() : 0;
+  return ORCHARD_OK;
+}
+
+orchard_status orchard_device_traffic(const orchard_device* dev, int64_t* bytes_up, int64_t* bytes_down) {
+  if (dev == nullptr || bytes_up == nullptr || bytes_down == nullptr) return ORCHARD_ERR_ARGUMENT;
+  *bytes_up = dev->bytes_up + (dev->link ? dev->link->bytes_up() : 0);
+  *bytes_down = dev->bytes_down + (dev->link ? dev->link->bytes_down() : 0);
+  return ORCHARD_OK;
+}
 
 orchard_status orchard_device_cancel(orchard_device* dev) {
   if (dev == nullptr) return ORCHARD_ERR_ARGUMENT;
@@ -333,8 +404,7 @@ orchard_status orchard_device_reset_cancel(orchard_device* dev) {
   if (dev == nullptr) return ORCHARD_ERR_ARGUMENT;
   return guarded(dev, [&] {
     dev->cancelled.store(false);
-    std::lock_guard<std::mutex> g(dev->link_mu);
-    dev->link.reset();
+    drop_link(dev);
   });
 }
 

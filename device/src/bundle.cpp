@@ -206,6 +206,20 @@ Bundle read_bundle(const std::string& dir) {
     b.token = first == std::string::npos ? "" : token.substr(first, last - first + 1);
     if (b.token.empty()) throw Failure(ORCHARD_ERR_AUTH, tp + " is empty");
   }
+  if (b.config.contains("root_public_key") && !b.config["root_public_key"].is_null()) {
+    // The root's Ed25519 certificate key, hex: a Join answered with another is refused.
+    const std::string hex = str(b.config, "root_public_key", path, ORCHARD_ERR_BUNDLE);
+    const auto nibble = [](char c) { return c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1; };
+    bool ok = hex.size() == 64;
+    for (size_t i = 0; ok && i < hex.size(); i += 2) {
+      const int hi = nibble(hex[i]), lo = nibble(hex[i + 1]);
+      ok = hi >= 0 && lo >= 0;
+      if (ok) b.root_public_key.push_back(static_cast<uint8_t>(hi * 16 + lo));
+    }
+    if (!ok)
+      throw Failure(ORCHARD_ERR_BUNDLE, path + ": root_public_key must be 64 lowercase hex digits (32 bytes), got '" +
+                                            hex + "'; " + kRecreate);
+  }
   return b;
 }
 

@@ -45,6 +45,7 @@ struct Bundle {
   std::string server_address;
   std::string ca_pem;         // empty: no CA named (the system's roots)
   std::string token;          // empty: no token named
+  std::vector<uint8_t> root_public_key;  // the root's Ed25519 key, when client.json names it
   Manifest manifest;
 };
 

@@ -121,7 +121,132 @@ void encode_qsgd(std::vector<uint8_t>& out, const CodecSpec& spec, const TensorR
   for (uint64_t i = 0; i < n; ++i) out[at + (i * w) / 8] |= static_cast<uint8_t>(codes[i] << ((i * w) % 8));
 }
 
+// A payload read front to back, every read bounds-checked.
+struct Reader {
+  const uint8_t* p;
+  size_t n, at = 0;
+  std::string what;
+  const uint8_t* take(size_t k) {
+    if (k > n - at) throw Failure(ORCHARD_ERR_PROTOCOL, what + " ends early (a truncated payload)");
+    const uint8_t* out = p + at;
+    at += k;
+    return out;
+  }
+  uint8_t u8() { return *take(1); }
+  uint32_t u32() {
+    const uint8_t* b = take(4);
+    return static_cast<uint32_t>(b[0]) | static_cast<uint32_t>(b[1]) << 8 | static_cast<uint32_t>(b[2]) << 16 |
+           static_cast<uint32_t>(b[3]) << 24;
+  }
+};
+
+struct FieldView {
+  uint8_t kind, bits;
+  uint32_t count;
+  const uint8_t* data;
+};
+
+FieldView read_field(Reader& r) {
+  FieldView f{r.u8(), r.u8(), r.u32(), nullptr};
+  uint64_t bytes = 0;
+  if (f.kind == kKindPacked) {
+    if (f.bits < 1 || f.bits > 32) throw Failure(ORCHARD_ERR_PROTOCOL, r.what + " has a packed field of " +
+                                                                           std::to_string(f.bits) + " bits");
+    bytes = (static_cast<uint64_t>(f.count) * f.bits + 7) / 8;
+  } else if (f.kind == kKindF4) {
+    bytes = static_cast<uint64_t>(f.count) * 4;
+  } else if (f.kind == kKindF2) {
+    bytes = static_cast<uint64_t>(f.count) * 2;
+  } else {
+    throw Failure(ORCHARD_ERR_PROTOCOL, r.what + " has a field of kind " + std::to_string(f.kind) +
+                                            ", which no codec this client decodes uses");
+  }
+  f.data = r.take(static_cast<size_t>(bytes));
+  return f;
+}
+
+float f32_at(const uint8_t* b) {
+  const uint32_t u = static_cast<uint32_t>(b[0]) | static_cast<uint32_t>(b[1]) << 8 |
+                     static_cast<uint32_t>(b[2]) << 16 | static_cast<uint32_t>(b[3]) << 24;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (mant << 13);
+  } else if (mant == 0) {
+    bits = sign;
+  } else {  // a subnormal half is a normal float
+    int e = -1;
+    do {
+      ++e;
+      mant <<= 1;
+    } while ((mant & 0x400u) == 0);
+    bits = sign | (static_cast<uint32_t>(112 - e) << 23) | ((mant & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 }  // namespace
+
+std::vector<float> decode_payload(const CodecSpec& spec, const uint8_t* data, size_t n,
+                                  const std::vector<uint32_t>& shape, const std::string& name) {
+  Reader r{data, n, 0, "the payload of tensor '" + name + "'"};
+  const uint8_t* magic = r.take(2);
+  if (magic[0] != 'O' || magic[1] != 'Z') throw Failure(ORCHARD_ERR_PROTOCOL, r.what + " is not an Orchard payload");
+  const uint8_t wire = r.u8(), codec = r.u8(), version = r.u8();
+  if (wire != kWireVersion || version != kCodecVersion)
+    throw Failure(ORCHARD_ERR_PROTOCOL, r.what + " is of wire version " + std::to_string(wire) + ", codec version " +
+                                            std::to_string(version) + "; this client reads 1 and 1");
+  const uint8_t want = spec.name == "float32" ? kCodecFloat32 : spec.name == "float16" ? kCodecFloat16 : kCodecQsgd;
+  if (codec != want)
+    throw Failure(ORCHARD_ERR_PROTOCOL, r.what + " is of codec id " + std::to_string(codec) + ", not " + spec.name);
+  const uint8_t ndim = r.u8();
+  std::vector<uint32_t> got(ndim);
+  for (uint32_t& d : got) d = r.u32();
+  if (got != shape) throw Failure(ORCHARD_ERR_PROTOCOL, r.what + " has another shape than the tensor it updates");
+  const uint64_t size = numel(shape);
+  const uint8_t nfields = r.u8();
+  std::vector<FieldView> fields;
+  for (uint8_t i = 0; i < nfields; ++i) fields.push_back(read_field(r));
+  if (r.at != n) throw Failure(ORCHARD_ERR_PROTOCOL, r.what + " has bytes after its last field");
+  std::vector<float> out(size);
+  if (codec == kCodecFloat32 || codec == kCodecFloat16) {
+    const uint8_t kind = codec == kCodecFloat32 ? kKindF4 : kKindF2;
+    if (fields.size() != 1 || fields[0].kind != kind || fields[0].count != size)
+      throw Failure(ORCHARD_ERR_PROTOCOL, r.what + " does not hold " + std::to_string(size) + " " + spec.name + " values");
+    for (uint64_t i = 0; i < size; ++i)
+      out[i] = kind == kKindF4 ? f32_at(fields[0].data + 4 * i)
+                               : half_to_float(static_cast<uint16_t>(fields[0].data[2 * i] | fields[0].data[2 * i + 1] << 8));
+    return out;
+  }
+  // qsgd: scales (one per block, or the fixed one), then codes packed at `bits`.
+  const uint64_t block = (spec.block == 0 || spec.fixed) ? std::max<uint64_t>(size, 1) : spec.block;
+  const uint64_t blocks = spec.fixed ? 1 : (size + block - 1) / block;
+  if (fields.size() != 2 || fields[0].kind != kKindF4 || fields[0].count != blocks || fields[1].kind != kKindPacked ||
+      fields[1].bits != spec.bits || fields[1].count != size)
+    throw Failure(ORCHARD_ERR_PROTOCOL, r.what + " is not qsgd with " + std::to_string(spec.bits) + "-bit codes and " +
+                                            std::to_string(blocks) + " scales");
+  const double levels = static_cast<double>((1u << spec.bits) - 1);
+  const unsigned w = static_cast<unsigned>(spec.bits);
+  const uint8_t mask = static_cast<uint8_t>((1u << w) - 1);
+  for (uint64_t i = 0; i < size; ++i) {
+    const double scale = static_cast<double>(f32_at(fields[0].data + 4 * (spec.fixed ? 0 : i / block)));
+    const double step = scale * (2 / levels);
+    const uint8_t code = static_cast<uint8_t>((fields[1].data[(i * w) / 8] >> ((i * w) % 8)) & mask);
+    // quantize.dequantize, one summand: s * (2 J / L - 1) as J * step - s in float64.
+    out[i] = static_cast<float>(static_cast<double>(code) * step - scale);
+  }
+  return out;
+}
 
 uint16_t float_to_half(float f) {
   uint32_t x;

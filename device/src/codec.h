@@ -43,6 +43,13 @@ uint64_t numel(const std::vector<uint32_t>& shape);
 // for a value the codec cannot carry (non-finite, beyond float16's range).
 EncodedUpdate encode_update(const CodecSpec& spec, const std::vector<TensorRef>& tensors, uint64_t seed);
 
+// compression.decode_update for one payload of the codecs above (one summand): the
+// tensor's float32 values, in numpy's arithmetic (qsgd's dequantize computes in float64
+// and rounds once). Throws Failure(ORCHARD_ERR_PROTOCOL) for a payload that is malformed,
+// of another codec or params, or of another shape.
+std::vector<float> decode_payload(const CodecSpec& spec, const uint8_t* data, size_t n,
+                                  const std::vector<uint32_t>& shape, const std::string& name);
+
 // IEEE binary16 bits of `f`, rounded to nearest even (numpy's float32 -> float16 cast).
 uint16_t float_to_half(float f);
 

@@ -10,6 +10,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "downlink.h"
 #include "failure.h"
 #include "orchard/v1/orchard.grpc.pb.h"
 #include "sha256.h"
@@ -30,17 +31,20 @@ std::string lower(std::string s) {
 }
 
 bool transient(grpc::StatusCode c) {
+  // CANCELLED too, as the Python link has it: a server that stops cancels its calls.
   return c == grpc::UNAVAILABLE || c == grpc::DEADLINE_EXCEEDED || c == grpc::RESOURCE_EXHAUSTED ||
-         c == grpc::INTERNAL || c == grpc::UNKNOWN;
+         c == grpc::INTERNAL || c == grpc::UNKNOWN || c == grpc::CANCELLED;
 }
 
 // The ABI status and message of a failed call.
 [[noreturn]] void fail(const char* what, const grpc::Status& st, bool cancelled) {
   const std::string details = st.error_message();
   const std::string where = std::string(what) + ": ";
-  if (cancelled || st.error_code() == grpc::CANCELLED)
-    throw Failure(ORCHARD_ERR_CANCELLED, where + "cancelled");
+  if (cancelled) throw Failure(ORCHARD_ERR_CANCELLED, where + "cancelled");
   switch (st.error_code()) {
+    case grpc::CANCELLED:  // not by the app (that is `cancelled`): the server ended the call
+      throw Failure(ORCHARD_ERR_UNAVAILABLE, where + "the server is unreachable or stopped answering: it ended the "
+                                                     "call (" + details + ")");
     case grpc::UNAUTHENTICATED:
     case grpc::PERMISSION_DENIED:
       throw Failure(ORCHARD_ERR_AUTH, where + "the server refused the credential: " + details +
@@ -109,8 +113,8 @@ struct Link::Impl {
   struct Call {
     Impl& impl;
     grpc::ClientContext ctx;
-    Call(Impl& i, const LinkOptions& o, double timeout_s) : impl(i) {
-      if (!o.token.empty()) ctx.AddMetadata("authorization", "Bearer " + o.token);
+    Call(Impl& i, const std::string& secret, double timeout_s) : impl(i) {
+      if (!secret.empty()) ctx.AddMetadata("authorization", "Bearer " + secret);
       ctx.set_deadline(std::chrono::system_clock::now() +
                        std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
       std::lock_guard<std::mutex> g(impl.mu);
@@ -124,6 +128,14 @@ struct Link::Impl {
 };
 
 Link::Link(LinkOptions options) : impl_(new Impl), options_(std::move(options)), node_id_(options_.node_id) {
+  if (options_.identity == nullptr) throw Failure(ORCHARD_ERR_INTERNAL, "a link needs the device's identity");
+  const auto& held = options_.identity->enrolled();
+  if (held && !options_.node_id.empty() && options_.node_id != held->node_id)
+    throw Failure(ORCHARD_ERR_ARGUMENT, options_.identity->directory() + " holds node '" + held->node_id +
+                                            "''s identity, not '" + options_.node_id +
+                                            "''s: drop the node_id option or use another data dir");
+  if (held) node_id_ = held->node_id;
+  secret_ = held ? held->credential : options_.token;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(static_cast<int>(kMaxChunk + (64 << 10)));
   args.SetMaxSendMessageSize(static_cast<int>(kMaxChunk + (64 << 10)));
@@ -182,17 +194,54 @@ void retry(Link& link, const LinkOptions& o, std::mt19937_64& jitter, const char
 }  // namespace
 
 void Link::join(const DeviceState& device) {
+  try {
+    join_once(device, false);
+  } catch (const Failure& f) {
+    const auto held = options_.identity->enrolled();
+    if (f.code() != ORCHARD_ERR_AUTH || !held || options_.token.empty() || options_.token == held->credential) throw;
+    // The credential kept was refused (revoked): the bundle's token enrolls the device
+    // again. The credential is kept until a new one replaces it.
+    secret_ = options_.token;
+    try {
+      join_once(device, true);
+    } catch (...) {
+      secret_ = held->credential;
+      throw;
+    }
+  }
+}
+
+void Link::join_once(const DeviceState& device, bool enrolling) {
+  NodeIdentity& id = *options_.identity;
   pb::JoinRequest req;
   req.set_node_id(node_id_);
   req.set_role("client");
   device_to_proto(device, req.mutable_device());
   if (!options_.task.empty()) (*req.mutable_capabilities())["task"] = options_.task;
   (*req.mutable_capabilities())["trainer"] = "executorch-native";
+  req.set_device_public_key(std::string(id.public_key().begin(), id.public_key().end()));
+  if ((enrolling || !id.enrolled()) && !secret_.empty()) {
+    const Bytes proof = id.sign(enrollment_message("client", node_id_, secret_));
+    req.set_key_proof(std::string(proof.begin(), proof.end()));
+  }
   pb::JoinReply reply;
   retry(*this, options_, impl_->jitter, "join", [&] {
-    Impl::Call call(*impl_, options_, options_.call_timeout_s);
+    Impl::Call call(*impl_, secret_, options_.call_timeout_s);
     return impl_->stub->Join(&call.ctx, req, &reply);
   }, nullptr);
+  const Bytes root_key(reply.root_public_key().begin(), reply.root_public_key().end());
+  if (!options_.root_public_key.empty() && !root_key.empty() && root_key != options_.root_public_key)
+    throw Failure(ORCHARD_ERR_AUTH, "join: the server answered with another root key than the bundle names: "
+                                    "another federation, or an impostor");
+  const Bytes cert(reply.certificate().begin(), reply.certificate().end());
+  if (!reply.credential().empty()) {
+    // Kept (on disk, with a data dir) before it is used: a device never holds a
+    // credential it could lose by stopping.
+    id.save(Enrolled{reply.node_id(), reply.credential(), cert, root_key});
+    secret_ = reply.credential();
+  } else if (!cert.empty()) {
+    id.refresh(cert, root_key);
+  }
   node_id_ = reply.node_id();
   if (reply.heartbeat_s() > 0) heartbeat_s_ = reply.heartbeat_s();
   if (reply.long_poll_s() > 0) long_poll_s_ = reply.long_poll_s();
@@ -207,7 +256,7 @@ Poll Link::poll(const DeviceState& device, double wait_s) {
     req.set_node_id(node_id_);
     device_to_proto(device, req.mutable_device());
     req.set_wait_s(wait);
-    Impl::Call call(*impl_, options_, wait + 15);
+    Impl::Call call(*impl_, secret_, wait + 15);
     return impl_->stub->Poll(&call.ctx, req, &reply);
   }, [&] { join(device); });
   Poll out;
@@ -239,7 +288,7 @@ bool Link::heartbeat(const std::string& task_id, const DeviceState& device, doub
   req.set_task_id(task_id);
   req.set_progress(progress);
   pb::HeartbeatReply reply;
-  Impl::Call call(*impl_, options_, 10.0);
+  Impl::Call call(*impl_, secret_, 10.0);
   grpc::Status st = impl_->stub->Heartbeat(&call.ctx, req, &reply);
   if (!st.ok()) {
     if (cancelled_.load()) throw Failure(ORCHARD_ERR_CANCELLED, "heartbeat: cancelled");
@@ -249,48 +298,92 @@ bool Link::heartbeat(const std::string& task_id, const DeviceState& device, doub
   return reply.task_still_wanted();
 }
 
-Bytes Link::pull_model(const std::string& model_hash) {
+// One PullModel reply, resumed after breaks: its bytes and its first chunk's header.
+struct Link::Stream {
   Bytes blob;
+  std::string blob_sha, delta_from, target_hash, result_sha, encoding;
+};
+
+Link::Stream Link::stream_model(const std::string& model_hash, const std::string& have_hash) {
+  Stream s;
   int64_t total = -1;
-  std::string blob_sha;
+  bool head = false;
   retry(*this, options_, impl_->jitter, "pull model", [&] {
     pb::PullModelRequest req;
     req.set_node_id(node_id_);
     req.set_model_hash(model_hash);
-    req.set_offset(static_cast<int64_t>(blob.size()));  // resume where the last try broke
-    Impl::Call call(*impl_, options_, options_.call_timeout_s * 4);
+    req.set_have_hash(have_hash);
+    req.set_offset(static_cast<int64_t>(s.blob.size()));  // resume where the last try broke
+    Impl::Call call(*impl_, secret_, options_.call_timeout_s * 4);
     auto reader = impl_->stub->PullModel(&call.ctx, req);
     pb::Chunk ch;
     while (reader->Read(&ch)) {
-      if (ch.offset() != static_cast<int64_t>(blob.size()))
+      if (ch.offset() != static_cast<int64_t>(s.blob.size()))
         throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: a chunk at offset " + std::to_string(ch.offset()) +
-                                                ", expected " + std::to_string(blob.size()));
-      if (!ch.delta_from().empty())
-        throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: the server sent a delta to a pull that offered no base");
-      if (blob_sha.empty()) {
-        blob_sha = ch.blob_sha256();
-      } else if (ch.blob_sha256() != blob_sha) {
+                                                ", expected " + std::to_string(s.blob.size()));
+      if (!head) {
+        head = true;
+        s.blob_sha = ch.blob_sha256();
+        s.delta_from = ch.delta_from();
+        s.target_hash = ch.target_hash();
+        s.result_sha = ch.result_sha256();
+        s.encoding = ch.encoding();
+      } else if (ch.blob_sha256() != s.blob_sha) {
+        // A resumed stream must continue the same blob (the server changed its answer).
         throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: the stream changed blobs while resuming");
       }
-      blob.insert(blob.end(), ch.data().begin(), ch.data().end());
+      s.blob.insert(s.blob.end(), ch.data().begin(), ch.data().end());
       bytes_down_ += static_cast<int64_t>(ch.data().size());
       total = ch.total_bytes();
     }
     return reader->Finish();
   }, nullptr);
-  if (total >= 0 && static_cast<int64_t>(blob.size()) != total)
-    throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: the stream ended after " + std::to_string(blob.size()) + " of " +
+  if (total >= 0 && static_cast<int64_t>(s.blob.size()) != total)
+    throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: the stream ended after " + std::to_string(s.blob.size()) + " of " +
                                             std::to_string(total) + " bytes");
-  if (sha256_hex(blob.data(), blob.size()) != model_hash)
+  return s;
+}
+
+HeldModel Link::pull_model(const std::string& model_hash, const HeldModel* held) {
+  if (held != nullptr && held->model_hash == model_hash) return *held;
+  if (held != nullptr && !held->blob.empty()) {
+    try {
+      Stream s = stream_model(model_hash, held->sha256);
+      const std::string got = sha256_hex(s.blob.data(), s.blob.size());
+      if (s.delta_from.empty()) {  // the server chose the full model
+        if (got != model_hash)
+          throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: the model blob does not match its sha256");
+        return {model_hash, std::move(s.blob), model_hash};
+      }
+      if (s.delta_from != held->sha256 || s.target_hash != model_hash)
+        throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: a delta from " + s.delta_from.substr(0, 12) + " to " +
+                                                s.target_hash.substr(0, 12) + ", asked from " +
+                                                held->sha256.substr(0, 12) + " to " + model_hash.substr(0, 12));
+      if (got != s.blob_sha) throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: the delta does not match its sha256");
+      Bytes result = apply_downlink_delta(held->blob, s.blob, s.encoding);
+      if (sha256_hex(result.data(), result.size()) != s.result_sha)
+        throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: the model rebuilt from the delta does not match the hash "
+                                            "the server stated");
+      return {model_hash, std::move(result), s.result_sha};
+    } catch (const Failure& f) {
+      // Only a delta that fails its checks falls back; a lost server or a cancel does not.
+      if (f.code() != ORCHARD_ERR_PROTOCOL) throw;
+      last_delta_refusal_ = f.what();
+    }
+  }
+  Stream s = stream_model(model_hash, "");
+  if (!s.delta_from.empty())
+    throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: the server sent a delta to a pull that offered no base");
+  if (sha256_hex(s.blob.data(), s.blob.size()) != model_hash)
     throw Failure(ORCHARD_ERR_PROTOCOL, "pull model: the model blob does not match its sha256 " + model_hash +
                                             "; refusing it");
-  return blob;
+  return {model_hash, std::move(s.blob), model_hash};
 }
 
 void Link::push_update(const UploadHeader& header, const Bytes& payload) {
   retry(*this, options_, impl_->jitter, "push update", [&] {
     pb::UploadReply reply;
-    Impl::Call call(*impl_, options_, options_.call_timeout_s * 4);
+    Impl::Call call(*impl_, secret_, options_.call_timeout_s * 4);
     auto writer = impl_->stub->PushUpdate(&call.ctx, &reply);
     pb::UploadPart part;
     header_to_proto(header, part.mutable_header());
@@ -303,6 +396,7 @@ void Link::push_update(const UploadHeader& header, const Bytes& payload) {
     }
     writer->WritesDone();
     grpc::Status st = writer->Finish();
+    if (st.ok()) bytes_up_ += static_cast<int64_t>(payload.size());
     if (st.ok() && !reply.accepted())
       throw Failure(ORCHARD_ERR_REFUSED, "push update: the server refused the update: " + reply.reason());
     return st;
@@ -322,7 +416,7 @@ SecAggReply Link::secagg(const Task& t, int stage, const Bytes& message, const U
     req.set_message(std::string(message.begin(), message.end()));
     req.set_wait_s(wait_s);
     if (header != nullptr) header_to_proto(*header, req.mutable_header());
-    Impl::Call call(*impl_, options_, wait_s + 15);
+    Impl::Call call(*impl_, secret_, wait_s + 15);
     return impl_->stub->SecAgg(&call.ctx, req, &reply);
   }, nullptr);
   SecAggReply out;

@@ -1,8 +1,15 @@
 // The dial-out side of Fleet (orchard/link.py): Join, Poll (long poll), PullModel
 // (chunked, resumed after breaks, sha256-checked), Heartbeat, PushUpdate (chunked) and
-// SecAgg, over TLS verified against the bundle's CA, with the enrollment token as
-// `authorization: Bearer` metadata. Blocking calls; cancel() from any thread ends the
-// call in flight with ORCHARD_ERR_CANCELLED.
+// SecAgg, over TLS verified against the bundle's CA. Blocking calls; cancel() from any
+// thread ends the call in flight with ORCHARD_ERR_CANCELLED.
+//
+// Enrollment (docs/operating.md, "Device credentials"), as orchard/link.py does it: the
+// first Join sends the device's Ed25519 public key and its proof (the signature of
+// enrollment_message) with the enrollment token as `authorization: Bearer`; the reply's
+// credential is kept (NodeIdentity, on disk before it is used) and is the bearer secret
+// of every call from then on. A later Join with a kept credential resumes that node. A
+// kept credential the server refuses, while the bundle's token differs from it, enrolls
+// the device again with the token.
 //
 // gRPC statuses become ABI statuses: UNAUTHENTICATED and PERMISSION_DENIED ->
 // ORCHARD_ERR_AUTH; UNAVAILABLE and DEADLINE_EXCEEDED -> ORCHARD_ERR_UNAVAILABLE, or
@@ -20,6 +27,7 @@
 #include <vector>
 
 #include "crypto.h"
+#include "identity.h"
 #include "policy.h"
 
 namespace orchard {
@@ -28,7 +36,9 @@ struct LinkOptions {
   std::string target;     // HOST:PORT
   std::string ca_pem;     // empty: plaintext (loopback development only; `insecure` must say so)
   bool insecure = false;
-  std::string token;      // empty: none
+  std::string token;      // the enrollment token; empty: none
+  NodeIdentity* identity = nullptr;  // the device's key and enrollment (not owned); required
+  Bytes root_public_key;  // the root's key the bundle names (empty: none): another is refused
   std::string node_id;    // empty: the server assigns one
   std::string task;       // capabilities["task"]
   int attempts = 4;       // tries of a call that fails transiently
@@ -76,6 +86,15 @@ struct SecAggReply {
   std::string aborted;
 };
 
+// A model blob a node holds: the global model `model_hash` names, exact (sha256 ==
+// model_hash) or rebuilt from a downlink delta (sha256: the reconstruction's, which is
+// what the node offers as its base next time).
+struct HeldModel {
+  std::string model_hash;
+  Bytes blob;
+  std::string sha256;
+};
+
 class Link {
  public:
   explicit Link(LinkOptions options);
@@ -84,7 +103,11 @@ class Link {
   void join(const DeviceState& device);
   Poll poll(const DeviceState& device, double wait_s);
   bool heartbeat(const std::string& task_id, const DeviceState& device, double progress);
-  Bytes pull_model(const std::string& model_hash);
+  // The model for `model_hash`: `held` itself when it is that model; else, when a model
+  // is held, a downlink delta from it if the server sends one (checked against the
+  // hashes the server states; a delta that fails any check is dropped and the full
+  // model pulled); else the full model. Streams resume at the byte they broke at.
+  HeldModel pull_model(const std::string& model_hash, const HeldModel* held);
   void push_update(const UploadHeader& header, const Bytes& payload);
   SecAggReply secagg(const Task& t, int stage, const Bytes& message, const UploadHeader* header, double wait_s);
 
@@ -96,15 +119,24 @@ class Link {
   double long_poll_s() const { return long_poll_s_; }
   int64_t max_chunk_bytes() const { return max_chunk_bytes_; }
   int64_t bytes_down() const { return bytes_down_; }
+  int64_t bytes_up() const { return bytes_up_; }
+  // Why the last downlink delta was dropped for the full model ("" if none was).
+  const std::string& last_delta_refusal() const { return last_delta_refusal_; }
 
  private:
+  void join_once(const DeviceState& device, bool enrolling);
+  struct Stream;
+  Stream stream_model(const std::string& model_hash, const std::string& have_hash);
+
   struct Impl;
   std::unique_ptr<Impl> impl_;
   LinkOptions options_;
   std::string node_id_;
+  std::string last_delta_refusal_;
+  std::string secret_;  // the bearer secret: the credential once enrolled, else the token
   double heartbeat_s_ = 10.0, long_poll_s_ = 20.0;
   int64_t max_chunk_bytes_ = 4 << 20;
-  int64_t bytes_down_ = 0;
+  int64_t bytes_down_ = 0, bytes_up_ = 0;
   std::atomic<bool> cancelled_{false};
 };
 

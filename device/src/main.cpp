@@ -2,7 +2,7 @@
 // else), the reference for how an app drives the library.
 //
 //   orchard-device BUNDLE [--data TEXT_FILE] [--rounds N] [--wait SECONDS]
-//                         [--server HOST:PORT] [--node-id ID] [--attempts N] [--insecure]
+//                         [--server HOST:PORT] [--node-id ID] [--attempts N] [--data-dir DIR] [--insecure]
 //
 // Without --data it joins and exits; with it, it serves N rounds (default 1), waiting
 // up to --wait seconds (default 600) for each task.
@@ -22,7 +22,7 @@
 static int usage() {
   std::fprintf(stderr,
                "usage: orchard-device BUNDLE [--data TEXT_FILE] [--rounds N] [--wait SECONDS] [--server HOST:PORT] "
-               "[--node-id ID] [--attempts N] [--insecure]\n");
+               "[--node-id ID] [--attempts N] [--data-dir DIR] [--insecure]\n");
   return ORCHARD_ERR_ARGUMENT;
 }
 
@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
   for (int i = 2; i < argc; ++i) {
     const std::string a = argv[i];
     const char* option = a == "--server" ? "server_address" : a == "--node-id" ? "node_id"
-                       : a == "--attempts" ? "attempts" : nullptr;
+                       : a == "--attempts" ? "attempts" : a == "--data-dir" ? "data_dir" : nullptr;
     if (option != nullptr && i + 1 < argc) {
       st = orchard_device_set_option(dev, option, argv[++i]);
     } else if (a == "--insecure") {
@@ -79,10 +79,13 @@ int main(int argc, char** argv) {
       orchard_round_report rep;
       st = orchard_device_participate(dev, wait_s, &rep);
       if (st != ORCHARD_OK) return report(dev, st);
-      std::printf("round %lld: %s steps=%lld examples=%lld weight=%g loss=%.4f%s%s\n",
+      int64_t up = 0, down = 0;
+      orchard_device_traffic(dev, &up, &down);
+      std::printf("round %lld: %s steps=%lld examples=%lld weight=%g loss=%.4f bytes_up=%lld bytes_down=%lld%s%s\n",
                   static_cast<long long>(rep.round), rep.uploaded ? "uploaded" : "no upload",
                   static_cast<long long>(rep.num_steps), static_cast<long long>(rep.num_examples), rep.weight,
-                  rep.train_loss, rep.uploaded ? "" : " ", rep.uploaded ? "" : orchard_device_errmsg(dev));
+                  rep.train_loss, static_cast<long long>(up), static_cast<long long>(down), rep.uploaded ? "" : " ",
+                  rep.uploaded ? "" : orchard_device_errmsg(dev));
       std::fflush(stdout);
     }
   }

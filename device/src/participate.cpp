@@ -43,6 +43,12 @@ class HeartbeatGate : public StepGate {
   bool unwanted_ = false;
 };
 
+std::string shape_text(const std::vector<uint64_t>& shape) {
+  std::string out = "[";
+  for (size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
 std::string weighting_of(const nlohmann::json& cfg) {
   const nlohmann::json cohort = cfg.value("cohort", nlohmann::json::object());
   return cohort.is_object() ? cohort.value("weighting", std::string("examples")) : "examples";
@@ -89,14 +95,35 @@ RoundReport participate(Participant& p, double max_wait_s) {
     throw Failure(ORCHARD_ERR_REFUSED, "the run trains task '" + cfg.value("task", std::string()) +
                                            "', the bundle's training program is for '" + p.bundle.manifest.task + "'");
   const CodecSpec codec = CodecSpec::from_json(cfg.value("codec", nlohmann::json::object()));
-  // The global model: the trained tensors, by the schema's names.
-  const Bytes blob = p.link.pull_model(t.model_hash);
-  const auto tensors = parse_safetensors(blob.data(), blob.size(), "the model blob", ORCHARD_ERR_PROTOCOL);
+  // The global model (or its reconstruction from a downlink delta, from which the
+  // update is then taken: client/update.delta_of), kept as the next pull's base.
+  HeldModel pulled = p.link.pull_model(t.model_hash, p.held);
+  if (p.held != nullptr) *p.held = std::move(pulled);
+  const HeldModel& model = p.held != nullptr ? *p.held : pulled;
+  const auto tensors = parse_safetensors(model.blob.data(), model.blob.size(), "the model blob", ORCHARD_ERR_PROTOCOL);
+  // The schema must describe the model the server sent and the tensors the program
+  // trains, shape for shape: the update is laid out by it.
+  std::map<std::string, std::vector<uint64_t>> trained;
+  for (const TensorDecl& d : p.program.manifest().parameters) trained[d.name] = d.shape;
   std::map<std::string, std::vector<float>> global;
   for (const TensorSpec& s : t.schema) {
     auto it = tensors.find(s.name);
     if (it == tensors.end())
       throw Failure(ORCHARD_ERR_PROTOCOL, "the task's schema names '" + s.name + "', which the model blob lacks");
+    const std::vector<uint64_t> want(s.shape.begin(), s.shape.end());
+    const std::vector<uint64_t> held(it->second.shape.begin(), it->second.shape.end());
+    if (want != held)
+      throw Failure(ORCHARD_ERR_PROTOCOL, "the task's schema gives tensor '" + s.name + "' shape " + shape_text(want) +
+                                              ", the model blob holds " + shape_text(held));
+    auto p_it = trained.find(s.name);
+    if (p_it == trained.end())
+      throw Failure(ORCHARD_ERR_REFUSED, "the task's schema names tensor '" + s.name + "', which the bundle's "
+                                         "training program does not train: the run is of another model; re-create "
+                                         "the bundle for this run");
+    if (p_it->second != want)
+      throw Failure(ORCHARD_ERR_REFUSED, "the task's schema gives tensor '" + s.name + "' shape " + shape_text(want) +
+                                             ", the bundle's training program trains " + shape_text(p_it->second) +
+                                             ": re-create the bundle for this run");
     global[s.name] = it->second.values;
   }
   TrainConfig train_cfg = TrainConfig::from_json(cfg);

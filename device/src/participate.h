@@ -33,6 +33,7 @@ struct Participant {
   DeviceIO io;                   // the device's state and the clock
   uint64_t trainer_seed = 0;     // et_trainer's seed (the Python client's --seed)
   int64_t partition_id = 0;      // client/update.train_seed's partition
+  HeldModel* held = nullptr;     // the model kept from the last round (downlink deltas' base); may be null
 };
 
 // Serve one task. ORCHARD_ERR_NO_TASK when none came within max_wait_s (the device

@@ -112,10 +112,11 @@ DevicePolicy DevicePolicy::from_json(const nlohmann::json& j) {
       } else if (!name.empty() && (name[0] == '+' || name[0] == '-')) {
         win.offset_min = (name[0] == '-' ? -1 : 1) * parse_hhmm(name.substr(1), q.where + ".tz");
       } else {
-        // No time-zone database is linked: an app passes the zone's offset instead.
-        throw Failure(ORCHARD_ERR_BUNDLE, q.where + ".tz '" + name +
-                                              "' is an IANA zone, which this device client does not read: use "
-                                              "'UTC', an offset like '+05:30', or omit tz for the device's own zone");
+        try {
+          win.zone = TimeZone::load(name);
+        } catch (const Failure& f) {
+          throw Failure(ORCHARD_ERR_BUNDLE, q.where + ".tz: " + f.what());
+        }
       }
     }
     q.done();
@@ -156,7 +157,9 @@ DevicePolicy DevicePolicy::from_json(const nlohmann::json& j) {
 
 bool DailyWindow::contains(double wall_s) const {
   if (start_min == end_min) return true;
-  const double offset = local ? local_offset_s(wall_s) : 60.0 * offset_min;
+  const double offset = zone   ? static_cast<double>(zone->utc_offset(static_cast<int64_t>(std::floor(wall_s))))
+                        : local ? local_offset_s(wall_s)
+                                : 60.0 * offset_min;
   const double day_s = std::fmod(std::floor(wall_s + offset), 86400.0);
   const int minute = static_cast<int>((day_s < 0 ? day_s + 86400.0 : day_s) / 60.0);
   if (start_min < end_min) return start_min <= minute && minute < end_min;
@@ -165,6 +168,16 @@ bool DailyWindow::contains(double wall_s) const {
 
 double DailyWindow::next_start(double wall_s) const {
   if (contains(wall_s)) return wall_s;
+  if (zone) {
+    // As Python's aware datetimes do: today's start as a wall-clock time in the zone,
+    // else tomorrow's, each resolved to UTC with the offset in force then.
+    const int64_t t = static_cast<int64_t>(std::floor(wall_s));
+    const int64_t local_s = t + zone->utc_offset(t);
+    const int64_t midnight = (local_s >= 0 ? local_s / 86400 : (local_s - 86399) / 86400) * 86400;
+    int64_t candidate = zone->to_utc(midnight + 60 * static_cast<int64_t>(start_min));
+    if (static_cast<double>(candidate) <= wall_s) candidate = zone->to_utc(midnight + 86400 + 60 * static_cast<int64_t>(start_min));
+    return static_cast<double>(candidate);
+  }
   // As the Python window does: the offset in force at wall_s, kept for the next day.
   const double offset = local ? local_offset_s(wall_s) : 60.0 * offset_min;
   const double local_s = wall_s + offset;

@@ -7,11 +7,14 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "timezone.h"
 
 namespace orchard {
 
@@ -34,12 +37,14 @@ struct EligibilityConfig {
 };
 
 // A daily window [start, end) in minutes after midnight; tz: "" for the host's local
-// zone, else a fixed offset in minutes east of UTC ("UTC", "+05:30").
+// zone, a fixed offset in minutes east of UTC ("UTC", "+05:30"), or an IANA zone
+// ("Europe/Paris", read from the system's zoneinfo: timezone.h).
 struct DailyWindow {
   int start_min = 0;
   int end_min = 0;
   bool local = true;
   int offset_min = 0;
+  std::shared_ptr<const TimeZone> zone;  // set for an IANA zone
   std::string start, end;
   bool contains(double wall_s) const;
   double next_start(double wall_s) const;

@@ -4,6 +4,8 @@
 
 #include "check.h"
 #include "codec.h"
+#include "downlink.h"
+#include "sha256.h"
 #include "failure.h"
 #include "numpy_random.h"
 #include "vectors.h"
@@ -80,6 +82,50 @@ TEST(float16_rounds_to_nearest_even) {
   CHECK(orchard::float_to_half(std::ldexp(1.0f, -24)) == 0x0001);              // the least subnormal
   CHECK(orchard::float_to_half(std::ldexp(1.0f, -25)) == 0x0000);              // a tie, to even (zero)
   CHECK(orchard::float_to_half(65520.0f) == 0x7c00);
+}
+
+TEST(float_payloads_decode_to_their_values) {
+  for (auto& c : vectors::load("codec.json")) {
+    CodecSpec spec = CodecSpec::from_json(c["spec"]);
+    if (spec.name != "float32") continue;
+    std::vector<uint8_t> payload = vectors::unhex(c["payload"]);
+    size_t at = 0, i = 0;
+    for (auto& t : c["tensors"]) {
+      const uint64_t size = c["sizes"][i++].get<uint64_t>();
+      std::vector<float> got = orchard::decode_payload(spec, payload.data() + at, size,
+                                                       t["shape"].get<std::vector<uint32_t>>(), t["name"]);
+      CHECK(got == vectors::floats(t["values"]));
+      at += size;
+    }
+  }
+}
+
+// A downlink delta applied to its base rebuilds, byte for byte, the model the Python
+// tier says the node will hold (server/downlink.py).
+TEST(downlink_deltas_rebuild_the_servers_result) {
+  auto cases = vectors::load("downlink.json");
+  CHECK(cases.size() >= 2);
+  for (auto& c : cases) {
+    const std::vector<uint8_t> base = vectors::unhex(c["base"]), delta = vectors::unhex(c["delta"]);
+    const std::vector<uint8_t> got = orchard::apply_downlink_delta(base, delta, c["encoding"]);
+    const std::vector<uint8_t> want = vectors::unhex(c["result"]);
+    CHECK_MSG(got == want, vectors::first_difference(got, want));
+    CHECK(orchard::sha256_hex(got.data(), got.size()) == c["result_sha256"].get<std::string>());
+    // Damaged deltas are refused with a status, never read past.
+    std::vector<uint8_t> cut(delta.begin(), delta.end() - 9);
+    bool refused = false;
+    try {
+      orchard::apply_downlink_delta(base, cut, c["encoding"]);
+    } catch (const orchard::Failure& f) {
+      refused = f.code() == ORCHARD_ERR_PROTOCOL;
+    }
+    CHECK(refused);
+  }
+  // A delta against another base: it decodes, and the stated hash then catches it.
+  const std::vector<uint8_t> other =
+      orchard::apply_downlink_delta(vectors::unhex(cases[0]["result"]), vectors::unhex(cases[0]["delta"]),
+                                    cases[0]["encoding"]);
+  CHECK(orchard::sha256_hex(other.data(), other.size()) != cases[0]["result_sha256"].get<std::string>());
 }
 
 CHECK_MAIN()

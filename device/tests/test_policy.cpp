@@ -3,6 +3,7 @@
 // device states the same before_step answers, at the same clock times, after the same
 // readings, and the same report.
 #include <cmath>
+#include <cstdlib>
 
 #include "check.h"
 #include "failure.h"
@@ -87,6 +88,37 @@ TEST(governed_runs) {
   }
 }
 
+// Daily windows in IANA zones: the same answers as Python's zoneinfo from the same files.
+TEST(windows_in_iana_zones) {
+  auto v = vectors::load("policy.json");
+  CHECK(v["windows"].size() >= 500);
+  // The zone files Python read (its TZPATH, or the tzdata package where the host has none).
+  ::setenv("ORCHARD_ZONEINFO", v["zoneinfo_dir"].get<std::string>().c_str(), 1);
+  for (auto& c : v["windows"]) {
+    DevicePolicy p = DevicePolicy::from_json({{"window", c["window"]}});
+    const double wall = c["wall"].get<double>();
+    CHECK_MSG(p.window->contains(wall) == c["contains"].get<bool>(), c.dump());
+    CHECK_MSG(p.window->next_start(wall) == c["next_start"].get<double>(),
+              c.dump() + " got " + std::to_string(p.window->next_start(wall)));
+  }
+}
+
+// POSIX TZ rules past a zone's table, and the ones this client refuses.
+TEST(posix_tz_rules) {
+  TimeZone::Rule r;
+  CHECK(parse_posix_tz("CET-1CEST,M3.5.0,M10.5.0/3", &r) && r.std_offset == 3600 && r.dst_offset == 7200 &&
+        r.end.time_s == 3 * 3600);
+  CHECK(parse_posix_tz("<+0530>-5:30", &r) && r.std_offset == 19800 && !r.has_dst);
+  CHECK(parse_posix_tz("IST-2IDT,M3.4.4/26,M10.5.0", &r) && r.start.time_s == 26 * 3600);
+  CHECK(parse_posix_tz("<-03>3<-02>,M3.5.0/-2,M10.5.0/-1", &r) && r.start.time_s == -7200);
+  CHECK(parse_posix_tz("EST5EDT", &r) && r.has_dst && r.start.month == 3);
+  CHECK(parse_posix_tz("XXX3YYY,J60/2,300", &r) && r.start.kind == 'J' && r.end.kind == 'D');
+  CHECK(!parse_posix_tz("CET-1CEST,M13.5.0,M10.5.0", &r));
+  CHECK(!parse_posix_tz("C-1", &r));
+  CHECK(!parse_posix_tz("CET-1CEST,M3.5.0", &r));
+  CHECK(!parse_posix_tz("", &r));
+}
+
 TEST(policy_refusals) {
   auto refused = [](const char* text) {
     try {
@@ -100,7 +132,9 @@ TEST(policy_refusals) {
   CHECK(refused(R"({"pacing": {"min_duty": 0}})"));
   CHECK(refused(R"({"budget": {"max_steps": 0}})"));
   CHECK(refused(R"({"window": {"start": "25:00"}})"));
-  CHECK(refused(R"({"window": {"start": "01:00", "end": "02:00", "tz": "Europe/Paris"}})"));
+  CHECK(refused(R"({"window": {"start": "01:00", "end": "02:00", "tz": "Europe/Nowhere"}})"));
+  CHECK(refused(R"({"window": {"start": "01:00", "end": "02:00", "tz": "../../etc/passwd"}})"));
+  CHECK(!refused(R"({"window": {"start": "01:00", "end": "02:00", "tz": "Europe/Paris"}})"));
   CHECK(refused(R"({"surprise": 1})"));
   CHECK(refused(R"({"eligibility": {"require_idle": "yes"}})"));
   CHECK(!refused(R"({"window": {"start": "23:00", "end": "06:00", "tz": "+05:30"}})"));

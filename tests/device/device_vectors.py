@@ -366,7 +366,47 @@ def policy_vectors() -> dict[str, Any]:
     steady = [DeviceState(None, None, None, True, True)]
     runs.append(_run_governor(DevicePolicy.model_validate({"budget": {"time_s": 10.0}}), steady, 3.0, 1.0, 1.75e9))
     runs.append(_run_governor(DevicePolicy.model_validate({"budget": {"max_steps": 5}}), steady, 0.5, 2.0, 1.75e9))
-    return {"eligibility": eligibility, "runs": runs}
+    return {"eligibility": eligibility, "runs": runs, "windows": window_vectors(), "zoneinfo_dir": zoneinfo_dir()}
+
+
+ZONES = ("Europe/Paris", "America/New_York", "Australia/Sydney", "Asia/Kolkata", "America/Sao_Paulo",
+         "Pacific/Chatham", "Europe/London", "Africa/Casablanca", "UTC")
+
+
+def zoneinfo_dir() -> str:
+    """Where Python's zoneinfo finds the zones (its TZPATH, else the tzdata package): the
+    native test reads the same files, so the two agree on a host without /usr/share/zoneinfo."""
+    import importlib.resources
+    import zoneinfo
+
+    for d in zoneinfo.TZPATH:
+        if all((Path(d) / z).is_file() for z in ZONES if z != "UTC"):
+            return d
+    return str(importlib.resources.files("tzdata") / "zoneinfo")
+
+
+def window_vectors() -> list[dict[str, Any]]:
+    """Daily windows in IANA zones (the system's zoneinfo, as Python's zoneinfo reads it):
+    contains and next_start at times around daylight-time changes and past 2037, where
+    the zone's table ends and its TZ rule takes over."""
+    import datetime as dt
+
+    from orchard.edge_runtime.policy import DailyWindow
+
+    g = np.random.default_rng(44)
+    out = []
+    for zone in ZONES:
+        for start, end in (("01:00", "06:00"), ("23:00", "02:30"), ("02:30", "03:15"), ("09:00", "17:00")):
+            w = DailyWindow(start=start, end=end, tz=zone)
+            # Spread over 1990-2060, and dense around late March and late October.
+            times = [float(g.integers(631152000, 2840140800)) for _ in range(12)]
+            for year in (2024, 2031, 2045):
+                for month_day in ((3, 9), (3, 30), (4, 6), (10, 6), (10, 27), (11, 3)):
+                    base = dt.datetime(year, *month_day, tzinfo=dt.UTC).timestamp()
+                    times += [base + float(g.integers(-86400, 86400)) for _ in range(2)]
+            out += [{"window": {"start": start, "end": end, "tz": zone}, "wall": t, "contains": w.contains(t),
+                     "next_start": w.next_start(t)} for t in times]
+    return out
 
 
 def _secagg_session(n: int, d: int, k: int, t: int, bits: int, drop_after_shares: list[str],
@@ -482,6 +522,26 @@ def training_vectors(directory: Path) -> dict[str, Any]:
     return out
 
 
+def downlink_vectors() -> list[dict[str, Any]]:
+    """Model deltas as a tier serves them (server.downlink.encode_delta_reply): the base,
+    the delta and the sha256 and bytes of the model the node must rebuild from them."""
+    from orchard import wire
+    from orchard.server.downlink import encode_delta_reply
+
+    g = np.random.default_rng(11)
+    out = []
+    for shapes in ({"b.weight": (5000,), "a.lora_A": (3, 4), "c": (1,)}, {"w": (4096, 2), "v": (7,)}):
+        base = {k: g.standard_normal(s).astype(np.float32) for k, s in shapes.items()}
+        target = {k: v + 0.01 * g.standard_normal(v.shape).astype(np.float32) for k, v in base.items()}
+        base_blob, target_blob = wire.arrays_to_blob(base), wire.arrays_to_blob(target)
+        got = encode_delta_reply(base_blob, wire.sha256_hex(base_blob), target_blob, wire.sha256_hex(target_blob))
+        assert got is not None
+        reply, result = got
+        out.append({"base": base_blob.hex(), "delta": reply.blob.hex(), "encoding": reply.encoding,
+                    "result_sha256": reply.result_sha256, "result": result.hex()})
+    return out
+
+
 def write_all(directory: str | Path) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
@@ -490,6 +550,7 @@ def write_all(directory: str | Path) -> Path:
     (d / "bundle.json").write_text(json.dumps(bundle_vectors(d)))
     (d / "policy.json").write_text(json.dumps(policy_vectors()))
     (d / "secagg.json").write_text(json.dumps(secagg_vectors()))
+    (d / "downlink.json").write_text(json.dumps(downlink_vectors()))
     training_vectors(d)
     return d
 

@@ -68,10 +68,10 @@ def fresh_root(tmp_path: Path) -> Iterator[tuple[TierHandle, Path]]:
     yield from _serve_root(tmp_path / "fresh")
 
 
-def _token(data: Path, revoke: bool = False) -> str:
+def _token(data: Path, revoke: bool = False, device: bool = False) -> str:
     st = SQLiteStore(data / "orchard.db")
     try:
-        tok = st.issue_token("client")
+        tok = st.issue_token("client", device=device)
         if revoke:
             assert st.revoke_token(hash_token(tok))
         return tok
@@ -95,6 +95,58 @@ def test_join_over_tls_with_the_bundle_token(command: Path, root, tmp_path: Path
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "joined as native-7"
     assert "native-7" in handle.coordinator.children
+
+
+def test_enrollment_keeps_the_key_and_credential_owner_only(command: Path, root, tmp_path: Path) -> None:
+    """The first join enrolls the device's own Ed25519 key with a one-time device token;
+    the credential and certificate come back and are kept beside the key, owner-only, in
+    the Python client's layout; a restart with the same data dir resumes the node on its
+    credential alone (the token now spent, the bundle's token even replaced by garbage)."""
+    from orchard.identity import NodeIdentity, verify_certificate
+
+    handle, data = root
+    ca = Path(handle.ca_cert).read_text()
+    b = _bundle(tmp_path, "enroll", handle.address, ca, _token(data, device=True))
+    state = tmp_path / "device-data"
+    res = _run(command, b, "--node-id", "native-enrolled", "--data-dir", str(state))
+    assert res.returncode == 0, res.stderr
+    ident = state / "identity"
+    assert ident.stat().st_mode & 0o777 == 0o700
+    for f in ("device.key", "credential.json"):
+        assert (ident / f).stat().st_mode & 0o777 == 0o600, f
+    assert len((ident / "device.key").read_bytes()) == 32
+    kept = NodeIdentity(ident)  # the Python client reads what the native one wrote
+    assert kept.enrolled is not None and kept.enrolled.node_id == "native-enrolled"
+    assert kept.enrolled.credential.startswith("orc_dev_")
+    st = SQLiteStore(data / "orchard.db")
+    try:
+        root_key = st.signing_key().public_key
+        row = st.device("native-enrolled")
+    finally:
+        st.close()
+    assert kept.enrolled.root_public_key == root_key
+    cert = verify_certificate(kept.enrolled.certificate, root_key, "native-enrolled")
+    assert cert.public_key == kept.public_key == row.public_key
+    # The enrollment token is spent; the kept credential carries the restart.
+    (b / "enrollment.token").write_text("orc_not-a-real-token")
+    again = _run(command, b, "--data-dir", str(state))
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip() == "joined as native-enrolled"
+    # Without the data dir the spent token enrolls nothing.
+    fresh = _run(command, b, "--node-id", "native-enrolled-2")
+    assert fresh.returncode == STATUS["ORCHARD_ERR_AUTH"], fresh.stderr
+
+
+def test_a_certificate_from_another_root_key_is_refused(command: Path, root, tmp_path: Path) -> None:
+    """A bundle that names the root's certificate key refuses a server that signs with another."""
+    from orchard.identity import SigningKey
+
+    handle, data = root
+    b = _bundle(tmp_path, "pinned", handle.address, Path(handle.ca_cert).read_text(), _token(data, device=True))
+    device_vectors._rewrite_config(b, root_public_key=SigningKey.generate().public_key.hex())
+    res = _run(command, b, "--node-id", "native-pinned")
+    assert res.returncode == STATUS["ORCHARD_ERR_AUTH"], res.stderr
+    assert "another root key than the bundle names" in res.stderr
 
 
 @pytest.mark.parametrize("token", ["revoked", "unknown"])
@@ -139,7 +191,10 @@ def test_damaged_bundle(command: Path, root, tmp_path: Path) -> None:
 
 def test_native_client_serves_rounds(command: Path, fresh_root, tmp_path: Path) -> None:
     """Two rounds of a LoRA run (a small random base, so the program exports in seconds)
-    served by the native client alone: each round's update accepted, the run completed."""
+    served by the native client alone: each round's update accepted, the run completed;
+    round 2's model comes as a downlink delta from round 1's, rebuilt and hash-checked
+    by the native client (8-bit codes for float32; on this small model the payload
+    headers and scales make it about 45 % of the model's bytes, not 25 %)."""
     import json
     import time
 
@@ -163,7 +218,7 @@ def test_native_client_serves_rounds(command: Path, fresh_root, tmp_path: Path) 
     (tmp_path / "text.txt").write_text("".join(g.choice(chars, size=2000)))
     cfg = RunConfig(task="shakespeare", task_params=task.params, rounds=2,
                     cohort=CohortConfig(target=1, min_fraction=1.0),
-                    train=TrainConfig(batch_size=8, steps=3, learning_rate=0.5))
+                    train=TrainConfig(batch_size=8, steps=3, learning_rate=0.5), downlink_delta=True)
     admin = (data / "admin.token").read_text().strip()
     with ControlClient(handle.address, admin_token=admin, ca_cert=handle.ca_cert) as ctl:
         ctl.start_run(cfg, wire.arrays_to_blob(arrays))
@@ -172,6 +227,10 @@ def test_native_client_serves_rounds(command: Path, fresh_root, tmp_path: Path) 
         assert res.returncode == 0, res.stdout + res.stderr
         lines = [ln for ln in res.stdout.splitlines() if ln.startswith("round")]
         assert len(lines) == 2 and all("uploaded steps=3" in ln for ln in lines), res.stdout
+        down = [int(ln.split("bytes_down=")[1].split()[0]) for ln in lines]
+        full = len(wire.arrays_to_blob(arrays))
+        assert down[0] == full, (down, full)
+        assert 0 < down[1] - down[0] < full * 0.6, (down, full)  # the delta, not the model
         deadline = time.monotonic() + 60
         while (st := ctl.status())["status"] not in ("completed", "failed") and time.monotonic() < deadline:
             time.sleep(0.5)
