@@ -361,7 +361,11 @@ class RayBackend:
     """Jobs on ``workers`` Ray actors; each builds the task once and keeps it.
 
     ``ray.init()`` joins the cluster named by ``RAY_ADDRESS`` when set, else starts a
-    local one. The global model goes to the object store once per round.
+    local one. The actors are spread over the cluster's nodes (Ray's ``SPREAD``
+    strategy: by default Ray packs them onto the node that asks while it has room, so
+    a cluster's other nodes would sit idle), and jobs go to them in turn. The global
+    model goes to the object store once per round. Where the jobs ran does not change
+    the model: uploads are folded in simulated-time order, not in completion order.
     """
 
     def __init__(self, task_name: str, task_params: dict[str, Any], population: int, cfg: RunConfig,
@@ -388,13 +392,22 @@ class RayBackend:
                 self.task = get_task(task_name, **task_params)
                 self.codec = build_codec(self.cfg.codec)
 
+                self.jobs = 0
+
             def run(self, jobs: list[ClientJob], arrays: NDArrays,
                     starts: Mapping[str, NDArrays] | None) -> list[ClientOutput]:
-                return run_jobs(self.task, population, self.cfg, self.codec, arrays, jobs, vectorize, starts)
+                outputs = run_jobs(self.task, population, self.cfg, self.codec, arrays, jobs, vectorize, starts)
+                self.jobs += 1
+                return outputs
+
+            def placement(self) -> tuple[str, int]:
+                """The node this actor runs on, and how many jobs it ran there."""
+                return ray.get_runtime_context().get_node_id(), self.jobs
 
         cfg_json = cfg.model_dump_json()
-        # ray.remote turned the class into an actor class, with .remote (unknown to mypy).
-        self._actors = [_Worker.remote(cfg_json) for _ in range(workers)]  # type: ignore[attr-defined]
+        # ray.remote turned the class into an actor class, with .options (unknown to mypy).
+        spread = _Worker.options(scheduling_strategy="SPREAD")  # type: ignore[attr-defined]
+        self._actors = [spread.remote(cfg_json) for _ in range(workers)]
         self._next = 0
         self._arrays_ref: Any = None
         self._arrays_id: int | None = None
@@ -410,6 +423,13 @@ class RayBackend:
         self._next += 1
         ref = actor.run.remote(jobs, self._arrays_ref, sent)
         return ref.future()  # type: ignore[no-any-return]
+
+    def placement(self) -> dict[str, int]:
+        """Jobs run so far on each node (by Ray node id), as the actors report them."""
+        counts: dict[str, int] = {}
+        for node, jobs in self._ray.get([a.placement.remote() for a in self._actors]):
+            counts[node] = counts.get(node, 0) + jobs
+        return counts
 
     def close(self) -> None:
         for a in self._actors:

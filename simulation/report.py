@@ -20,7 +20,8 @@ from typing import Any
 # Per-round fields that depend on the host (wall time), not on the seed.
 WALL_FIELDS = ("seconds", "cpu_seconds", "eval_seconds", "clients_per_second", "phase_seconds")
 # Report fields that depend on the host.
-HOST_FIELDS = ("clients_per_second", "warm_clients_per_second", "total_seconds", "peak_rss_mib", "out", "plots")
+HOST_FIELDS = ("clients_per_second", "warm_clients_per_second", "total_seconds", "peak_rss_mib", "placement", "out",
+               "plots")
 
 
 @dataclass
@@ -49,6 +50,8 @@ class SimulationReport:
     # Peak resident set in MiB (peak_rss_mib()): "engine", this process; "largest_child",
     # the largest child process's, which with the process backend is a worker's.
     peak_rss_mib: dict[str, float] | None = None
+    # With the Ray backend: client jobs run on each node of the cluster (by Ray node id).
+    placement: dict[str, int] | None = None
     out: str | None = None
     plots: list[str] = field(default_factory=list)
     # The global model after the last round (not serialised).

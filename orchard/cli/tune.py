@@ -71,6 +71,9 @@ def tune(
     console.print(f"stopped by: {outcome.stopped_by}; {led.complete} complete, {led.pruned} pruned, {led.failed} "
                   f"failed{f' ({len(outcome.retried)} retried after their worker died)' if outcome.retried else ''}; "
                   f"{led.client_rounds:,} client-rounds", highlight=False)
+    nodes = getattr(launcher, "nodes", None)  # a Ray launcher's: the nodes its trials ran on
+    if nodes:
+        console.print(f"trials ran on {len(nodes)} Ray node{'s' if len(nodes) != 1 else ''}", highlight=False)
     written = [write_trials(outcome.study, out_dir / "trials.json"), *write_plots(outcome.study, setup, out_dir)]
     best = write_best_config(setup, outcome.study, out_dir / "best.toml")
     console.print(f"wrote {', '.join(p.name for p in written)} in {out_dir}", highlight=False)

@@ -70,9 +70,9 @@ def make_pruner(spec: TuneSpec, rounds: int) -> Any:
     if spec.pruner == "none":
         return optuna.pruners.NopPruner()
     if spec.pruner == "successive_halving":
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=spec.min_rounds,
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=spec.first_rung(rounds),
                                                       reduction_factor=spec.reduction_factor)
-    return optuna.pruners.HyperbandPruner(min_resource=spec.min_rounds, max_resource=rounds,
+    return optuna.pruners.HyperbandPruner(min_resource=spec.first_rung(rounds), max_resource=rounds,
                                           reduction_factor=spec.reduction_factor)
 
 

@@ -86,6 +86,27 @@ def test_budget_and_shape_problems(tmp_path: Path) -> None:
     assert any(p.startswith("tune.parallel") for p in problems)
 
 
+def test_the_pruners_first_rung(tmp_path: Path) -> None:
+    """Successive halving by default, its first rung at rounds // reduction_factor**2 (at
+    least 1) unless min_rounds is set; a first rung at or past the last round is refused."""
+    from orchard.simulation.tune.space import TuneSpec
+    from orchard.simulation.tune.study import make_pruner
+
+    spec = TuneSpec()
+    assert spec.pruner == "successive_halving"
+    assert [spec.first_rung(r) for r in (2, 8, 9, 20, 100)] == [1, 1, 1, 2, 11]
+    assert TuneSpec(reduction_factor=2).first_rung(20) == 5
+    assert TuneSpec(min_rounds=3).first_rung(20) == 3
+    assert make_pruner(spec, 20)._min_resource == 2
+    assert make_pruner(TuneSpec(pruner="hyperband"), 20)._min_resource == 2
+    problems = _problems(tmp_path, _tune({"run.train.learning_rate": LR}, min_rounds=4))
+    assert any(p.startswith("tune.min_rounds (4) must be below the config's rounds (4)") for p in problems)
+    problems = _problems(tmp_path, _tune({"run.train.learning_rate": LR}),
+                         sim={"simulation": {**SIM["simulation"], "rounds": 1}})
+    assert any(p.startswith("tune.min_rounds (1) must be below") for p in problems)
+    plan_study(SIM, _tune({"run.train.learning_rate": LR}, min_rounds=4, pruner="none"), tmp_path)
+
+
 def test_an_objective_the_task_does_not_report(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A task whose held-out evaluation has no finite accuracy (a Flower app without an
     evaluate handler reports NaN) is refused before any trial."""
