@@ -28,6 +28,8 @@ from orchard.errors import ConfigError, OrchardError
 from orchard.files import open_private, private_dir
 from orchard.trainer import TrainConfig
 
+# Below this many clients a round the demo says what DP noise does to so small a cohort.
+FEW_FOR_DP = 100
 
 # The demo trains a task as the task declares (orchard.tasks.trains_with), as a run
 # started from flags does: the same recipe, the same learning curve.
@@ -125,6 +127,13 @@ def run_demo(spec: DemoSpec, console: Console | None = None) -> dict[str, Any]:
                                    "scope": "tree" if spec.secure_aggregation else "cohort"}})
     # The root would refuse the run only once every process is up: refuse it before.
     validate_run_config(cfg)
+    if spec.dp_epsilon is not None and spec.clients < FEW_FOR_DP:
+        # What --dp-epsilon promises, said before the curve shows it: the noise is sized for
+        # the cohort, so with a handful of clients it drowns their updates.
+        console.print(f"[yellow]note:[/] differential privacy at epsilon {spec.dp_epsilon:g} with {spec.clients} "
+                      "clients a round: the noise is sized for the whole cohort, so with few clients it is large "
+                      "against their updates and the model learns little here. DP pays off with hundreds to "
+                      "thousands of clients a round (a simulation of them: docs/privacy.md).", soft_wrap=True)
     out = spec.out
     out.mkdir(parents=True, exist_ok=True)
     private_dir(out / "logs")  # the processes' logs: owner-only, as their data dirs
