@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 from orchard.errors import ConfigError, StoreError
+from orchard.files import create_private
 
 _DDL = """
 CREATE TABLE IF NOT EXISTS privacy_charges(population TEXT NOT NULL, run_id TEXT NOT NULL, round INTEGER NOT NULL,
@@ -68,6 +69,8 @@ def _grouped(rows: list[tuple[float, str]], population: str, adjacency: str) -> 
 class SQLiteChargeLog:
     def __init__(self, path: str | Path) -> None:
         try:
+            # Owner-only, as the store: SQLite gives its -wal and -shm files the database's mode.
+            create_private(path)
             self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute("PRAGMA synchronous=FULL")

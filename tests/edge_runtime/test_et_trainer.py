@@ -278,7 +278,7 @@ def test_missing_program_is_refused(ffa: Bundled, tmp_path: Path) -> None:
 def test_wrong_manifest_is_refused(ffa: Bundled, tmp_path: Path) -> None:
     p = _copy(ffa, tmp_path)
     (p / MANIFEST_FILE).write_text("{not json")
-    with pytest.raises(TrainingProgramError, match="is not JSON"):
+    with pytest.raises(TrainingProgramError, match="is not valid JSON"):
         load_training_program(p)
     p = _copy(ffa, tmp_path / "2")
     _edit_manifest(p, gradients_start=1)
