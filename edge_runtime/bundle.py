@@ -43,6 +43,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from safetensors.numpy import load_file, save_file
 
 from orchard.errors import AuthError, ConfigError, IntegrityError, OrchardError
+from orchard.files import atomic_write
 from orchard.typing import NDArrays
 
 from .ort_runtime import OrtLoraModel, write_onnx_adapter
@@ -175,28 +176,9 @@ def file_sha256(path: Path) -> str:
 
 
 def _write_atomic(path: Path, data: bytes, mode: int = 0o644) -> None:
-    # Create the temporary file with its final mode, so a secret never exists on disk
-    # with wider permissions, then rename over the target (atomic on POSIX).
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, mode)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with _suppress_oserror():
-            os.unlink(tmp)
-        raise
-
-
-class _suppress_oserror:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, et: type[BaseException] | None, *_: object) -> bool:
-        return et is not None and issubclass(et, OSError)
+    # A bundle is copied to devices: its files are world-readable unless they hold a secret
+    # (the enrollment token passes 0o600), and its folder keeps the mode it was given.
+    atomic_write(path, data, mode=mode, private_parent=False)
 
 
 def _write_adapter_files(

@@ -18,9 +18,11 @@ at start, with the ``chmod`` that closes it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
@@ -87,23 +89,27 @@ def open_private(path: str | Path) -> IO[bytes]:
     return os.fdopen(fd, "wb")
 
 
-def atomic_write(path: str | Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` (mode 0600, its parent 0700) so that a crash leaves the
-    old file or the new one, never a mix: a temporary file, fsynced, renamed over the
-    target, and the directory fsynced."""
+def atomic_write(path: str | Path, data: bytes, *, mode: int = FILE_MODE, private_parent: bool = True) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves the old file or the new one, never a
+    mix: a temporary file created with its final ``mode`` (a secret never exists on disk with
+    wider permissions), fsynced, renamed over the target, and the directory fsynced.
+
+    The default is the state files' rule: mode 0600 in a parent made 0700. A client bundle,
+    meant to be copied to devices, passes ``mode=0o644, private_parent=False``."""
     path = Path(path)
-    private_dir(path.parent)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    if private_parent:
+        private_dir(path.parent)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, FILE_MODE)  # a stale temporary file keeps its old mode under O_CREAT
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
         raise
     dfd = os.open(path.parent, os.O_RDONLY)
     try:
