@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -15,11 +14,8 @@ from orchard.cli.common import (
     Token,
     Verbose,
     console,
-    serve_until_signal,
-    server_config,
-    setup_logging,
+    serve_tier,
 )
-from orchard.files import restrict_umask
 
 app = typer.Typer(no_args_is_help=True, help="An aggregator tier.")
 
@@ -42,26 +38,13 @@ def aggregator_start(
     verbose: Verbose = True,
 ) -> None:
     """Start an aggregator: serves clients below, dials its upstream."""
-    restrict_umask()  # whatever it writes is owner-only (orchard.files)
     from orchard.server.app import start_aggregator
-    from orchard.server.corelog import HandshakeLog
-    from orchard.server.process import tune_server_process
 
-    scfg = server_config(config)  # a refused config is said on the terminal's stderr, before the log moves
-    handshakes = HandshakeLog().install()  # failed TLS handshakes: one line a minute, not one each
-    setup_logging(verbose)
-
-    async def main() -> None:
-        h = await start_aggregator(upstream, host=host, port=port, insecure=insecure, token=token, ca_cert=ca_cert,
-                                   tls_dir=tls_dir, node_id=node_id, metrics_port=metrics_port, server_cfg=scfg,
-                                   data_dir=data_dir)
-        tune_server_process()
+    def announce(h: Any) -> None:
         if port_file is not None:
             port_file.write_text(str(h.port))
         console.print(f"[green]aggregator {h.coordinator.name} listening on {h.address}[/], upstream {upstream}")
-        await serve_until_signal(h)
 
-    try:
-        asyncio.run(main())
-    finally:
-        handshakes.close()
+    serve_tier(config, verbose, lambda scfg: start_aggregator(
+        upstream, host=host, port=port, insecure=insecure, token=token, ca_cert=ca_cert, tls_dir=tls_dir,
+        node_id=node_id, metrics_port=metrics_port, server_cfg=scfg, data_dir=data_dir), announce)

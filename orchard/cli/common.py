@@ -8,7 +8,7 @@ import functools
 import logging
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, TypeVar
 
@@ -66,6 +66,32 @@ def stop_on_signal() -> asyncio.Event:
 async def serve_until_signal(handle: Any) -> None:
     await stop_on_signal().wait()
     await handle.stop(grace=2.0)
+
+
+def serve_tier(config: Path | None, verbose: bool, start: Callable[[ServerConfig], Awaitable[Any]],
+               announce: Callable[[Any], None]) -> None:
+    """Run a server tier (the root or an aggregator) until a signal: owner-only files, the
+    ``[server]`` config read (and a refusal said on the terminal) before the log moves,
+    failed TLS handshakes aggregated, then ``start(config)``, ``announce(handle)`` and serve."""
+    from orchard.files import restrict_umask
+    from orchard.server.corelog import HandshakeLog
+    from orchard.server.process import tune_server_process
+
+    restrict_umask()  # whatever it writes is owner-only (orchard.files)
+    scfg = server_config(config)
+    handshakes = HandshakeLog().install()  # failed TLS handshakes: one line a minute, not one each
+    setup_logging(verbose)
+
+    async def main() -> None:
+        h = await start(scfg)
+        tune_server_process()
+        announce(h)
+        await serve_until_signal(h)
+
+    try:
+        asyncio.run(main())
+    finally:
+        handshakes.close()
 
 
 def server_config(path: Path | None) -> ServerConfig:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -13,11 +12,8 @@ from orchard.cli.common import (
     ServerCfgOpt,
     Verbose,
     console,
-    serve_until_signal,
-    server_config,
-    setup_logging,
+    serve_tier,
 )
-from orchard.files import restrict_umask
 
 app = typer.Typer(no_args_is_help=True, help="The root server.")
 
@@ -40,19 +36,9 @@ def server_start(
     verbose: Verbose = True,
 ) -> None:
     """Start the root server."""
-    restrict_umask()  # whatever it writes is owner-only (orchard.files)
     from orchard.server.app import start_root
-    from orchard.server.corelog import HandshakeLog
-    from orchard.server.process import tune_server_process
 
-    scfg = server_config(config)  # a refused config is said on the terminal's stderr, before the log moves
-    handshakes = HandshakeLog().install()  # failed TLS handshakes: one line a minute, not one each
-    setup_logging(verbose)
-
-    async def main() -> None:
-        h = await start_root(data_dir, host=host, port=port, insecure=insecure, server_cfg=scfg, tls_dir=tls_dir,
-                             metrics_port=metrics_port, base_model=base_model, dashboard_port=dashboard_port)
-        tune_server_process()
+    def announce(h: Any) -> None:
         console.print(f"[green]root listening on {h.address}[/] ({'INSECURE' if insecure else 'TLS'}); "
                       f"data in {data_dir}")
         if not insecure:
@@ -65,9 +51,7 @@ def server_start(
             console.print(f"dashboard: {h.dashboard.scheme}://{host}:{h.dashboard.port}/?token=ADMIN_TOKEN "
                           f"(the admin token; {'the CA above signs its certificate' if h.ca_cert else 'loopback only'})",
                           soft_wrap=True)
-        await serve_until_signal(h)
 
-    try:
-        asyncio.run(main())
-    finally:
-        handshakes.close()
+    serve_tier(config, verbose, lambda scfg: start_root(
+        data_dir, host=host, port=port, insecure=insecure, server_cfg=scfg, tls_dir=tls_dir,
+        metrics_port=metrics_port, base_model=base_model, dashboard_port=dashboard_port), announce)
