@@ -405,8 +405,13 @@ class RayBackend:
                 return ray.get_runtime_context().get_node_id(), self.jobs
 
         cfg_json = cfg.model_dump_json()
+        # An actor holds no CPU by default, and SPREAD alone is a preference: under load Ray
+        # placed both actors of a two-node cluster on one node. When the cluster has a CPU
+        # for each worker, each actor holds one, so the workers land where CPUs are free;
+        # with more workers than CPUs they hold none (a held CPU would leave actors pending).
+        cpus = 1 if workers <= int(ray.cluster_resources().get("CPU", 0)) else 0
         # ray.remote turned the class into an actor class, with .options (unknown to mypy).
-        spread = _Worker.options(scheduling_strategy="SPREAD")  # type: ignore[attr-defined]
+        spread = _Worker.options(scheduling_strategy="SPREAD", num_cpus=cpus)  # type: ignore[attr-defined]
         self._actors = [spread.remote(cfg_json) for _ in range(workers)]
         self._next = 0
         self._arrays_ref: Any = None
