@@ -150,7 +150,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--per-round", type=int, default=100)
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--steps", type=int, default=20, help="personal steps (finetune, ditto)")
+    # As many personal steps as a round's global update takes (one epoch of a device's 50
+    # examples at batch 10): "Ditto trains twice".
+    p.add_argument("--steps", type=int, default=5, help="personal steps (finetune, ditto)")
     p.add_argument("--lam", type=float, default=0.1, help="Ditto's pull towards the global model")
     p.add_argument("--local-steps", type=int, default=100, help="local-only steps from the initial model")
     p.add_argument("--eval-devices", type=int, default=1000)

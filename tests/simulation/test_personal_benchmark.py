@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "personal.py"
 
 
+@pytest.mark.slow  # minutes on a shared 2-core host: MNIST, a simulation and four evaluations
 def test_quick_run_writes_every_method_and_the_margins(tmp_path: Path) -> None:
     out = tmp_path / "personal.json"
     res = subprocess.run([sys.executable, str(SCRIPT), "--quick", "--splits", "pathological", "--json", str(out)],
