@@ -31,6 +31,7 @@ from typing import Any
 
 from orchard import wire
 from orchard.client.edge import EdgeGovernance
+from orchard.client.personal import DevicePersonal
 from orchard.client.update import build_upload, delta_of, train_seed
 from orchard.compression import apply_model_delta, build_codec
 from orchard.compression.update import states_from_bytes, states_to_bytes
@@ -91,6 +92,7 @@ class ClientRuntime:
         self.device: DeviceProvider = device or (edge.state if edge is not None else (lambda: DeviceState()))
         self.last_governor: GovernorReport | None = None  # the last task's, for when to resume
         self.state_dir = Path(state_dir) if state_dir else None
+        self.personal = DevicePersonal(self.state_dir)
         self.seed = seed
         # Secure aggregation's stochastic rounding from the training seed instead of OS
         # entropy: only for tests that hold a federation to the simulator bit for bit.
@@ -191,6 +193,12 @@ class ClientRuntime:
         if report is not None and result.stopped_early:
             log.info("round %d: the governor stopped after %d steps (%s); sending the partial update",
                      t.round, result.num_steps, report.stop_reason.value if report.stop_reason else "")
+        if cfg.personalization.enabled:
+            # The device's own adapter (orchard.client.personal): trained and kept here, never
+            # uploaded; only its evaluation travels, as metrics of the global update.
+            extra = await loop.run_in_executor(None, self.personal.round, t.run_id, cfg.personalization, trainer,
+                                               global_arrays, train_cfg)
+            result = dataclasses.replace(result, metrics={**result.metrics, **extra})
         delta = delta_of(t, global_arrays, result)
         header, payload = await loop.run_in_executor(None, self._encode, t, cfg, train_cfg, delta, result, seed)
         if secure is not None and upload is not None:

@@ -36,6 +36,7 @@ from orchard.config import RunConfig
 from orchard.edge_runtime.fednova import norm_a, normalise
 from orchard.errors import UpdateSchemaError
 from orchard.messages import TaskAssignment, UploadHeader, UploadKind
+from orchard.personal_metrics import per_device
 from orchard.seeds import derive_seed
 from orchard.trainer import TrainConfig, TrainResult
 from orchard.typing import NDArrays, Weighting
@@ -160,8 +161,15 @@ def upload_header(t: TaskAssignment, cfg: RunConfig, node_id: str, payload: byte
         node_id=node_id, run_id=t.run_id, round=t.round, attempt=t.attempt, task_id=t.task_id,
         kind=UploadKind.CLIENT_UPDATE, schema=t.schema, payload_sizes=sizes, codec=cfg.codec.name,
         payload_sha256=wire.sha256_hex(payload), weight=weight, count=1, num_examples=result.num_examples,
-        num_steps=result.num_steps, metric_sums={k: v * metric_w for k, v in metrics.items()},
-        metric_weights={k: metric_w for k in metrics})
+        num_steps=result.num_steps, metric_sums={k: v * _metric_weight(k, metric_w) for k, v in metrics.items()},
+        metric_weights={k: _metric_weight(k, metric_w) for k in metrics})
+
+
+def _metric_weight(name: str, examples: float) -> float:
+    """A metric's weight: its examples, or 1 for one device's own value (a device's
+    evaluation of its personal adapter, ``orchard.personal_metrics``), so that the round's
+    mean is across devices."""
+    return 1.0 if per_device(name) else examples
 
 
 def build_uploads(ts: Sequence[TaskAssignment], cfg: RunConfig, codec: Codec, node_ids: Sequence[str],

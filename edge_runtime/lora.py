@@ -241,10 +241,15 @@ class LoRATrainer:
             )
 
     def train(
-        self, arrays: NDArrays, config: TrainConfig, *, gate: StepGate | None = None
+        self, arrays: NDArrays, config: TrainConfig, *, gate: StepGate | None = None,
+        anchor: NDArrays | None = None,
     ) -> TrainResult:
         self._check(arrays)
-        result = train_gated(self.inner, arrays, config, gate)
+        if anchor is not None:  # a personal adapter's proximal pull (orchard.client.personal)
+            self._check(anchor)
+            result = self.inner.train(arrays, config, gate=gate, anchor=anchor)  # type: ignore[call-arg]
+        else:
+            result = train_gated(self.inner, arrays, config, gate)
         self._check(result.arrays)
         return result
 

@@ -257,6 +257,30 @@ class RobustConfig(_Strict):
     trim_fraction: float = Field(0.1, ge=0.0, lt=0.5)
 
 
+class PersonalizationConfig(_Strict):
+    """``[run.personalization]``: a personal adapter that stays on the device
+    (``orchard.client.personal``, docs/personalization.md).
+
+    ``kind``: "none"; "finetune" (``steps`` local steps from the global adapter, taken
+    before each evaluation); "ditto" (Li et al., 2021, "Ditto: Fair and Robust Federated
+    Learning Through Personalization", Alg. 1: each time the device takes part it also
+    trains its own adapter ``v`` for ``steps`` steps on ``F_k(v) + lam / 2 ||v - w||^2``,
+    ``w`` the global adapter of the round). The personal adapter is never uploaded or
+    aggregated; it is kept owner-only in the device's data dir and used for the device's
+    own inference. ``learning_rate``: the personal steps' (None: ``train.learning_rate``).
+    Devices evaluate the global and the personal adapter on their own held-out data, so
+    the task must have a local test split."""
+
+    kind: Literal["none", "finetune", "ditto"] = "none"
+    steps: int = Field(20, ge=1)
+    lam: float = Field(0.1, ge=0.0)
+    learning_rate: float | None = Field(None, gt=0.0)
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind != "none"
+
+
 class RunConfig(_Strict):
     """One federated run: what to train, for how long, and how updates travel."""
 
@@ -285,6 +309,7 @@ class RunConfig(_Strict):
     evaluate_every: int = Field(1, ge=0)  # 0: never
     privacy: PrivacyConfig = PrivacyConfig()
     robust: RobustConfig = RobustConfig()
+    personalization: PersonalizationConfig = PersonalizationConfig()
 
     @property
     def clip_norm(self) -> float | None:

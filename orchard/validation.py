@@ -17,7 +17,22 @@ def run_problems(cfg: RunConfig) -> list[str]:
     from orchard.server.validation import run_config_problems
     from orchard.tasks.registry import task_problems
 
-    return run_config_problems(cfg) + task_problems(cfg.task, cfg.task_params)
+    problems = run_config_problems(cfg) + task_problems(cfg.task, cfg.task_params)
+    if cfg.personalization.enabled and not problems:
+        problems += personalization_problems(cfg)
+    return problems
+
+
+def personalization_problems(cfg: RunConfig) -> list[str]:
+    """A personal adapter needs a held-out split on every device (the task is built to see)."""
+    from orchard.client.personal import held_out_problems
+    from orchard.tasks.registry import get_task
+
+    try:
+        task = get_task(cfg.task, **cfg.task_params)
+    except ConfigError as err:
+        return [f"task: {p}" for p in err.problems]
+    return held_out_problems(task, cfg.task)
 
 
 def data_problems(data: dict[str, Any]) -> list[str]:

@@ -38,12 +38,28 @@ def waiting(runner: RootRunner) -> dict[str, Any] | None:
 def status(runner: RootRunner, run_id: str = "") -> dict[str, Any]:
     """The runner's status, with the wait explained when the current round waits for clients."""
     st = runner.status(run_id)
+    personal = personalization(st.get("rounds") or [])
+    if personal:
+        st["personalization"] = personal
     cur = st.get("current_round")
     if cur is not None:
         w = waiting(runner)
         if w is not None:
             cur["waiting"] = w
     return st
+
+
+def personalization(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The devices' own evaluation of the global and their personal adapter in the latest
+    round that carries it: mean and 10th percentile across devices (read from the round's
+    histogram, ``orchard.personal_metrics``); empty when no round does."""
+    from orchard.personal_metrics import summary
+
+    for r in reversed(rounds):
+        got = summary(r.get("metrics") or {})
+        if got:
+            return {"round": r.get("round"), **got}
+    return {}
 
 
 def tree(runner: RootRunner) -> dict[str, Any]:

@@ -47,6 +47,9 @@ class SimulationReport:
     failed_attempts: int = 0
     status: str = "completed"
     privacy: dict[str, Any] | None = None  # with DP on: epsilon spent, delta, noise multiplier
+    # With [run.personalization]: each evaluated device's accuracy of the global and its
+    # personal adapter on its own held-out data, mean and 10th percentile (simulation.personal).
+    personalization: dict[str, Any] | None = None
     # Peak resident set in MiB (peak_rss_mib()): "engine", this process; "largest_child",
     # the largest child process's, which with the process backend is a worker's.
     peak_rss_mib: dict[str, float] | None = None

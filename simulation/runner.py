@@ -136,6 +136,10 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
     done = [r for r in report.rounds if r.get("accuracy") is not None]
     if done:
         report.final_accuracy, report.final_loss = done[-1]["accuracy"], done[-1]["loss"]
+    if run.personalization.enabled and done:
+        from orchard.simulation.personal import report_entry
+
+        report.personalization = report_entry(task, cfg.clients, run, arrays, state.completed_rounds)
     if out is not None:
         write_report(report, out)
     report.final_arrays = arrays

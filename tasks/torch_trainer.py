@@ -272,8 +272,12 @@ class TorchTrainer:
         return self._built()[0]
 
     def train(
-        self, arrays: NDArrays, config: TrainConfig, *, gate: StepGate | None = None
+        self, arrays: NDArrays, config: TrainConfig, *, gate: StepGate | None = None,
+        anchor: NDArrays | None = None,
     ) -> TrainResult:
+        """Train from ``arrays``. ``anchor``: where ``proximal_mu``'s pull points (default:
+        ``arrays``, FedProx); a personal adapter trained towards the global one (Ditto,
+        ``orchard.client.personal``) starts elsewhere than its anchor."""
         model, names, tensors = self._built()
         load_arrays(tensors, arrays, names)
         n = len(self.train_data)
@@ -290,7 +294,11 @@ class TorchTrainer:
         params = [tensors[name] for name in names]
         opt = make_optimizer(params, config)
         mu = config.proximal_mu
-        anchors = [p.detach().clone() for p in params] if mu > 0 else []
+        if mu > 0 and anchor is not None:
+            anchors = [torch.from_numpy(np.array(anchor[name], dtype=np.float32)).reshape(tensors[name].shape)
+                       for name in names]
+        else:
+            anchors = [p.detach().clone() for p in params] if mu > 0 else []
 
         steps_per_epoch = -(-n // config.batch_size)
         total_steps = config.steps if config.steps is not None else config.epochs * steps_per_epoch
@@ -472,8 +480,9 @@ class ObjectiveTrainer(TorchTrainer):
     def _loss_and_correct(self, out: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
         return self.objective.loss_and_correct(out, y)
 
-    def train(self, arrays: NDArrays, config: TrainConfig, *, gate: StepGate | None = None) -> TrainResult:
-        result = super().train(arrays, config, gate=gate)
+    def train(self, arrays: NDArrays, config: TrainConfig, *, gate: StepGate | None = None,
+              anchor: NDArrays | None = None) -> TrainResult:
+        result = super().train(arrays, config, gate=gate, anchor=anchor)
         if not self.objective.classification:  # no classes, no accuracy to report
             result.metrics.pop("train_accuracy", None)
         return result

@@ -42,7 +42,7 @@ def client_start(
     token: Token = None,
     ca_cert: CaCert = None,
     node_id: Annotated[str, typer.Option("--node-id")] = "",
-    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Persist device-side codec state here.")] = None,
+    state_dir: Annotated[Path | None, typer.Option("--state-dir", help="Persist device-side codec state and personal adapters here.")] = None,
     max_tasks: Annotated[int | None, typer.Option("--max-tasks", help="Exit after this many tasks.")] = None,
     bundle: Annotated[Path | None, typer.Option("--bundle", help="Run from a client bundle dir (server, token, CA, policy).")] = None,
     policy: Annotated[Path | None, typer.Option("--policy", help="Device policy TOML: train under its budgets (overrides the bundle's).")] = None,

@@ -183,8 +183,13 @@ def _print_status(st: dict[str, Any]) -> None:
         t.add_row(str(r["round"]), r["status"], str(r.get("participants", "")),
                   ", ".join(f"{k}={v}" for k, v in r.get("tier_participants", {}).items()),
                   str(r.get("bytes_up", "")), str(r.get("bytes_down", "")), str(r.get("seconds", "")),
-                  ", ".join(f"{k}={v:.4g}" for k, v in r.get("metrics", {}).items()))
+                  ", ".join(f"{k}={v:.4g}" for k, v in r.get("metrics", {}).items() if not k.startswith("device.")))
     out.print(t)
+    if st.get("personalization"):
+        pz = st["personalization"]
+        out.print(f"devices' own held-out accuracy (round {pz.get('round')}): "
+                  + "; ".join(f"{m} adapter mean {pz[m]['mean']:.4f}, p10 {pz[m]['p10']:.4f}"
+                              for m in ("global", "personal") if m in pz), highlight=False)
     if st.get("mode") == "async":
         buf = st.get("buffer") or {}
         hist = st.get("staleness_histogram") or {}
