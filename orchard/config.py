@@ -421,6 +421,10 @@ class ServerConfig(_Strict):
     # 0: threads of the server process). Started with the first session large enough to
     # gain from them (orchard.server.secagg.MASK_WORKERS_MIN_BYTES), kept until shutdown.
     mask_workers: int | None = Field(None, ge=0)
+    # The root keeps each completed round's aggregate (the float64 partial its server step
+    # took, ``round-N.aggregate.safetensors`` beside the checkpoint) so that a run's final
+    # model can be replayed from its start: one float64 model's worth of disk per round.
+    keep_aggregates: bool = False
 
 
 def _format_validation_error(err: ValidationError) -> list[str]:

@@ -43,6 +43,12 @@ T = TypeVar("T")
 log = logging.getLogger("orchard.server.root")
 
 
+def aggregate_path(checkpoint: Path) -> Path:
+    """Where a completed round's aggregate lies (``[server] keep_aggregates``): its float64
+    sums, ``Σ w·x`` per tensor; the round's record holds the weight ``Σ w`` and the count."""
+    return checkpoint.with_suffix(".aggregate.safetensors")
+
+
 def warm_up() -> None:
     """Build one optimizer at start: torch imports its compiler stack on first use (seconds),
     which would otherwise land inside the first round."""
@@ -313,6 +319,9 @@ class RootRunner:
         opt_bytes = run.optimizer.state_bytes()
         await self.offload(atomic_write, path, blob)
         await self.offload(atomic_write, opt_path, opt_bytes)
+        if self.server_cfg.keep_aggregates:  # before the index: an indexed round has its aggregate
+            sums = played.outcome.partial.sums
+            await self.offload(atomic_write, aggregate_path(path), await self.offload(wire.arrays_to_blob, sums))
         h = wire.sha256_hex(blob)
         self.store.complete_round(run.run_id, plan.round, plan.attempt, played.started, record.as_dict(), str(path),
                                   h, str(opt_path))

@@ -1,0 +1,183 @@
+"""The chaos run's invariants (``benchmarks/chaos.py``), read after every process stopped:
+from the root's store (runs, round records, checkpoints), the aggregates the root
+recorded beside its checkpoints, the clients' event logs (the uploads' ids: client index
+and upload number, one model coordinate each) and the driver's own record of its kills."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from chaos_client import SLOTS, TENSOR
+
+FD_GROWTH_MAX = 32  # descriptors an incarnation may gain between its first and last sample
+RSS_GROWTH_MAX_MIB = 128.0
+MIN_LIFE_S = 30.0  # incarnations shorter than this are too short to show growth
+WARM_S = 8.0  # samples before this (start-up: imports, first round) are not the baseline
+
+
+def _events(work: Path) -> tuple[list[dict[str, Any]], set[tuple[int, int]]]:
+    """Uploads the clients saw end (accepted or not) and every (client, upload) they trained."""
+    uploads, trained = [], set()
+    for f in sorted(work.glob("c-*.events")):
+        for line in f.read_text().splitlines():
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue  # a line cut by a kill (whole lines are written in one write)
+            if ev.get("event") == "upload" and ev.get("seq", -1) >= 0:
+                uploads.append(ev)
+            elif ev.get("event") == "phase" and ev.get("phase") == "training":
+                trained.add((int(f.stem.split("-")[1]), int(ev["seq"])))
+    return uploads, trained
+
+
+def _replay(store, run_id: str, rounds: list[dict[str, Any]], cfg) -> tuple[bool, bool, bool, np.ndarray, str]:
+    """Step the initial checkpoint through the run's recorded aggregates; the coordinates'
+    counts. Returns (replay equals every checkpoint, aggregates whole, counts match records,
+    counts, what went wrong first)."""
+    from orchard import wire
+    from orchard.aggregation import Partial, server_step
+    from orchard.aggregation.server_opt import ServerOptimizer
+    from orchard.server.root import aggregate_path
+
+    ck0 = store.checkpoint(run_id, 0)
+    arrays = wire.blob_to_arrays(Path(ck0.path).read_bytes())
+    opt = ServerOptimizer(cfg.server_optimizer, arrays)
+    counts = np.zeros(arrays[TENSOR].size, np.int64)
+    replay_ok = whole = match = True
+    why = ""
+    for rec in sorted((r for r in rounds if r["status"] == "completed"), key=lambda r: r["round"]):
+        ck = store.checkpoint(run_id, rec["round"])
+        agg = wire.blob_to_arrays(Path(aggregate_path(Path(ck.path))).read_bytes())
+        s = agg[TENSOR]
+        k = np.rint(s)
+        if np.abs(s - k).max() > 0.05 or k.min() < 0:
+            whole, why = False, why or f"round {rec['round']}: aggregate not whole counts"
+        if int(k.sum()) != rec["participants"]:
+            match, why = False, why or f"round {rec['round']}: {int(k.sum())} counted, record says {rec['participants']}"
+        counts += k.astype(np.int64)
+        arrays, _ = server_step(Partial(agg, float(rec["weight"]), int(rec["participants"])), cfg, opt)
+        want = wire.blob_to_arrays(Path(ck.path).read_bytes())
+        if not all(np.array_equal(arrays[n], want[n]) for n in want):
+            replay_ok, why = False, why or f"round {rec['round']}: replay differs from the checkpoint"
+    return replay_ok, whole, match, counts, why
+
+
+def drop_reason(ev: dict[str, Any], rounds: list[dict[str, Any]], run_end: float, kills: list[dict[str, Any]],
+                holder: str, window_s: float) -> str:
+    """Why an acknowledged upload is in no aggregate, or "" when nothing recorded says why."""
+    t, t_end = ev["t"], ev["t"] + window_s
+    att = [r for r in rounds if r["round"] == ev["round"] and r["attempt"] == ev["attempt"]]
+    if att and att[0]["status"] in ("failed", "interrupted", "stopped"):
+        return f"its attempt {att[0]['status']} (store)"
+    if t <= run_end <= t_end:
+        return "the run ended while it was on its way (still at its aggregator)"
+    for k in kills:
+        if t <= k["t"] <= t_end and k["name"] == holder:
+            return "its aggregator was killed holding it (in memory)"
+    for k in kills:
+        if t <= k["t"] <= t_end and k["kind"] == "root":
+            return "the root was killed while its aggregator's partial was on its way"
+    for r in rounds:
+        if r.get("rejected") and r.get("finished") and t <= r["finished"] <= t_end:
+            return "a partial refused at the root (store: " + ",".join(sorted(r["rejected"])) + ")"
+    return ""
+
+
+def _growth(incarnations: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """Per kind: the largest growth of open descriptors and resident MiB over any
+    incarnation that lived MIN_LIFE_S, from its first sample after WARM_S to its last."""
+    out: dict[str, dict[str, float]] = {}
+    for _name, (kind, incs) in incarnations.items():
+        g = out.setdefault(kind, {"fd_growth": 0, "rss_growth_mib": 0.0, "longest_life_s": 0.0, "incarnations": 0})
+        for inc in incs:
+            g["incarnations"] += 1
+            s = [x for x in inc["samples"] if x[0] - inc["start"] >= WARM_S]
+            if not s:
+                continue
+            life = s[-1][0] - inc["start"]
+            g["longest_life_s"] = max(g["longest_life_s"], round(life, 1))
+            if life < MIN_LIFE_S:
+                continue
+            g["fd_growth"] = max(g["fd_growth"], s[-1][1] - s[0][1])
+            g["rss_growth_mib"] = max(g["rss_growth_mib"], round((s[-1][2] - s[0][2]) / 2**20, 1))
+    return out
+
+
+def check(facts: dict[str, Any]) -> dict[str, Any]:
+    """Every invariant of the module doc of ``benchmarks/chaos.py``, from ``facts`` (``drive``)."""
+    from orchard.config import RunConfig
+    from orchard.server.store import SQLiteStore
+
+    work = Path(facts["work"])
+    store = SQLiteStore(work / "root" / "orchard.db")
+    uploads, trained = _events(work)
+    kills = facts["kills"]
+    counted = double = phantom = not_acked = 0
+    dropped: Counter[str] = Counter()
+    lost: list[dict[str, Any]] = []
+    inv = {"runs_finished": bool(facts["runs"]), "integer_aggregates": True, "counts_match_records": True,
+           "no_double_count": True, "no_phantom_updates": True, "every_accepted_update_accounted": True,
+           "replay_equals_final": True}
+    problems: list[str] = []
+    rounds_finished = 0
+    runs_out = []
+    try:
+        for run in facts["runs"]:
+            row = store.get_run(run["run_id"])
+            cfg = RunConfig.model_validate_json(row.config_json)
+            rounds = store.rounds(run["run_id"])
+            done = [r for r in rounds if r["status"] == "completed"]
+            rounds_finished += len(done)
+            finished = row.status == "completed" and row.completed_rounds == cfg.rounds
+            inv["runs_finished"] &= finished
+            replay_ok, whole, match, counts, why = _replay(store, run["run_id"], rounds, cfg)
+            inv["replay_equals_final"] &= replay_ok
+            inv["integer_aggregates"] &= whole
+            inv["counts_match_records"] &= match
+            if why:
+                problems.append(f"{run['run_id']}: {why}")
+            double += int((counts > 1).sum())
+            counted += int((counts > 0).sum())
+            mine = [e for e in uploads if e["run"] == run["run_id"]]
+            made = {(e["index"], e["seq"]) for e in mine} | trained
+            for c in np.nonzero(counts)[0]:
+                if (int(c) // SLOTS, int(c) % SLOTS) not in made:
+                    phantom += 1
+            acked = {(e["index"], e["seq"]) for e in mine if e["accepted"]}
+            not_acked += sum(1 for c in np.nonzero(counts)[0] if (int(c) // SLOTS, int(c) % SLOTS) not in acked)
+            run_end = max((r["finished"] or 0.0 for r in done), default=0.0)
+            for e in mine:
+                if not e["accepted"] or counts[e["index"] * SLOTS + e["seq"]] > 0:
+                    continue
+                why = drop_reason(e, rounds, run_end, kills, facts["holders"][e["index"]], facts["window_s"])
+                if why:
+                    dropped[why] += 1
+                else:
+                    lost.append(e)
+            runs_out.append({"run_id": run["run_id"], "mode": run["mode"], "status": row.status,
+                             "completed_rounds": row.completed_rounds, "rounds": cfg.rounds,
+                             "attempts": len(rounds), "updates_counted": int((counts > 0).sum())})
+    finally:
+        store.close()
+    inv["no_double_count"] = double == 0
+    inv["no_phantom_updates"] = phantom == 0
+    inv["every_accepted_update_accounted"] = not lost
+    growth = _growth(facts["incarnations"])
+    inv["fds_bounded"] = all(g["fd_growth"] <= FD_GROWTH_MAX for g in growth.values())
+    inv["rss_bounded"] = all(g["rss_growth_mib"] <= RSS_GROWTH_MAX_MIB for g in growth.values())
+    return {
+        "kills": len(kills), "kills_by_kind": dict(Counter(k["kind"] for k in kills)),
+        "kills_by_phase": dict(Counter(f"{k['kind']}: {k['phase']}" for k in kills)),
+        "double_counted": double, "lost_without_reason": len(lost), "lost_examples": lost[:10],
+        "dropped_with_reason": dict(dropped), "updates_counted": counted, "counted_not_acknowledged": not_acked,
+        "phantom_updates": phantom, "uploads_acknowledged": sum(1 for e in uploads if e["accepted"]),
+        "rounds_finished": rounds_finished, "runs": runs_out, "invariants": inv,
+        "invariants_ok": all(inv.values()), "problems": problems, "growth": growth,
+        "bounds": {"fd_growth_max": FD_GROWTH_MAX, "rss_growth_max_mib": RSS_GROWTH_MAX_MIB,
+                   "min_life_s": MIN_LIFE_S, "drop_window_s": facts["window_s"]},
+    }
