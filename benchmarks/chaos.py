@@ -137,8 +137,11 @@ class Proc:
         self.popen.wait()
 
     def sample(self, now: float) -> None:
-        if not self.alive():
+        """Open descriptors and resident bytes, once the incarnation serves (start-up,
+        seconds of imports on a loaded host, is not growth)."""
+        if not self.up():
             return
+        self.incarnations[-1].setdefault("ready", now)
         with contextlib.suppress(psutil.Error):
             p = psutil.Process(self.popen.pid)  # type: ignore[union-attr]
             self.incarnations[-1]["samples"].append((now, p.num_fds(), p.memory_info().rss))
@@ -212,10 +215,24 @@ def _root_phase(st: dict[str, Any] | None) -> str:
     return str(cur.get("phase", "open"))
 
 
+def _near_close(ctl, wait_s: float = 3.0) -> dict[str, Any] | None:
+    """The root's status once its open round is one update short of its target or
+    closing (its server step and checkpoint follow), or after ``wait_s``."""
+    end, st = time.time() + wait_s, None
+    while time.time() < end:
+        st = _status(ctl) or st
+        cur = (st or {}).get("current_round") or {}
+        if cur.get("target") and cur.get("received", 0) >= cur["target"] - 1:
+            return st
+        time.sleep(0.02)
+    return st
+
+
 def drive(work: Path, duration_s: float, seed: int, clients: int, modes: tuple[str, ...], rounds: int,
-          kill_every_s: float, settle_s: float, train_s: float, say=print) -> dict[str, Any]:
-    """Run the federation under the kill schedule for ``duration_s``, let the last run
-    finish, stop everything; the raw facts for :func:`check`."""
+          kill_every_s: float, settle_s: float, train_s: float, min_kills: int = 0, say=print) -> dict[str, Any]:
+    """Run the federation under the kill schedule for ``duration_s`` (longer, up to three
+    times that, until ``min_kills`` were made), let the last run finish, stop everything;
+    the raw facts for :func:`check`."""
     from orchard import wire
     from orchard.ops import ControlClient
 
@@ -227,10 +244,12 @@ def drive(work: Path, duration_s: float, seed: int, clients: int, modes: tuple[s
     blob = wire.arrays_to_blob(initial_model(clients))
     for p in fed.procs:
         p.start()
-    _procs.wait_until(fed.root.up, "the root to start", 120)
+    _procs.wait_until(fed.root.up, "the root to start", 300)
     ctl = ControlClient(fed.root_addr, insecure=True)
+    _procs.wait_until(lambda: ((_status(ctl) or {}).get("nodes") or {}).get("clients_total", 0) >= clients,
+                      "every client to join", 300, poll_s=0.5)
     t0 = time.time()
-    next_kill = t0 + 5.0 + rng.expovariate(1.0 / kill_every_s)  # a few seconds for everyone to join
+    next_kill = t0 + rng.expovariate(1.0 / kill_every_s)
     next_sample = next_status = 0.0
     last_status: dict[str, Any] | None = None
     mode_i = 0
@@ -238,7 +257,7 @@ def drive(work: Path, duration_s: float, seed: int, clients: int, modes: tuple[s
     try:
         while True:
             now = time.time()
-            if not healing and now - t0 >= duration_s:
+            if not healing and now - t0 >= duration_s and (len(kills) >= min_kills or now - t0 >= 3 * duration_s):
                 healing, heal_from = True, now
                 say(f"chaos window over after {len(kills)} kills; restarting every process, letting the run end")
             for p in fed.procs:  # restarts due (all of them once healing)
@@ -270,9 +289,17 @@ def drive(work: Path, duration_s: float, seed: int, clients: int, modes: tuple[s
                 next_kill = now + rng.expovariate(1.0 / kill_every_s)
                 kind = rng.choices(list(KIND_WEIGHTS), weights=list(KIND_WEIGHTS.values()))[0]
                 pool = [p for p in fed.procs if p.kind == kind and p.up()]
+                busy = [p for p in pool if p.last_phase() in ("training", "uploading")]
+                if busy and rng.random() < 0.5:  # half the clients' kills aimed at one at work
+                    pool = busy
                 if pool:
                     victim = rng.choice(pool)
+                    mode = runs[-1]["mode"] if runs else ""
+                    if kind == "root" and rng.random() < 0.5:  # aimed at a round's close
+                        last_status = _near_close(ctl) or last_status
                     phase = (_root_phase(last_status) if kind != "client" else victim.last_phase())
+                    if phase == "uploading" and mode == "secure":
+                        phase = "uploading (SecAgg+ stages)"
                     victim.kill()
                     kills.append(Kill(time.time(), kind, victim.name, phase))
                     restart_at[victim.name] = time.time() + rng.uniform(0.2, 1.5)
@@ -300,12 +327,14 @@ def _commit() -> str:
 
 
 def chaos(duration_s: float, seed: int, clients: int, modes: tuple[str, ...], rounds: int, kill_every_s: float,
-          settle_s: float = 120.0, train_s: float = 0.3, work: Path | None = None, say=print) -> dict[str, Any]:
+          settle_s: float = 120.0, train_s: float = 0.3, work: Path | None = None, min_kills: int = 0,
+          say=print) -> dict[str, Any]:
     """One chaos run end to end: the JSON the benchmark writes (see the module doc)."""
     with contextlib.ExitStack() as stack:
         if work is None:
             work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="orchard-chaos-")))
-        facts = drive(work, duration_s, seed, clients, modes, rounds, kill_every_s, settle_s, train_s, say)
+        facts = drive(work, duration_s, seed, clients, modes, rounds, kill_every_s, settle_s, train_s, min_kills, say)
+        (work / "facts.json").write_text(json.dumps(facts))  # what check() read, to look into
         out = check(facts)
     out.update(commit=_commit(), command=" ".join([Path(sys.executable).name, *sys.argv]),
                load_average=[round(x, 2) for x in os.getloadavg()], seed=seed, clients=clients, modes=list(modes),
@@ -335,6 +364,7 @@ def main() -> int:
     ap.add_argument("--mode", choices=[*MODES, "all"], default="all")
     ap.add_argument("--rounds", type=int, default=5, help="rounds per run (runs follow one another)")
     ap.add_argument("--kill-every", type=float, default=2.5, help="mean seconds between kills")
+    ap.add_argument("--min-kills", type=int, default=0, help="extend the window (up to 3x) until this many kills")
     ap.add_argument("--settle", type=float, default=180.0, help="seconds the last run may take after the window")
     ap.add_argument("--work", type=Path, default=None, help="keep the processes' data and logs here")
     ap.add_argument("--json", type=Path, default=None)
@@ -343,7 +373,7 @@ def main() -> int:
         ap.error("--clients: the chaos run needs at least 12 clients")
     modes = MODES if args.mode == "all" else (args.mode,)
     out = chaos(args.duration, args.seed, args.clients, modes, args.rounds, args.kill_every, args.settle,
-                work=args.work)
+                work=args.work, min_kills=args.min_kills)
     print(table(out))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
