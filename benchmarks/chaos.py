@@ -166,7 +166,7 @@ class Federation:
         self.work = work
         py = sys.executable
         root_dir = work / "root"
-        root_dir.mkdir(parents=True, exist_ok=True)
+        root_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         (work / "root.toml").write_text("[server]\n" + "".join(f"{k} = {v!r}\n" for k, v in FAST.items())
                                         + "keep_aggregates = true\n")
         (work / "agg.toml").write_text("[server]\n" + "".join(f"{k} = {v!r}\n" for k, v in FAST.items()))
