@@ -64,7 +64,10 @@ from chaos_client import initial_model  # noqa: E402
 HERE = Path(__file__).resolve().parent
 FAST = {"heartbeat_s": 1.0, "node_timeout_s": 3.0, "long_poll_s": 1.0}
 DEADLINE_S = 10.0
-KIND_WEIGHTS = {"client": 0.6, "aggregator": 0.25, "root": 0.15}
+KIND_WEIGHTS = {"client": 0.75, "aggregator": 0.17, "root": 0.08}
+# A root restart (imports, store, resume) takes seconds, tens of them on a loaded host: a
+# root killed again before its federation found it back would leave no round to fault.
+ROOT_GAP_S = 45.0
 MODES = ("sync", "fedbuff", "secure")
 
 
@@ -254,6 +257,7 @@ def drive(work: Path, duration_s: float, seed: int, clients: int, modes: tuple[s
     last_status: dict[str, Any] | None = None
     mode_i = 0
     healing = False
+    last_root_kill = 0.0
     try:
         while True:
             now = time.time()
@@ -288,6 +292,8 @@ def drive(work: Path, duration_s: float, seed: int, clients: int, modes: tuple[s
             if not healing and now >= next_kill:
                 next_kill = now + rng.expovariate(1.0 / kill_every_s)
                 kind = rng.choices(list(KIND_WEIGHTS), weights=list(KIND_WEIGHTS.values()))[0]
+                if kind == "root" and now - last_root_kill < ROOT_GAP_S:
+                    kind = "client"
                 pool = [p for p in fed.procs if p.kind == kind and p.up()]
                 busy = [p for p in pool if p.last_phase() in ("training", "uploading")]
                 if busy and rng.random() < 0.5:  # half the clients' kills aimed at one at work
@@ -301,6 +307,8 @@ def drive(work: Path, duration_s: float, seed: int, clients: int, modes: tuple[s
                     if phase == "uploading" and mode == "secure":
                         phase = "uploading (SecAgg+ stages)"
                     victim.kill()
+                    if kind == "root":
+                        last_root_kill = time.time()
                     kills.append(Kill(time.time(), kind, victim.name, phase))
                     restart_at[victim.name] = time.time() + rng.uniform(0.2, 1.5)
             if now >= next_sample:
