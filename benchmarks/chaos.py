@@ -292,7 +292,10 @@ def drive(work: Path, duration_s: float, seed: int, clients: int, modes: tuple[s
             if not healing and now >= next_kill:
                 next_kill = now + rng.expovariate(1.0 / kill_every_s)
                 kind = rng.choices(list(KIND_WEIGHTS), weights=list(KIND_WEIGHTS.values()))[0]
-                if kind == "root" and now - last_root_kill < ROOT_GAP_S:
+                spared = [k for k in KIND_WEIGHTS if not any(x.kind == k for x in kills)]
+                if spared and now - t0 > duration_s / 2:  # every kind is killed at least once
+                    kind = spared[0]
+                elif kind == "root" and now - last_root_kill < ROOT_GAP_S:
                     kind = "client"
                 pool = [p for p in fed.procs if p.kind == kind and p.up()]
                 busy = [p for p in pool if p.last_phase() in ("training", "uploading")]
