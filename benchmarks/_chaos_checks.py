@@ -78,6 +78,10 @@ def drop_reason(ev: dict[str, Any], rounds: list[dict[str, Any]], run_end: float
     att = [r for r in rounds if r["round"] == ev["round"] and r["attempt"] == ev["attempt"]]
     if att and att[0]["status"] in ("failed", "interrupted", "stopped"):
         return f"its attempt {att[0]['status']} (store)"
+    if run_end and run_end < t:
+        # An aggregator acknowledges into its buffer until it learns its upstream round is
+        # over: after the run's last buffer was applied, nothing it takes is applied.
+        return "acknowledged by its aggregator after the run's last round was applied (store)"
     if t <= run_end <= t_end:
         return "the run ended while it was on its way (still at its aggregator)"
     for k in kills:
@@ -164,7 +168,7 @@ def check(facts: dict[str, Any]) -> dict[str, Any]:
             for e in mine:
                 if not e["accepted"] or counts[e["index"] * SLOTS + e["seq"]] > 0:
                     continue
-                why = drop_reason(e, rounds, run_end, kills, facts["holders"][e["index"]], facts["window_s"])
+                why = drop_reason(e, rounds, run_end, kills, facts["holders"][str(e["index"])], facts["window_s"])
                 if why:
                     dropped[why] += 1
                 else:

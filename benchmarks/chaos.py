@@ -325,7 +325,7 @@ def drive(work: Path, duration_s: float, seed: int, clients: int, modes: tuple[s
             if p.alive():
                 _procs.stop(p.popen)  # type: ignore[arg-type]
     return {"work": str(work), "clients": clients, "runs": runs, "kills": [asdict(k) for k in kills],
-            "holders": {i: fed.holder(i) for i in range(clients)},
+            "holders": {str(i): fed.holder(i) for i in range(clients)},
             "incarnations": {p.name: (p.kind, p.incarnations) for p in fed.procs},
             "wall_s": round(time.time() - t0, 1), "window_s": DEADLINE_S + 4 * FAST["node_timeout_s"] + 5.0}
 
