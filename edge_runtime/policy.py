@@ -162,13 +162,23 @@ class PacingConfig(_Strict):
     joules_per_unit: float | None = Field(default=None, gt=0.0)  # energy estimate without a counter
 
 
+class ReplayPolicy(_Strict):
+    """The device's replay buffer: at most ``budget_bytes`` on disk and in memory
+    together, ``hot_samples`` of them waiting in memory (orchard.client.replay)."""
+
+    budget_bytes: int = Field(gt=0)
+    hot_samples: int = Field(4, ge=1)
+
+
 class DevicePolicy(_Strict):
-    """Everything a device decides on its own: eligibility, window, budget, pacing."""
+    """Everything a device decides on its own: eligibility, window, budget, pacing, and
+    the storage its replay buffer may take (None: no buffer)."""
 
     eligibility: EligibilityConfig = Field(default_factory=EligibilityConfig)
     window: DailyWindow | None = None
     budget: RoundBudget = Field(default_factory=RoundBudget)
     pacing: PacingConfig = Field(default_factory=PacingConfig)
+    replay: ReplayPolicy | None = None
 
     @property
     def hard_ceiling_c(self) -> float:

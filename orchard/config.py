@@ -281,6 +281,29 @@ class PersonalizationConfig(_Strict):
         return self.kind != "none"
 
 
+class ContinualConfig(_Strict):
+    """``[run.continual]``: clients' data arrive as a stream and each device keeps a replay
+    buffer (docs/continual.md). Ranges are checked by ``orchard validate``
+    (``orchard.tasks.stream.continual_problems``), which names each problem.
+
+    ``periods``: class-incremental arrival, the classes of each period in order (a
+    sample of a class in no period never arrives); each lasts ``period_s`` seconds of
+    the stream's clock (virtual time in the simulator). ``replay_ratio``: the share of
+    each local batch drawn from the buffer. ``sampling``: the buffer's admission and
+    draw rule. ``simulated_budget_fraction`` / ``simulated_budget_bytes``: the buffer
+    budget of simulated devices (a fraction of each device's stream, in samples, or
+    bytes); a real device's budget is its policy's (``client.json``: ``replay``).
+    """
+
+    periods: list[list[int]] = Field(default_factory=list)
+    period_s: float = 3600.0
+    replay_ratio: float = 0.5
+    sampling: Literal["reservoir", "class_balanced"] = "reservoir"
+    hot_samples: int = 4
+    simulated_budget_fraction: float | None = None
+    simulated_budget_bytes: int | None = None
+
+
 class RunConfig(_Strict):
     """One federated run: what to train, for how long, and how updates travel."""
 
@@ -310,6 +333,7 @@ class RunConfig(_Strict):
     privacy: PrivacyConfig = PrivacyConfig()
     robust: RobustConfig = RobustConfig()
     personalization: PersonalizationConfig = PersonalizationConfig()
+    continual: ContinualConfig | None = None  # streams of device data and on-device replay
 
     @property
     def clip_norm(self) -> float | None:

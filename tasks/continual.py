@@ -1,0 +1,183 @@
+"""Local training on a stream with experience replay: the one continual trainer, used by
+a real client and by the simulator alike.
+
+Each round the trainer reads the samples of its stream that arrived since the last
+round (``SampleStream.read(cursor)``; the cursor is kept in the replay file, so a
+restarted client resumes where it stopped), trains on them mixed with samples replayed
+from the device's buffer, then offers them to the buffer.
+
+Mixing. With batch size B and ratio r, a step takes ``k = round(r * B)`` samples drawn
+from the buffer and ``B - k`` new ones (an epoch is one pass over the new samples). An
+empty buffer replays nothing: the step is all new samples. ``r = 1`` trains on replayed
+samples only (as many steps as a pass over the new samples in batches of B); the new
+ones still enter the buffer. ``r = 0`` never reads the buffer.
+
+What travels is what :class:`~orchard.tasks.torch_trainer.TorchTrainer` returns: the
+trained tensors, a weight (the new samples) and metrics. The buffer stays in the
+device's directory and is read by nothing else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from orchard.client.replay import ReplayBuffer
+from orchard.errors import ConfigError
+from orchard.seeds import derive_seed
+from orchard.tasks.torch_trainer import (
+    TensorData,
+    _loss_and_correct,
+    arrays_of,
+    evaluate_model,
+    load_arrays,
+    make_optimizer,
+)
+from orchard.trainer import EvalResult, StepGate, TrainConfig, TrainResult
+from orchard.typing import NDArrays
+
+
+class SampleStream(Protocol):
+    """A device's samples in arrival order. ``read(cursor)``: inputs (float32) and labels
+    (int64) of the samples after the first ``cursor`` that have arrived by now."""
+
+    sample_shape: tuple[int, ...]
+
+    def read(self, cursor: int) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+class ContinualTrainer:
+    """A :class:`~orchard.trainer.Trainer` over a :class:`SampleStream` and a replay buffer
+    in ``directory`` of at most ``budget_bytes`` (see the module)."""
+
+    def __init__(self, model_factory: Callable[[], nn.Module], stream: SampleStream, directory: str | Path,
+                 budget_bytes: int, *, replay_ratio: float, sampling: str = "reservoir", hot_samples: int = 4,
+                 test_data: TensorData | Callable[[], TensorData] | None = None,
+                 trainable: Sequence[str] | None = None, seed: int = 0) -> None:
+        if not 0.0 <= replay_ratio <= 1.0:
+            raise ConfigError(f"continual.replay_ratio must be in [0, 1], got {replay_ratio}")
+        self._factory = model_factory
+        self.stream = stream
+        self.directory = Path(directory)
+        self.budget_bytes = int(budget_bytes)
+        self.replay_ratio = float(replay_ratio)
+        self.sampling = sampling
+        self.hot_samples = hot_samples
+        self._test = test_data
+        self._requested = list(trainable) if trainable is not None else None
+        self.seed = seed
+        self._state: tuple[nn.Module, list[str], dict[str, torch.Tensor]] | None = None
+
+    def buffer(self) -> ReplayBuffer:
+        """The device's buffer as the file holds it now (a damaged file is discarded)."""
+        return ReplayBuffer(self.directory, self.stream.sample_shape, self.budget_bytes, sampling=self.sampling,
+                            hot_samples=self.hot_samples)
+
+    def _built(self) -> tuple[nn.Module, list[str], dict[str, torch.Tensor]]:
+        if self._state is None:
+            model = self._factory()
+            params = dict(model.named_parameters())
+            names = self._requested if self._requested is not None else list(params)
+            unknown = [n for n in names if n not in params]
+            if unknown:
+                raise ConfigError(f"trainable tensors {unknown[:5]} are not parameters of the model")
+            for n, p in params.items():
+                p.requires_grad_(n in set(names))
+            self._state = (model, names, model.state_dict(keep_vars=True))
+        return self._state
+
+    @property
+    def trainable(self) -> list[str]:
+        return list(self._built()[1])
+
+    def train(self, arrays: NDArrays, config: TrainConfig, *, gate: StepGate | None = None) -> TrainResult:
+        model, names, tensors = self._built()
+        load_arrays(tensors, arrays, names)
+        if config.batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {config.batch_size}")
+        buf = self.buffer()
+        new_x, new_y = self.stream.read(buf.cursor)
+        n = int(new_y.shape[0])
+        rng = np.random.default_rng(derive_seed(self.seed, config.seed, 0x5E9, bits=63))
+        if n == 0:
+            return TrainResult(arrays=arrays_of(tensors, names), weight=0.0, num_examples=0, num_steps=0,
+                               metrics={"train_loss": float("nan"), "train_accuracy": float("nan")})
+        b = config.batch_size
+        k = int(round(self.replay_ratio * b)) if len(buf) > 0 else 0
+        fresh = b - k
+        steps_per_epoch = -(-n // (fresh if fresh > 0 else b))
+        total = config.steps if config.steps is not None else config.epochs * steps_per_epoch
+        params = [tensors[name] for name in names]
+        opt = make_optimizer(params, config)
+        mu = config.proximal_mu
+        anchors = [p.detach().clone() for p in params] if mu > 0 else []
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, config.seed, bits=63))
+        x_new, y_new = torch.from_numpy(new_x), torch.from_numpy(new_y)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        correct = torch.zeros((), dtype=torch.int64)
+        seen_targets, step, stopped = 0, 0, False
+        model.train()
+        perm = torch.randperm(n, generator=gen)
+        pos = 0
+        while step < total:
+            if gate is not None and not gate.before_step():
+                stopped = True
+                break
+            parts_x, parts_y = [], []
+            if fresh > 0:
+                if pos >= n:
+                    perm, pos = torch.randperm(n, generator=gen), 0
+                idx = perm[pos:pos + fresh]
+                pos += fresh
+                parts_x.append(x_new[idx])
+                parts_y.append(y_new[idx])
+            if k > 0:
+                rx, ry = buf.draw(k, rng)
+                parts_x.append(torch.from_numpy(rx))
+                parts_y.append(torch.from_numpy(ry))
+            x, y = torch.cat(parts_x), torch.cat(parts_y)
+            opt.zero_grad(set_to_none=True)
+            loss, hits = _loss_and_correct(model(x), y)
+            loss.backward()
+            if mu > 0:  # FedProx (Li et al., 2020, eq. 2)
+                with torch.no_grad():
+                    for p, a in zip(params, anchors, strict=True):
+                        if p.grad is not None:
+                            p.grad.add_(p - a, alpha=mu)
+            opt.step()
+            with torch.no_grad():
+                loss_sum += loss.detach().double() * y.numel()
+                correct += hits
+            seen_targets += y.numel()
+            step += 1
+            if gate is not None:
+                gate.after_step(float(y.shape[0]))
+        # The new samples were seen: they enter the buffer (by its rule) whatever the gate did.
+        for i in range(n):
+            buf.offer(new_x[i], int(new_y[i]), rng)
+        buf.cursor += n
+        buf.flush()
+        metrics = {"train_loss": float(loss_sum) / seen_targets if seen_targets else float("nan"),
+                   "train_accuracy": float(correct) / seen_targets if seen_targets else float("nan")}
+        if stopped:
+            return TrainResult(arrays=arrays_of(tensors, names), weight=float(n) * step / total if total else 0.0,
+                               num_examples=min(n, step * max(fresh, 1)), num_steps=step, metrics=metrics,
+                               planned_weight=float(n))
+        return TrainResult(arrays=arrays_of(tensors, names), weight=float(n), num_examples=n, num_steps=step,
+                           metrics=metrics)
+
+    def evaluate(self, arrays: NDArrays, config: TrainConfig) -> EvalResult:
+        model, names, tensors = self._built()
+        load_arrays(tensors, arrays, names)
+        if self._test is None:
+            return EvalResult(num_examples=0, metrics={})
+        if not isinstance(self._test, TensorData):
+            self._test = self._test()
+        if len(self._test) == 0:
+            return EvalResult(num_examples=0, metrics={})
+        return EvalResult(num_examples=len(self._test), metrics=evaluate_model(model, self._test))
