@@ -47,7 +47,9 @@ class ClientOptions:
     bundle: Path | None = None
     policy: Path | None = None  # device policy TOML; overrides the bundle's
     runtime: str = "torch"
-    data: Path | None = None  # the device's own data (runtime="executorch")
+    # The device's own data: the ExecuTorch program's, or with a task, a file or directory
+    # its samples are appended to, read by a continual run (orchard.tasks.stream).
+    data: Path | None = None
     seed: int = 0
 
 
@@ -161,7 +163,12 @@ def trainer_factory(setup: ClientSetup) -> Any:
 
         if o.task and cfg.task != o.task:
             raise OrchardError(f"this client trains task {o.task!r}, but the run is for {cfg.task!r}")
-        return get_task(o.task or cfg.task, **cfg.task_params).client_trainer(o.partition, o.num_partitions, o.seed)
+        task = get_task(o.task or cfg.task, **cfg.task_params)
+        if cfg.continual is not None and o.data is not None:
+            from orchard.tasks.stream import device_trainer
+
+            return device_trainer(task, cfg.continual, o.data, o.state_dir, setup.policy, o.seed)
+        return task.client_trainer(o.partition, o.num_partitions, o.seed)
 
     return factory
 

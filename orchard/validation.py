@@ -20,6 +20,10 @@ def run_problems(cfg: RunConfig) -> list[str]:
     problems = run_config_problems(cfg) + task_problems(cfg.task, cfg.task_params)
     if cfg.personalization.enabled and not problems:
         problems += personalization_problems(cfg)
+    if cfg.continual is not None and not problems:
+        from orchard.tasks.stream import continual_problems
+
+        problems += continual_problems(cfg)
     return problems
 
 
@@ -49,6 +53,11 @@ def data_problems(data: dict[str, Any]) -> list[str]:
     except ConfigError as err:
         return list(err.problems)
     problems += run_problems(cfg)
+    if isinstance(data.get("policy"), dict) and data["policy"].get("replay") is not None:
+        from orchard.tasks.stream import continual_problems
+
+        # A device policy beside the run: its replay budget sized by the run's task's samples.
+        problems += continual_problems(cfg.model_copy(update={"continual": None}), data["policy"])
     return problems
 
 

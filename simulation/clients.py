@@ -45,6 +45,9 @@ class ClientJob:
     start: str = ""
     # A simulated attacker sends ``attack * delta`` (1.0: an honest client).
     attack: float = 1.0
+    # Virtual seconds since the run began when it starts training: a streaming task's
+    # trainer reads the samples of its device's stream arrived by then.
+    now_s: float = 0.0
 
 
 @dataclass
@@ -155,6 +158,10 @@ def run_jobs(task: Task, population: int, cfg: RunConfig, codec: Codec, global_a
     A job whose ``start`` is set trains from ``starts[start]`` (the model it rebuilt from
     a downlink delta) and its update is taken against that, as on a device."""
     trainers = [task.client_trainer(j.partition, population, cfg.seed) for j in jobs]
+    for trainer, job in zip(trainers, jobs, strict=True):
+        arrive = getattr(trainer, "arrive", None)  # a device whose data is a stream (orchard.tasks.stream)
+        if arrive is not None:
+            arrive(job.now_s)
     seeds_cfgs = [_train_config(cfg, j) for j in jobs]
     for i, (trainer, job) in enumerate(zip(trainers, jobs, strict=True)):
         seed, tc = seeds_cfgs[i]

@@ -237,6 +237,9 @@ def _semantic_problems(cfg: SimulationConfig) -> list[str]:
     if cfg.clients_per_round > cfg.clients:
         problems.append(f"simulation.clients_per_round ({cfg.clients_per_round}) exceeds the population "
                         f"simulation.clients ({cfg.clients})")
+    if cfg.run.continual is not None and cfg.backend != "local":
+        problems.append(f"simulation.run.continual: streaming devices keep their replay buffers in this process's "
+                        f"files and run on the local backend only, got backend {cfg.backend!r}: set backend = 'local'")
     if cfg.runtime == "executorch" and cfg.backend != "local":
         problems.append(f"simulation.runtime 'executorch' runs on the local backend only, got backend "
                         f"{cfg.backend!r}: set backend = 'local'")

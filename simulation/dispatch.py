@@ -126,7 +126,8 @@ class Dispatch:
                 stats.stopped_early += 1
             leaf.waiting += 1
             leaf.working.add(node)
-            arrivals.append(Arrival(finish, dev.index, node, leaf, a, steps if steps < planned else None, start))
+            arrivals.append(Arrival(finish, dev.index, node, leaf, a, steps if steps < planned else None, start,
+                                    now_s=t_open + down_s))
             if ahead:
                 queued.append(arrivals[-1])
                 if len(queued) >= ahead_batch:

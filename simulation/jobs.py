@@ -36,6 +36,7 @@ class Arrival:
     start: str = ""  # the model it trains from: "" the global one, else its downlink reconstruction
     deferred: bool = False  # expected to arrive after its tier closed: trained only if it did not
     output: ClientOutput | None = None  # asynchronous mode: trained when it pulled its model
+    now_s: float = 0.0  # virtual time when it starts training: how much of a data stream has arrived
 
 
 class Jobs:
@@ -51,7 +52,7 @@ class Jobs:
 
     def job(self, a: Arrival) -> ClientJob:
         return ClientJob(a.partition, a.node_id, a.assignment, a.steps, self.codec_states.get(a.partition), a.start,
-                         self.attack(a.partition))
+                         self.attack(a.partition), a.now_s)
 
     def attack(self, partition: int) -> float:
         """The multiplier a device applies to its update: the attack's for attackers (drawn

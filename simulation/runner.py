@@ -60,6 +60,16 @@ def _failure(rnd: int, rec: dict[str, Any], cfg: SimulationConfig) -> str:
     return msg
 
 
+def _device_root(out: Path | None) -> Path:
+    """Where simulated devices keep their replay buffers: under the run's output, else a
+    temporary directory that lives as long as the process."""
+    if out is not None:
+        return Path(out) / "devices"
+    import tempfile
+
+    return Path(tempfile.mkdtemp(prefix="orchard-devices-"))
+
+
 def run_simulation(cfg: SimulationConfig, progress: Any = None,
                    stop: Callable[[dict[str, Any]], bool] | None = None) -> SimulationReport:
     """Run ``cfg`` to the end; write ``rounds.jsonl``, ``report.json`` and plots under ``cfg.out``.
@@ -79,6 +89,10 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
         from orchard.edge_runtime.et_task import ExecuTorchTask
 
         task = ExecuTorchTask(task)
+    if run.continual is not None:  # each device's data a stream, its replay buffer in its own directory
+        from orchard.tasks.stream import StreamingTask
+
+        task = StreamingTask(task, run.continual, _device_root(cfg.out))
     # The global model as a root holds it: read back from its blob, so its tensors (and
     # every round's schema) come in the blob's canonical order, as on the gRPC path.
     arrays = wire.blob_to_arrays(wire.arrays_to_blob(task.initial_arrays(run.seed)))

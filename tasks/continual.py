@@ -73,6 +73,12 @@ class ContinualTrainer:
         self.seed = seed
         self._state: tuple[nn.Module, list[str], dict[str, torch.Tensor]] | None = None
 
+    def arrive(self, now_s: float) -> None:
+        """The stream's clock (the simulator's virtual time); a file the device appends to needs none."""
+        arrive = getattr(self.stream, "arrive", None)
+        if arrive is not None:
+            arrive(now_s)
+
     def buffer(self) -> ReplayBuffer:
         """The device's buffer as the file holds it now (a damaged file is discarded)."""
         return ReplayBuffer(self.directory, self.stream.sample_shape, self.budget_bytes, sampling=self.sampling,

@@ -172,6 +172,23 @@ class StreamingTask:
             trainable=task.trainable, seed=seed * 1_000_003 + partition_id)
 
 
+def device_trainer(task: Any, cfg: ContinualConfig, data: str | Path, state_dir: str | Path | None,
+                   policy: Any, seed: int) -> ContinualTrainer:
+    """A real device's continual trainer: its samples read from ``data`` as they are
+    appended, its replay buffer in ``state_dir/replay`` under its policy's budget."""
+    if state_dir is None:
+        raise ConfigError("a continual run keeps the device's replay buffer in its data directory: "
+                          "pass --state-dir DIR")
+    replay = getattr(policy, "replay", None)
+    if replay is None:
+        raise ConfigError("a continual run needs the device policy's replay budget: set replay.budget_bytes "
+                          "in client.json's policy (or --policy)")
+    data_shape = tuple(int(s) for s in task.train_data.x.shape[1:])
+    return ContinualTrainer(lambda: task.build_model(), AppendedSamples(data, data_shape), Path(state_dir) / "replay",
+                            replay.budget_bytes, replay_ratio=cfg.replay_ratio, sampling=cfg.sampling,
+                            hot_samples=replay.hot_samples, trainable=task.trainable, seed=seed)
+
+
 def continual_problems(run: RunConfig, policy: dict[str, Any] | None = None) -> list[str]:
     """Every problem of ``run.continual`` (and of a device policy's ``replay`` table,
     checked against the run's task's sample size when the run has a task)."""

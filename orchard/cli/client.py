@@ -49,8 +49,9 @@ def client_start(
     systemd: Annotated[bool, typer.Option("--systemd", help="Print a systemd unit for this bundle and exit.")] = False,
     runtime: Annotated[str, typer.Option("--runtime", help="torch, or executorch: train through the bundle's "
                                          "ExecuTorch training program, without torch.")] = "torch",
-    data: Annotated[Path | None, typer.Option("--data", help="With --runtime executorch: the device's own data "
-                                              "(its text, or an .npz of x and y token windows).")] = None,
+    data: Annotated[Path | None, typer.Option("--data", help="The device's own data: with --runtime executorch, its text "
+                                              "or an .npz of x and y token windows; in a continual run, the file or "
+                                              "directory its samples are appended to.")] = None,
     seed: Annotated[int, typer.Option("--seed")] = 0,
     verbose: Verbose = True,
 ) -> None:
