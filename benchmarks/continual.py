@@ -56,11 +56,11 @@ PERIODS = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
 CASES = ("no replay", "replay", "upper bound")
 
 
-def per_group_accuracy(task, arrays) -> list[float]:
+def per_group_accuracy(task, arrays, limit: int | None = None) -> list[float]:
     model = task.build_model()
     load_arrays(model, arrays, task.trainable)
     model.eval()
-    x, y = task.test_data.x, task.test_data.y
+    x, y = task.test_data.x[:limit], task.test_data.y[:limit]
     with torch.no_grad():
         pred = torch.cat([model(x[i:i + 2000]).argmax(-1) for i in range(0, len(y), 2000)])
     hits = (pred == y).numpy()
@@ -103,7 +103,7 @@ def run_case(task, case: str, a, seed: int) -> dict:
             if weight > 0:
                 arrays = {n: (total[n] / weight).astype(np.float32) for n in names}
             if (r + 1) % a.rounds_per_period == 0:
-                acc.append(per_group_accuracy(task, arrays))
+                acc.append(per_group_accuracy(task, arrays, a.eval_limit))
                 print(f"  seed {seed} {case}: period {len(acc)} accuracy {acc[-1][-1]:.3f} "
                       f"groups {[round(v, 2) for v in acc[-1][:-1]]}", flush=True)
     t = len(PERIODS) - 1
@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sampling", default="reservoir", choices=["reservoir", "class_balanced"])
     ap.add_argument("--hot", type=int, default=64, help="hot samples (at most the buffer's capacity)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--eval-limit", type=int, default=None, help="test on the first N test images (default all)")
     ap.add_argument("--quick", action="store_true", help="a small run: 60 devices, 1 seed")
     ap.add_argument("--json", dest="json_path", default=None)
     a = ap.parse_args(argv)
@@ -174,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
         "devices": a.devices, "cohort": a.cohort, "samples_per_device": a.samples, "periods": PERIODS,
         "rounds_per_period": a.rounds_per_period, "epochs": a.epochs, "batch_size": a.batch,
         "learning_rate": a.lr, "replay_ratio": a.ratio, "buffer_fraction_of_stream": a.fraction,
-        "sampling": a.sampling, "seeds": a.seeds, "cases": summary, "runs": runs,
+        "sampling": a.sampling, "seeds": a.seeds, "test_images": a.eval_limit or 10_000, "cases": summary, "runs": runs,
         "forgetting_reduction": reduction, "upper_bound_minus_replay_points": gap,
         "targets_met": bool(reduction >= 0.5 and gap <= 5.0),
     }
