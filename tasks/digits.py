@@ -5,7 +5,8 @@ The data has no writers, so clients are made by label skew (Dirichlet by default
 A stratified ``test_fraction`` of the data is held out once, with ``split_seed``, and
 never partitioned into training data: central evaluation and the clients' local test
 splits come from it. ``with_replacement=True`` lets any number of clients draw
-``samples_per_client`` examples each (the simulator's 10,000-client benchmark).
+``samples_per_client`` examples each (the simulator's 10,000-client benchmark), or,
+with ``size_spread`` > 0, a lognormal number of examples around it.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def build(
     with_replacement: bool = False,
     samples_per_client: int = 20,
     test_samples_per_client: int = 5,
+    size_spread: float = 0.0,
     shards_per_client: int = 2,
     min_partition_size: int = 2,
     test_fraction: float = 0.2,
@@ -59,7 +61,9 @@ def build(
     ``partitioner``: "dirichlet" (label shares per class ~ Dir(alpha)), "iid" or
     "shards"; ``with_replacement`` (Dirichlet only): each client draws
     ``samples_per_client`` training and ``test_samples_per_client`` test examples with
-    replacement, so the population is unbounded.
+    replacement, so the population is unbounded; ``size_spread`` > 0 (with replacement
+    only) makes training sizes uneven, lognormal with that sigma and mean about
+    ``samples_per_client`` (``orchard.tasks.sizes``).
     """
     params = dict(locals())  # exactly the keyword arguments: the task's parameters
     x, y = load_digits()

@@ -71,12 +71,14 @@ def build(
     with_replacement: bool = False,
     samples_per_client: int = 50,
     test_samples_per_client: int = 50,
+    size_spread: float = 0.0,
     min_partition_size: int = 10,
     channels: int = 16,
     hidden: int = 64,
 ) -> SupervisedTask:
     """Build the MNIST task. ``partitioner``: "dirichlet" (per-class shares ~ Dir(alpha)),
-    "shards" (``shards_per_client`` label-sorted shards each) or "iid"."""
+    "shards" (``shards_per_client`` label-sorted shards each) or "iid"; ``size_spread`` with
+    ``with_replacement``: uneven training sizes (as for digits)."""
     params = dict(locals())  # exactly the keyword arguments: the task's parameters
     x_train, y_train, x_test, y_test = load_mnist()
     return SupervisedTask(

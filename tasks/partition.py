@@ -13,7 +13,8 @@ given; nothing here touches a global RNG. Three schemes:
   ``q_i ~ Dir(alpha * p)`` (``p`` the pool's class frequencies, Hsu et al., 2019) and
   then a fixed number of examples with replacement. This is the only scheme whose
   population is not bounded by the pool size (10,000 clients of 20 examples from
-  1,437 digits).
+  1,437 digits). With ``size_spread`` > 0 the number is a client's own (see
+  :func:`client_sizes`): uneven clients, as real devices hold.
 
 The *local test split* of a client is drawn from the held-out test pool with the same
 per-class shares as its training data, so a client evaluates on its own label mix and
@@ -38,6 +39,7 @@ from typing import Any, overload
 import numpy as np
 
 from orchard.errors import ConfigError
+from orchard.tasks.sizes import check_size_spread, client_sizes
 
 IndexArray = np.ndarray  # int64, indices into a pool
 
@@ -436,10 +438,11 @@ def _draw_with_replacement(
     labels: np.ndarray,
     num_classes: int,
     mixes: np.ndarray,
-    per_client: int,
+    per_client: int | np.ndarray,
     rng: np.random.Generator,
 ) -> RaggedIndex:
-    """For each client i draw ``per_client`` examples with class mix ``mixes[i]``.
+    """For each client i draw ``per_client`` examples (or ``per_client[i]``, one size a
+    client) with class mix ``mixes[i]``.
 
     Vectorised over clients: one multinomial for the class counts, then one uniform
     draw per example within its class's pool.
@@ -475,9 +478,12 @@ def sample_with_replacement(
     seed: int,
     samples_per_client: int,
     test_samples_per_client: int,
+    size_spread: float = 0.0,
 ) -> Partition:
     """Clients of ``samples_per_client`` examples drawn with replacement under a
-    Dirichlet(alpha * p) class mix each; any population size works."""
+    Dirichlet(alpha * p) class mix each; any population size works. ``size_spread`` > 0:
+    client i draws its own number of training examples (:func:`client_sizes`, mean about
+    ``samples_per_client``); its local test split keeps ``test_samples_per_client``."""
     _check_num_partitions(num_partitions)
     if alpha <= 0:
         raise ConfigError(f"alpha must be > 0, got {alpha}")
@@ -486,17 +492,22 @@ def sample_with_replacement(
             f"samples_per_client must be >= 1 and test_samples_per_client >= 0, got "
             f"{samples_per_client} and {test_samples_per_client}"
         )
+    check_size_spread(size_spread)
     rng = np.random.default_rng(seed)
     prior = np.bincount(train_labels, minlength=num_classes)[:num_classes] / len(train_labels)
     # Classes with zero prior get a tiny concentration so Dirichlet stays defined.
     mixes = rng.dirichlet(np.maximum(alpha * prior * num_classes, 1e-3), size=num_partitions)
-    train_idx = _draw_with_replacement(train_labels, num_classes, mixes, samples_per_client, rng)
+    # Drawn only when spread: size_spread=0 keeps the stream, so the same partition as before.
+    sizes = (client_sizes(num_partitions, samples_per_client, size_spread, rng) if size_spread > 0
+             else samples_per_client)
+    train_idx = _draw_with_replacement(train_labels, num_classes, mixes, sizes, rng)
     test_idx = _draw_with_replacement(test_labels, num_classes, mixes, test_samples_per_client, rng)
+    spread = f", size_spread={size_spread}" if size_spread > 0 else ""
     return Partition(
         indices=train_idx,
         test_indices=test_idx,
         label_skew=label_skew(train_labels, train_idx, num_classes),
-        scheme=f"with_replacement(alpha={alpha}, n={samples_per_client})",
+        scheme=f"with_replacement(alpha={alpha}, n={samples_per_client}{spread})",
     )
 
 
@@ -531,6 +542,7 @@ def label_partitioner(
     with_replacement: bool,
     samples_per_client: int,
     test_samples_per_client: int,
+    size_spread: float = 0.0,
 ) -> Callable[[int, int], Partition]:
     """A ``(num_partitions, seed) -> Partition`` for a labelled pool, checked up front."""
     if scheme not in LABEL_SCHEMES:
@@ -541,19 +553,15 @@ def label_partitioner(
         raise ConfigError(
             "with_replacement=True draws a Dirichlet mix per client: use partitioner='dirichlet'"
         )
+    check_size_spread(size_spread)
+    if size_spread != 0.0 and not with_replacement:
+        raise ConfigError(f"size_spread={size_spread} spreads the sizes of clients drawn with replacement: "
+                          "set with_replacement=True, or size_spread=0")
 
     def partition(num_partitions: int, seed: int) -> Partition:
         if with_replacement:
-            return sample_with_replacement(
-                train_labels,
-                test_labels,
-                num_classes,
-                num_partitions,
-                alpha,
-                seed,
-                samples_per_client,
-                test_samples_per_client,
-            )
+            return sample_with_replacement(train_labels, test_labels, num_classes, num_partitions, alpha, seed,
+                                           samples_per_client, test_samples_per_client, size_spread)
         if scheme == "iid":
             return iid_partition(train_labels, test_labels, num_classes, num_partitions, seed)
         if scheme == "shards":
@@ -572,7 +580,8 @@ def task_label_partitioner(
 ) -> Callable[[int, int], Partition]:
     """:func:`label_partitioner` configured by a labelled task's own parameter names
     (``partitioner``, ``alpha``, ``min_partition_size``, ``shards_per_client``,
-    ``with_replacement``, ``samples_per_client``, ``test_samples_per_client``)."""
+    ``with_replacement``, ``samples_per_client``, ``test_samples_per_client``,
+    ``size_spread``; a task without ``size_spread`` has even sizes)."""
     return label_partitioner(
         train_labels,
         test_labels,
@@ -584,4 +593,5 @@ def task_label_partitioner(
         with_replacement=params["with_replacement"],
         samples_per_client=params["samples_per_client"],
         test_samples_per_client=params["test_samples_per_client"],
+        size_spread=params.get("size_spread", 0.0),
     )

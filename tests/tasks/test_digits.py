@@ -63,6 +63,15 @@ def test_with_replacement_population_of_10k() -> None:
     assert result.num_examples == 20 and result.num_steps == 1
 
 
+def test_size_spread_is_a_task_parameter() -> None:
+    task = get_task("digits", with_replacement=True, samples_per_client=20, size_spread=1.0)
+    sizes = task.partition(1000, seed=0).sizes
+    assert len(set(sizes.tolist())) > 20 and task.params["size_spread"] == 1.0
+    assert len(task.client_trainer(3, 1000, seed=0).train_data) == sizes[3]
+    with pytest.raises(ConfigError, match="with_replacement=True"):
+        get_task("digits", size_spread=1.0)  # disjoint partitions have their own sizes
+
+
 def test_bad_partition_id_is_refused(task) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError):
         task.client_trainer(10, 10, seed=0)

@@ -95,6 +95,31 @@ def test_with_replacement_scales_past_the_pool() -> None:
     assert p.label_skew.mean_tv_distance > iid_like.label_skew.mean_tv_distance + 0.2
 
 
+def test_uneven_sizes_are_lognormal_around_the_mean_and_seeded() -> None:
+    even = sample_with_replacement(TRAIN, TEST, 10, 3000, 0.5, 7, 20, 5)
+    p = sample_with_replacement(TRAIN, TEST, 10, 3000, 0.5, 7, 20, 5, size_spread=1.0)
+    sizes = p.sizes
+    assert sizes.min() >= 1 and sizes.max() <= 10 * 20
+    assert abs(sizes.mean() - 20) < 1.5  # the mean is kept (the clipped tail costs ~2%)
+    assert len(np.unique(sizes)) > 50 and np.median(sizes) < 15  # long-tailed: most clients hold less
+    assert all(len(i) == 5 for i in p.test_indices)  # local test splits keep their size
+    # The same class mixes: a client's labels follow its mix whatever its size.
+    assert np.array_equal(p.indices.lengths, sizes)
+    same = sample_with_replacement(TRAIN, TEST, 10, 3000, 0.5, 7, 20, 5, size_spread=1.0)
+    assert p.indices == same.indices and p.test_indices == same.test_indices
+    assert not np.array_equal(sample_with_replacement(TRAIN, TEST, 10, 3000, 0.5, 8, 20, 5,
+                                                      size_spread=1.0).sizes, sizes)
+    # size_spread=0 draws nothing more: the partition of before, index for index.
+    zero = sample_with_replacement(TRAIN, TEST, 10, 3000, 0.5, 7, 20, 5, size_spread=0.0)
+    assert zero.indices == even.indices and zero.test_indices == even.test_indices
+
+
+@pytest.mark.parametrize("spread", [-0.1, 3.5, float("nan")])
+def test_size_spread_out_of_range_is_refused(spread: float) -> None:
+    with pytest.raises(ConfigError, match="size_spread must be in"):
+        sample_with_replacement(TRAIN, TEST, 10, 10, 0.5, 7, 20, 5, size_spread=spread)
+
+
 def test_label_skew_of_disjoint_single_class_clients() -> None:
     labels = np.array([0, 0, 1, 1])
     skew = label_skew(labels, [np.array([0, 1]), np.array([2, 3])], 2)
