@@ -40,7 +40,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, grad, vmap
 
-from orchard.tasks.torch_trainer import TorchTrainer, _seed_from, load_arrays, stack_rows
+from orchard.tasks.torch_trainer import (
+    TensorData,
+    TensorRows,
+    TorchTrainer,
+    _seed_from,
+    load_arrays,
+    stack_rows,
+)
 from orchard.trainer import TrainConfig, TrainResult
 from orchard.typing import NDArrays
 
@@ -77,6 +84,16 @@ def _loss(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor,
     return loss, (loss.detach(), correct)
 
 
+def _weighted_loss(model: nn.Module, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
+                   w: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`_loss` of a padded batch: row weights ``w`` (``1 / b`` on the b real rows, 0
+    on padding) make it the mean over the real rows; padding rows count no hits."""
+    logits = functional_call(model, params, (x,))
+    loss = (F.cross_entropy(logits, y, reduction="none") * w).sum()
+    correct = ((logits.argmax(dim=-1) == y) & (w > 0)).sum()
+    return loss, (loss.detach(), correct)
+
+
 # One step of an MLP's plan: ("linear", weight name, bias name or None) or ("relu", "", None).
 MlpLayer = tuple[str, str, str | None]
 
@@ -106,10 +123,14 @@ def _mlp_plan(model: nn.Module, names: Sequence[str]) -> list[MlpLayer] | None:
 
 
 def _mlp_step(plan: Sequence[MlpLayer], params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor,
-              shared: bool) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+              shared: bool, row_w: torch.Tensor | None = None
+              ) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
     """Every client's gradient of its mean cross-entropy, its loss and its hits, for an
     MLP ``plan``: ``x`` (C, B, F), ``y`` (C, B); ``params`` stacked (C, ...) or, with
-    ``shared``, one model every client starts from (1, ...)."""
+    ``shared``, one model every client starts from (1, ...). ``row_w`` (C, B): row weights of
+    padded batches, ``1 / b_c`` on client c's ``b_c`` real rows and 0 on padding (see
+    :func:`_uneven_plan`), so each client's mean is over its own rows; None: every row
+    is real."""
     c, b = y.shape
     inputs: list[torch.Tensor] = []  # each Linear's input, for its weight's gradient
     masks: list[torch.Tensor] = []  # where each ReLU passed its input through
@@ -131,12 +152,18 @@ def _mlp_step(plan: Sequence[MlpLayer], params: dict[str, torch.Tensor], x: torc
                  else torch.bmm(h, weight.transpose(1, 2)))
     logp = torch.log_softmax(h, dim=-1)
     target = y.unsqueeze(-1)
-    loss = -logp.gather(-1, target).squeeze(-1).mean(dim=1)
-    hits = (h.argmax(dim=-1) == y).sum(dim=1)
-    # d(mean cross-entropy)/d(logits) = (softmax - one_hot) / B, per client.
+    nll = -logp.gather(-1, target).squeeze(-1)
+    hit = h.argmax(dim=-1) == y
+    loss = nll.mean(dim=1) if row_w is None else (nll * row_w).sum(dim=1)
+    hits = (hit if row_w is None else hit & (row_w > 0)).sum(dim=1)
+    # d(mean cross-entropy)/d(logits) = (softmax - one_hot) / B, per client; a padding
+    # row's is exactly 0, so it adds exactly nothing to any gradient below.
     g = logp.exp()
     g.scatter_add_(-1, target, torch.full_like(target, -1, dtype=g.dtype))
-    g.div_(b)
+    if row_w is None:
+        g.div_(b)
+    else:
+        g.mul_(row_w.unsqueeze(-1))
     grads: dict[str, torch.Tensor] = {}
     for i, (kind, w, bias) in enumerate(reversed(plan)):
         if kind == "relu":
@@ -167,15 +194,75 @@ def _plan(n: int, config: TrainConfig) -> list[tuple[int, int]]:
     return out
 
 
+def _uneven_plan(trainers: Sequence[TorchTrainer], configs: Sequence[TrainConfig], sizes: np.ndarray
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Batches of clients of different sizes, padded to one shape: ``idx`` (C, T, B), the
+    row of each client's batch at each step (each client's own TorchTrainer order: its
+    permutation of each epoch cut at ``0, B, 2B, ...``, the epoch's last batch short), -1
+    where a client's batch is shorter or its steps have run out; ``count`` (C, T), its
+    real rows at each step (0: no step); and each client's number of steps.
+
+    A client of at most B examples trains on them in stored order, as TorchTrainer does
+    (one batch, no gather: the order does not change the mean)."""
+    cfg = configs[0]
+    bs = cfg.batch_size
+    plans = {int(n): _plan(int(n), cfg) for n in np.unique(sizes)}
+    t_max = max(len(p) for p in plans.values())
+    c = len(trainers)
+    idx = torch.full((c, t_max, bs), -1, dtype=torch.int64)
+    gen = torch.Generator()
+    for n, plan in plans.items():
+        members = np.flatnonzero(sizes == n)
+        if not plan:
+            continue
+        per_epoch = -(-n // bs)
+        epochs = plan[-1][0] + 1
+        if n <= bs:
+            order = torch.arange(n).expand(len(members), epochs, n)
+        else:  # each client's stream, seeded as TorchTrainer seeds it (see train_group)
+            drawn = []
+            for i in members:
+                gen.manual_seed(_seed_from(trainers[i].seed, configs[i].seed))
+                drawn += [torch.randperm(n, generator=gen) for _ in range(epochs)]
+            order = torch.stack(drawn).view(len(members), epochs, n)
+        # Pad each epoch to whole batches, then read it batch by batch: the plan's steps.
+        padded = F.pad(order, (0, per_epoch * bs - n), value=-1).reshape(len(members), epochs * per_epoch, bs)
+        idx[torch.from_numpy(members), :len(plan)] = padded[:, :len(plan)]
+    count = (idx >= 0).sum(dim=2)
+    return idx, count, [len(plans[int(n)]) for n in sizes]
+
+
+def _padded_rows(datas: Sequence[TensorData | TensorRows], n_max: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`stack_rows` of datasets of different lengths, each padded to ``n_max`` rows
+    by repeating its last row (a real row: finite values for padding that weighs 0)."""
+    lengths = np.array([len(d) for d in datas])
+    pos = np.minimum(np.arange(n_max), (lengths - 1)[:, None])  # (C, n_max)
+    first = datas[0]
+    if isinstance(first, TensorRows) and all(isinstance(d, TensorRows) and d.pool is first.pool for d in datas):
+        pool = first.pool
+        if pool.x.device.type == "cpu" and pool.y.device.type == "cpu" and not pool.x.requires_grad:
+            rows = np.take_along_axis(np.stack([np.pad(d.index, (0, n_max - len(d.index))) for d in datas]), pos, 1)
+            return torch.from_numpy(pool.x.numpy()[rows]), torch.from_numpy(pool.y.numpy()[rows])
+    at = torch.from_numpy(pos)
+    return (torch.stack([d.x[p] for d, p in zip(datas, at, strict=True)]),
+            torch.stack([d.y[p] for d, p in zip(datas, at, strict=True)]))
+
+
 def train_group(trainers: Sequence[TorchTrainer], global_arrays: NDArrays,
                 configs: Sequence[TrainConfig], device: str = "cpu") -> list[TrainResult]:
-    """Train clients that share a model structure, a dataset size and a step plan.
+    """Train clients that share a model structure and a step plan's hyperparameters.
 
     ``configs[i]`` differ only in ``seed`` (each client's round seed); the caller groups
-    clients by (dataset size, steps) — see :func:`train_many`. ``device``: where the
-    stacked parameters, data and steps live ("cpu", or "cuda" when one is present); the
-    batch orders are drawn on the CPU either way, as TorchTrainer draws them, and the
-    results come back as CPU arrays.
+    clients by (steps, epochs, batch size, step hyperparameters) -- see :func:`train_many`.
+    Clients of one dataset size take the same steps on whole batches. Clients of different
+    sizes (uneven clients) are padded to one shape (:func:`_uneven_plan`): padding rows
+    weigh exactly 0 and each real row ``1 / b`` (b: the client's real rows at that step),
+    so each client still takes its own mean gradient over its own batch, and a client
+    whose steps have run out takes no step at all (its parameters are left as they are,
+    weight decay and the proximal term included). ``device``: where the stacked
+    parameters, data and steps live ("cpu", or "cuda" when one is present); the batch
+    orders are drawn on the CPU either way, as TorchTrainer draws them, and the results
+    come back as CPU arrays.
     """
     first, cfg = trainers[0], configs[0]
     model = first.model
@@ -185,25 +272,41 @@ def train_group(trainers: Sequence[TorchTrainer], global_arrays: NDArrays,
     if dev.type != "cpu":
         model = model.to(dev)  # buffers with it; parameters are passed in explicitly
     c = len(trainers)
-    n = len(first.train_data)
+    sizes = np.array([len(t.train_data) for t in trainers], dtype=np.int64)
+    even = bool((sizes == sizes[0]).all())
+    n = int(sizes.max())
     plan = _plan(n, cfg)
-    # Each client's batch order from its own stream, exactly as TorchTrainer draws it from
-    # a generator seeded for it: one (C, n) matrix of permutations per epoch. One
-    # generator, reseeded for each client, is in the state a new one seeded alike is in
-    # (manual_seed resets the whole state), and costs less than a generator a client.
-    epochs = (plan[-1][0] + 1) if plan else 0
-    if n <= 1 or epochs == 0:
-        perms = torch.zeros((epochs, c, n), dtype=torch.int64)
+    if even:
+        # Each client's batch order from its own stream, exactly as TorchTrainer draws it from
+        # a generator seeded for it: one (C, n) matrix of permutations per epoch. One
+        # generator, reseeded for each client, is in the state a new one seeded alike is in
+        # (manual_seed resets the whole state), and costs less than a generator a client.
+        epochs = (plan[-1][0] + 1) if plan else 0
+        if n <= 1 or epochs == 0:
+            perms = torch.zeros((epochs, c, n), dtype=torch.int64)
+        else:
+            gen = torch.Generator()
+            drawn = []
+            for t, tc in zip(trainers, configs, strict=True):
+                gen.manual_seed(_seed_from(t.seed, tc.seed))
+                drawn += [torch.randperm(n, generator=gen) for _ in range(epochs)]
+            perms = torch.stack(drawn).view(c, epochs, n).transpose(0, 1).contiguous()  # (epochs, C, n)
+        perms = perms.to(dev)
+        x_all, y_all = stack_rows([t.train_data for t in trainers])  # (C, n, ...), (C, n, ...)
+        steps_of = [len(plan)] * c
     else:
-        gen = torch.Generator()
-        drawn = []
-        for t, tc in zip(trainers, configs, strict=True):
-            gen.manual_seed(_seed_from(t.seed, tc.seed))
-            drawn += [torch.randperm(n, generator=gen) for _ in range(epochs)]
-        perms = torch.stack(drawn).view(c, epochs, n).transpose(0, 1).contiguous()  # (epochs, C, n)
-    x_all, y_all = stack_rows([t.train_data for t in trainers])  # (C, n, ...), (C, n, ...)
+        pad_idx, count, steps_of = _uneven_plan(trainers, configs, sizes)
+        plan = [(0, 0)] * pad_idx.shape[1]  # the padded steps; pad_idx says which rows
+        x_all, y_all = _padded_rows([t.train_data for t in trainers], n)
+        # (C, T, B): rows to read (padding reads a real row, which weighs 0), their weights,
+        # and which clients take each step.
+        weights = torch.where(pad_idx >= 0, 1.0 / count.clamp_min(1).unsqueeze(-1).float(), 0.0).to(dev)
+        pad_idx = pad_idx.clamp_min(0).to(dev)
+        active = (count > 0).t().contiguous()  # (T, C)
+        all_active = active.all(dim=1).tolist()
+        active_f = active.to(dev, torch.float32)
+        count = count.to(dev)
     x_all, y_all = x_all.to(dev), y_all.to(dev)
-    perms = perms.to(dev)
     g = {k: torch.from_numpy(np.ascontiguousarray(global_arrays[k], dtype=np.float32)).to(dev) for k in names}
     anchors = {k: v.unsqueeze(0) for k, v in g.items()}
     # Every client starts from the global model: until the first step, their parameters
@@ -215,56 +318,72 @@ def train_group(trainers: Sequence[TorchTrainer], global_arrays: NDArrays,
     flat_data = x_all.dim() == 3 and x_all.dtype == torch.float32 and y_all.dim() == 2 and y_all.dtype == torch.int64
     mlp = _mlp_plan(model, names) if flat_data else None
     if mlp is not None:
-        def step(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, shared: bool
-                 ) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
-            return _mlp_step(mlp, p, x, y, shared)
+        def step(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, shared: bool,
+                 w: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+            return _mlp_step(mlp, p, x, y, shared, w)
     else:
         loss_fn = grad(lambda p, x, y: _loss(model, p, x, y), has_aux=True)
         step_fn, first_fn = vmap(loss_fn), vmap(loss_fn, in_dims=(None, 0, 0))
+        w_fn = grad(lambda p, x, y, w: _weighted_loss(model, p, x, y, w), has_aux=True)
+        w_step_fn, w_first_fn = vmap(w_fn), vmap(w_fn, in_dims=(None, 0, 0, 0))
 
-        def step(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, shared: bool
-                 ) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        def step(p: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, shared: bool,
+                 w: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+            if w is not None:
+                return w_first_fn(g, x, y, w) if shared else w_step_fn(p, x, y, w)
             return first_fn(g, x, y) if shared else step_fn(p, x, y)
     loss_sum = torch.zeros(c, dtype=torch.float64, device=dev)
     correct = torch.zeros(c, dtype=torch.int64, device=dev)
-    seen = 0
+    seen = torch.zeros(c, dtype=torch.int64, device=dev)
     rows = torch.arange(c, device=dev).unsqueeze(1)
     for i, (epoch, start) in enumerate(plan):
-        if n <= cfg.batch_size:
+        w = None
+        if not even:
+            idx = pad_idx[:, i]  # (C, B)
+            x, y, w = x_all[rows, idx], y_all[rows, idx], weights[:, i]
+        elif n <= cfg.batch_size:
             x, y = x_all, y_all  # one batch: TorchTrainer skips the gather too
         else:
             idx = perms[epoch, :, start:start + cfg.batch_size]  # (C, B)
             x, y = x_all[rows, idx], y_all[rows, idx]
-        grads, (loss, hits) = step(params, x, y, i == 0)
+        grads, (loss, hits) = step(params, x, y, i == 0, w)
         with torch.no_grad():
             nxt = {}
+            # Uneven: clients whose steps have run out take none (a 0 factor leaves them as they are).
+            off = None if even or all_active[i] else active_f[i]
             for k, p in params.items():
                 d = grads[k]
                 if mu > 0:
                     d = d + mu * (p - anchors[k])
                 if wd != 0:
                     d = d + wd * p
+                if off is not None:
+                    d = d * off.view(-1, *([1] * (d.dim() - 1)))
                 if i == 0:  # p - lr d, as the in-place step below computes it: now C copies
                     nxt[k] = p - lr * d
                 else:
                     p.sub_(lr * d)
             if i == 0:
                 params = nxt
-            loss_sum += loss.double() * y[0].numel()
+            if even:
+                loss_sum += loss.double() * y[0].numel()
+                seen += y[0].numel()
+            else:  # one target a row (train_many pads no other kind)
+                loss_sum += loss.double() * count[:, i]
+                seen += count[:, i]
             correct += hits
-        seen += y[0].numel()
     if not plan:  # no step: every client keeps the global model
         params = {k: v.repeat(c, *([1] * (v.dim() - 1))) for k, v in anchors.items()}
     out = []
     arrays = {k: v.cpu().numpy() for k, v in params.items()}
-    losses, hits_total = loss_sum.tolist(), correct.tolist()
+    losses, hits_total, seen_total = loss_sum.tolist(), correct.tolist(), seen.tolist()
     for i in range(c):
         # Views into the stacked parameters: the caller takes a delta (a new array) at once.
         out.append(TrainResult(
             arrays={k: arrays[k][i] for k in names},
-            weight=float(n), num_examples=n, num_steps=len(plan),
-            metrics={"train_loss": losses[i] / max(seen, 1),
-                     "train_accuracy": hits_total[i] / max(seen, 1)}))
+            weight=float(sizes[i]), num_examples=int(sizes[i]), num_steps=steps_of[i],
+            metrics={"train_loss": losses[i] / max(seen_total[i], 1),
+                     "train_accuracy": hits_total[i] / max(seen_total[i], 1)}))
     return out
 
 
@@ -310,13 +429,25 @@ def cpu_slice(trainer: TorchTrainer, config: TrainConfig) -> int:
     return max(1, min(_CPU_CLIENTS, _CPU_SLICE_BYTES // max(1, per_client)))
 
 
+def _one_target_a_row(data: TensorData | TensorRows) -> bool:
+    """Whether each example has one class target (what padding weighs row by row)."""
+    y = data.pool.y if isinstance(data, TensorRows) else data.y  # a TensorRows' pool: no gather
+    return y.dim() == 1 and not y.is_floating_point()
+
+
 def train_many(trainers: Sequence[TorchTrainer], global_arrays: NDArrays,
                configs: Sequence[TrainConfig], device: str = "cpu") -> list[TrainResult]:
-    """Group by (dataset size, steps, hyperparameters) and train each group at once."""
+    """Group by (steps, hyperparameters) and train each group at once, in slices.
+
+    Clients of different sizes share a group when each example has one class target:
+    sorted by size, so a slice holds clients of close sizes and pads little (see
+    :func:`train_group`); a slice of one size trains unpadded. Other data (sequences,
+    regression targets) is grouped by size as well, and never padded."""
     groups: dict[tuple, list[int]] = {}
     for i, (t, c) in enumerate(zip(trainers, configs, strict=True)):
-        key = (len(t.train_data), c.steps, c.epochs, c.batch_size, c.learning_rate, c.weight_decay,
-               c.proximal_mu)
+        n = len(t.train_data)
+        key = (None if n > 0 and _one_target_a_row(t.train_data) else n, c.steps, c.epochs, c.batch_size,
+               c.learning_rate, c.weight_decay, c.proximal_mu)
         groups.setdefault(key, []).append(i)
     results: list[TrainResult | None] = [None] * len(trainers)
     cpu = torch.device(device).type == "cpu"
@@ -325,8 +456,10 @@ def train_many(trainers: Sequence[TorchTrainer], global_arrays: NDArrays,
             for i in idx:  # nothing to train on: TorchTrainer's own answer
                 results[i] = trainers[i].train(global_arrays, configs[i])
             continue
-        # On a CPU, cache-sized slices (see cpu_slice); on a GPU, the whole group at once.
-        size = cpu_slice(trainers[idx[0]], configs[idx[0]]) if cpu else len(idx)
+        idx = sorted(idx, key=lambda i: len(trainers[i].train_data))  # stable: one size keeps its order
+        # On a CPU, cache-sized slices (see cpu_slice; the largest client's batch sizes
+        # them); on a GPU, the whole group at once.
+        size = cpu_slice(trainers[idx[-1]], configs[idx[-1]]) if cpu else len(idx)
         for lo in range(0, len(idx), size):
             part = idx[lo:lo + size]
             for i, r in zip(part, train_group([trainers[i] for i in part], global_arrays,

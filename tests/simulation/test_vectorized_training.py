@@ -8,6 +8,8 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sim_cases import DIGITS, _run
 from torch import nn
 
@@ -156,6 +158,61 @@ def test_cpu_slices_are_sized_by_activations(monkeypatch: pytest.MonkeyPatch) ->
         assert a.metrics == b.metrics
         for k in g:
             np.testing.assert_array_equal(a.arrays[k], b.arrays[k])
+
+
+def _assert_same_as_per_client(trainers: list[TorchTrainer], again: list[TorchTrainer], g: dict[str, np.ndarray],
+                               cfgs: list[TrainConfig]) -> None:
+    fast = train_many(trainers, g, cfgs)
+    for t, c, f in zip(again, cfgs, fast, strict=True):
+        ref = t.train(g, c)
+        assert (f.num_steps, f.num_examples, f.weight) == (ref.num_steps, ref.num_examples, ref.weight)
+        for k in g:
+            np.testing.assert_allclose(f.arrays[k], ref.arrays[k], atol=2e-5, rtol=0)
+        assert f.metrics["train_loss"] == pytest.approx(ref.metrics["train_loss"], abs=2e-5)
+        assert f.metrics["train_accuracy"] == pytest.approx(ref.metrics["train_accuracy"])
+
+
+@settings(max_examples=12, deadline=None)
+@given(sizes=st.lists(st.integers(1, 23), min_size=2, max_size=9), batch=st.integers(1, 8),
+       epochs=st.integers(1, 3), steps=st.one_of(st.none(), st.integers(0, 7)),
+       wd=st.sampled_from([0.0, 1e-2]), mu=st.sampled_from([0.0, 0.5]), mlp=st.booleans())
+def test_uneven_sizes_equal_per_client(sizes: list[int], batch: int, epochs: int, steps: int | None, wd: float,
+                                       mu: float, mlp: bool) -> None:
+    # Clients of different sizes train padded in one slice: each takes its own steps on
+    # its own batches (short last batches, fewer steps than the largest), as on its own;
+    # with the MLP step and with vmap's.
+    import orchard.simulation.vectorized as vectorized
+
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+
+    def trainers() -> list[TorchTrainer]:
+        return [TorchTrainer(build, _mlp_data(n, i), _mlp_data(2, 50 + i), seed=i) for i, n in enumerate(sizes)]
+
+    ts = trainers()
+    g = {k: v.detach().numpy().copy() for k, v in ts[0].model.state_dict().items()}
+    cfg = TrainConfig(epochs=epochs, steps=steps, batch_size=batch, learning_rate=0.3, weight_decay=wd,
+                      proximal_mu=mu)
+    cfgs = [dataclasses.replace(cfg, seed=train_seed(1, 2, i)) for i in range(len(sizes))]
+    with pytest.MonkeyPatch.context() as mp:
+        if not mlp:
+            mp.setattr(vectorized, "_mlp_plan", lambda model, names: None)
+        _assert_same_as_per_client(ts, trainers(), g, cfgs)
+
+
+def test_uneven_digits_clients_equal_per_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The simulator's uneven workload (size_spread): sorted into slices of close sizes,
+    # some slices of one size (unpadded), some padded.
+    import orchard.simulation.vectorized as vectorized
+
+    task = get_task("digits", with_replacement=True, samples_per_client=20, size_spread=1.0)
+    monkeypatch.setattr(vectorized, "_CPU_CLIENTS", 7)
+    cfg = TrainConfig(epochs=1, batch_size=10, learning_rate=0.1)
+    cfgs = [dataclasses.replace(cfg, seed=train_seed(0, 1, i)) for i in range(40)]
+    trainers = [task.client_trainer(i, 400, 0) for i in range(40)]
+    assert len({len(t.train_data) for t in trainers}) > 10
+    _assert_same_as_per_client(trainers, [task.client_trainer(i, 400, 0) for i in range(40)],
+                               task.initial_arrays(0), cfgs)
 
 
 def test_vectorized_uploads_equal_per_client_uploads() -> None:
