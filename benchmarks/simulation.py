@@ -301,11 +301,14 @@ def _devices(a: argparse.Namespace) -> None:
 
 def _variants(a: argparse.Namespace) -> None:
     """What users turn on, against the float32 case at the same size in one invocation:
-    8-bit qsgd and secure aggregation (SecAgg+ per cohort), each as a ratio of clients/s."""
+    8-bit qsgd, secure aggregation (SecAgg+ per cohort) and uneven client sizes (float32,
+    ``size_spread`` 1.0: lognormal sizes of mean about 20), each as a ratio of clients/s."""
     n = a.per_round[0]
-    cases = {"float32": {}, "qsgd": {"codec": {"name": "qsgd", "params": {"bits": 8}}}, "secure": {"secure": True}}
+    cases = {"float32": {}, "qsgd": {"codec": {"name": "qsgd", "params": {"bits": 8}}}, "secure": {"secure": True},
+             "uneven": {"size_spread": 1.0}}
+    chosen = a.variant_cases or list(cases)
     rows = {}
-    for name, extra in cases.items():
+    for name, extra in ((k, cases[k]) for k in ["float32", *[c for c in chosen if c != "float32"]]):
         print(f"  {name} at {n} per round ...", file=sys.stderr, flush=True)
         rows[name] = _spawn(dict(clients_per_round=n, population=a.population, aggregators=max(1, n // 250),
                                  rounds=1 if a.quick else a.rounds, vectorize=True, governor=not a.no_governor,
@@ -317,12 +320,15 @@ def _variants(a: argparse.Namespace) -> None:
         cps, cpu = r.get("clients_per_second"), r.get("cpu_clients_per_second")
         ratio = cps / base["clients_per_second"] if cps and base.get("clients_per_second") else None
         cpu_ratio = cpu / base["cpu_clients_per_second"] if cpu and base.get("cpu_clients_per_second") else None
-        if name != "float32":
+        if name == "uneven":  # the issue's name: uneven sizes against even ones (float32 both)
+            out["uneven_vs_even_ratio"] = ratio
+            out["uneven_vs_even_cpu_ratio"] = cpu_ratio
+        elif name != "float32":
             out[f"{name}_vs_float32_ratio"] = ratio
             out[f"{name}_vs_float32_cpu_ratio"] = cpu_ratio
         print(f"{name:<9} {_fmt(cps, 9, 0)} {_fmt(cpu, 9, 0)} {_fmt(ratio, 9, 2)} {_fmt(cpu_ratio, 7, 2)}"
               + ("" if cps else f"  {r.get('status', '')} {r.get('error', '')}"))
-    print("targets (issue: >= 0.8x for qsgd, >= 0.3x for secure aggregation); load average "
+    print("targets (issue: >= 0.8x for qsgd, >= 0.3x for secure aggregation, >= 0.8x for uneven sizes); load average "
           f"{out['load_average'][0]:.1f}")
     if a.json_path:
         Path(a.json_path).write_text(json.dumps(out, indent=2))
@@ -366,7 +372,10 @@ def main() -> None:
                     help="sample the vectorised cases' engine and workers with py-spy (if installed) through the "
                          "measured rounds, keep the stacks in DIR and print where a round's CPU went")
     ap.add_argument("--variants", action="store_true",
-                    help="at the first --per-round: float32 against 8-bit qsgd and secure aggregation, as ratios")
+                    help="at the first --per-round: float32 against 8-bit qsgd, secure aggregation and uneven "
+                         "client sizes, as ratios")
+    ap.add_argument("--variant-cases", nargs="+", default=None, choices=["float32", "qsgd", "secure", "uneven"],
+                    help="with --variants: the cases to run (default all; float32, the baseline, always runs)")
     ap.add_argument("--case", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.case:

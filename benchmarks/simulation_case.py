@@ -19,7 +19,7 @@ from simulation_profile import _is_worker, _start_sampling, _stop_sampling
 def _case(clients_per_round: int, population: int, aggregators: int, rounds: int, vectorize: bool,
           governor: bool, workers: int, backend: str, task: str = "digits", device: str = "cpu",
           save: str | None = None, verbose: bool = False, profile: str | None = None,
-          codec: dict[str, Any] | None = None, secure: bool = False) -> dict[str, Any]:
+          codec: dict[str, Any] | None = None, secure: bool = False, size_spread: float = 0.0) -> dict[str, Any]:
     import psutil
     import torch
 
@@ -28,7 +28,10 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
     from orchard.secure_agg.prg import available_cores
     from orchard.simulation import SimulationConfig, run_simulation
 
-    run = RunConfig(task=task, task_params={"with_replacement": True, "samples_per_client": 20},
+    params: dict[str, Any] = {"with_replacement": True, "samples_per_client": 20}
+    if size_spread:  # uneven clients (mean about 20); absent otherwise, as an older revision expects
+        params["size_spread"] = size_spread
+    run = RunConfig(task=task, task_params=params,
                     train={"epochs": 1, "batch_size": 10, "learning_rate": 0.1, "optimizer": "sgd"},
                     codec=codec or {"name": "float32"}, secure_aggregation={"enabled": secure})
     cfg = SimulationConfig(clients=population, clients_per_round=clients_per_round, rounds=rounds + 1,
@@ -91,6 +94,7 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
     return {
         "code": str(Path(engine_module.__file__).resolve().parents[1]),  # which checkout ran
         "task": task,
+        "size_spread": size_spread,
         "device": device,
         "path": "vectorized" if vectorize else "per-client",
         "clients_per_round": clients_per_round,
