@@ -82,6 +82,28 @@ bool ed25519_verify(const Bytes& public_key, const Bytes& message, const Bytes& 
   return EVP_DigestVerify(ctx.p, signature.data(), signature.size(), message.data(), message.size()) == 1;
 }
 
+Bytes ed25519_public(const Bytes& private_key) {
+  PKey key;
+  key.p = EVP_PKEY_new_raw_private_key(EVP_PKEY_ED25519, nullptr, private_key.data(), private_key.size());
+  Bytes out(kEd25519PublicBytes);
+  size_t len = out.size();
+  if (key.p == nullptr || EVP_PKEY_get_raw_public_key(key.p, out.data(), &len) != 1 || len != kEd25519PublicBytes)
+    throw Failure(ORCHARD_ERR_INTERNAL, "OpenSSL: cannot derive the Ed25519 public key");
+  return out;
+}
+
+Bytes ed25519_sign(const Bytes& private_key, const Bytes& message) {
+  PKey key;
+  key.p = EVP_PKEY_new_raw_private_key(EVP_PKEY_ED25519, nullptr, private_key.data(), private_key.size());
+  MdCtx ctx;
+  Bytes sig(kEd25519SignatureBytes);
+  size_t len = sig.size();
+  if (key.p == nullptr || ctx.p == nullptr || EVP_DigestSignInit(ctx.p, nullptr, nullptr, nullptr, key.p) != 1 ||
+      EVP_DigestSign(ctx.p, sig.data(), &len, message.data(), message.size()) != 1 || len != sig.size())
+    throw Failure(ORCHARD_ERR_INTERNAL, "OpenSSL: Ed25519 signing failed");
+  return sig;
+}
+
 Certificate verify_certificate(const Bytes& cert, const Bytes& root_public_key, const std::string* node_id) {
   const size_t fixed = 3 + kEd25519PublicBytes + 8 + kEd25519SignatureBytes;
   if (cert.size() < fixed || cert[0] != kCertVersion)
@@ -131,13 +153,7 @@ NodeIdentity::NodeIdentity(std::string directory) : dir_(std::move(directory)) {
     // the device could lose by stopping before it saved it.
     if (!dir_.empty()) write(kKeyFile, std::string(private_key_.begin(), private_key_.end()));
   }
-  PKey key;
-  key.p = EVP_PKEY_new_raw_private_key(EVP_PKEY_ED25519, nullptr, private_key_.data(), private_key_.size());
-  size_t len = kEd25519PublicBytes;
-  public_key_.resize(len);
-  if (key.p == nullptr || EVP_PKEY_get_raw_public_key(key.p, public_key_.data(), &len) != 1 ||
-      len != kEd25519PublicBytes)
-    throw Failure(ORCHARD_ERR_INTERNAL, "OpenSSL: cannot derive the Ed25519 public key");
+  public_key_ = ed25519_public(private_key_);
   if (!dir_.empty() && read_whole(dir_ + "/" + kEnrolledFile, &raw)) {
     const std::string what = dir_ + "/" + kEnrolledFile;
     const nlohmann::json j = nlohmann::json::parse(raw, nullptr, false);
@@ -155,17 +171,7 @@ NodeIdentity::NodeIdentity(std::string directory) : dir_(std::move(directory)) {
   }
 }
 
-Bytes NodeIdentity::sign(const Bytes& message) const {
-  PKey key;
-  key.p = EVP_PKEY_new_raw_private_key(EVP_PKEY_ED25519, nullptr, private_key_.data(), private_key_.size());
-  MdCtx ctx;
-  Bytes sig(kEd25519SignatureBytes);
-  size_t len = sig.size();
-  if (key.p == nullptr || ctx.p == nullptr || EVP_DigestSignInit(ctx.p, nullptr, nullptr, nullptr, key.p) != 1 ||
-      EVP_DigestSign(ctx.p, sig.data(), &len, message.data(), message.size()) != 1 || len != sig.size())
-    throw Failure(ORCHARD_ERR_INTERNAL, "OpenSSL: Ed25519 signing failed");
-  return sig;
-}
+Bytes NodeIdentity::sign(const Bytes& message) const { return ed25519_sign(private_key_, message); }
 
 void NodeIdentity::save(const Enrolled& e) {
   if (!e.certificate.empty() && !e.root_public_key.empty()) {

@@ -43,6 +43,10 @@ Certificate verify_certificate(const Bytes& cert, const Bytes& root_public_key, 
 Bytes enrollment_message(const std::string& role, const std::string& node_id, const std::string& token);
 
 bool ed25519_verify(const Bytes& public_key, const Bytes& message, const Bytes& signature);
+// The public half of a raw 32-byte Ed25519 private key, and that key's signature of
+// `message` (Ed25519 is deterministic: the same key and message give the same bytes).
+Bytes ed25519_public(const Bytes& private_key);
+Bytes ed25519_sign(const Bytes& private_key, const Bytes& message);
 
 class NodeIdentity {
  public:

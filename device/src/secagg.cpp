@@ -5,21 +5,40 @@
 #include <numeric>
 
 #include "failure.h"
+#include "identity.h"
 #include "numpy_random.h"
+#include "sha256.h"
 
 namespace orchard {
 
 namespace {
 
-constexpr uint8_t kVersion = 1;
+constexpr uint8_t kVersion = 1;        // the semi-honest protocol's messages
+constexpr uint8_t kActiveVersion = 2;  // the messages that differ in an active session
 constexpr size_t kSessionIdBytes = 16, kGraphSeedBytes = 32, kTagBytes = 16;
+constexpr size_t kCommitmentBytes = 32, kSignatureBytes = 64;
 constexpr uint64_t kPrime = (1ull << 31) - 1;
 enum Tag : uint8_t {
   kSessionSetup = 1, kAdvertiseKeys = 2, kKeysBroadcast = 3, kShareKeys = 4,
-  kSharesBroadcast = 5, kMaskedInput = 6, kUnmaskRequest = 7, kUnmaskShares = 8
+  kSharesBroadcast = 5, kMaskedInput = 6, kUnmaskRequest = 7, kUnmaskShares = 8,
+  kConsistencyRequest = 9, kConsistencySignature = 10
 };
 const char* kTagNames[] = {"?", "SessionSetup", "AdvertiseKeys", "KeysBroadcast", "ShareKeys",
-                           "SharesBroadcast", "MaskedInput", "UnmaskRequest", "UnmaskShares"};
+                           "SharesBroadcast", "MaskedInput", "UnmaskRequest", "UnmaskShares",
+                           "ConsistencyRequest", "ConsistencySignature"};
+// The header versions each message has a form in (messages.py, consistency.py VERSIONS).
+bool has_form(uint8_t tag, uint64_t version) {
+  switch (tag) {
+    case kSessionSetup: case kAdvertiseKeys: case kKeysBroadcast: case kUnmaskRequest:
+      return version == kVersion || version == kActiveVersion;
+    case kConsistencyRequest: case kConsistencySignature: return version == kActiveVersion;
+    default: return version == kVersion;
+  }
+}
+// Domain tags (secure_agg/active.py, consistency.py), each followed by a NUL byte.
+const char kAdvertiseDomain[] = "orchard-secagg/advertise/v2";
+const char kSeedDomain[] = "orchard-secagg/self-mask/v2";
+const char kConsistencyDomain[] = "orchard-secagg/consistency/v2";
 
 [[noreturn]] void refuse(const char* kind, const std::string& what) {
   throw Failure(ORCHARD_ERR_SECAGG, std::string(kind) + ": " + what);
@@ -124,10 +143,10 @@ class Writer {
   }
 };
 
-Writer header(uint8_t tag, const SessionConfig& c, const std::string& node) {
+Writer header(uint8_t tag, const SessionConfig& c, const std::string& node, uint8_t version = kVersion) {
   Writer w;
   w.raw({'O', 'S', 'A'});
-  w.uint(kVersion, 1);
+  w.uint(version, 1);
   w.uint(tag, 1);
   w.raw(c.session_id);
   w.uint(c.round_number, 8);
@@ -167,6 +186,80 @@ Bytes pairwise_seed(const Bytes& s_sk, const Bytes& peer_pk, const SessionConfig
   return hkdf(x25519_agree(s_sk, peer_pk), context("mask", c.session_id, c.round_number, lo, hi), kSeedBytes);
 }
 
+Bytes with_domain(const char* tag) {
+  Bytes b(tag, tag + std::char_traits<char>::length(tag));
+  b.push_back(0);
+  return b;
+}
+
+void append(Bytes& out, const Bytes& more) { out.insert(out.end(), more.begin(), more.end()); }
+
+Bytes encoded_id(const std::string& node) {
+  Writer w;
+  w.string(node);
+  return w.out;
+}
+
+// SessionConfig.digest: SHA-256 of the session setup addressed to "" without its magic,
+// what a client signs its keys and its survivor view under.
+Bytes config_digest(const SessionConfig& c) {
+  Writer w = header(kSessionSetup, c, "", c.active ? kActiveVersion : kVersion);
+  w.uint(c.participants.size(), 4);
+  for (auto& p : c.participants) w.string(p);
+  w.uint(c.neighbours, 4);
+  w.uint(c.threshold, 4);
+  w.raw(c.graph_seed);
+  w.uint(c.vector_length, 8);
+  w.uint(c.modulus_bits, 1);
+  return sha256_bytes(w.out.data() + 3, w.out.size() - 3);
+}
+
+// X25519 public keys of small order and their non-canonical encodings (active.py
+// _LOW_ORDER, libsodium's list), compared with the top bit cleared.
+bool is_low_order(const Bytes& key) {
+  static const char* kLow[] = {
+      "0000000000000000000000000000000000000000000000000000000000000000",
+      "0100000000000000000000000000000000000000000000000000000000000000",
+      "e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800",
+      "5f9c95bca3508c24b1d0b1559c83ef5b04445cc4581c8e86d8224eddd09f1157",
+      "ecffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f",
+      "edffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f",
+      "eeffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f"};
+  if (key.size() != 32) return false;
+  Bytes k = key;
+  k[31] &= 0x7f;
+  for (const char* h : kLow) {
+    Bytes low(32);
+    for (size_t i = 0; i < 32; ++i) low[i] = static_cast<uint8_t>(std::stoul(std::string(h + 2 * i, 2), nullptr, 16));
+    if (k == low) return true;
+  }
+  return false;
+}
+
+// consistency.View: U2 and U3 as bit sets over the participants (bit i of byte i / 8).
+struct View {
+  std::set<size_t> u2, u3;
+};
+
+View parse_view(const Bytes& raw, size_t n) {
+  const size_t width = (n + 7) / 8;
+  if (raw.size() != 2 * width)
+    refuse("MalformedMessage", "a survivor view of " + std::to_string(n) + " nodes is " + std::to_string(2 * width) +
+                                   " bytes, got " + std::to_string(raw.size()));
+  View v;
+  for (int part = 0; part < 2; ++part) {
+    std::set<size_t>& into = part == 0 ? v.u2 : v.u3;
+    for (size_t i = 0; i < 8 * width; ++i) {
+      if (!((raw[part * width + i / 8] >> (i % 8)) & 1)) continue;
+      if (i >= n) refuse("MalformedMessage", "a survivor view names nodes beyond the participant list");
+      into.insert(i);
+    }
+  }
+  for (size_t i : v.u3)
+    if (!v.u2.count(i)) refuse("MalformedMessage", "a survivor view puts a node in U3 that is not in U2");
+  return v;
+}
+
 size_t share_size(size_t secret_len) { return 4 * ((secret_len + 1) / 2); }
 
 size_t ciphertext_size(const std::string& sender, const std::string& recipient) {
@@ -175,16 +268,25 @@ size_t ciphertext_size(const std::string& sender, const std::string& recipient) 
 
 }  // namespace
 
+// A neighbour's keys as a keys broadcast carries them (signed, in version 2).
+struct PeerEntry {
+  std::string node;
+  Bytes channel_pk, mask_pk, commitment, credential, signature;
+};
+
 // A parsed broadcast (server -> client).
 struct Broadcast {
   uint8_t tag = 0;
+  uint8_t version = kVersion;
   Bytes session_id;
   uint64_t round = 0;
   std::string node;  // the recipient
   SessionConfig config;                                   // SessionSetup
-  std::vector<std::pair<std::string, std::pair<Bytes, Bytes>>> keys;  // KeysBroadcast
+  std::vector<PeerEntry> keys;                              // KeysBroadcast
   std::vector<std::pair<std::string, Bytes>> ciphertexts;  // SharesBroadcast
-  std::vector<std::string> survivors, dropped;             // UnmaskRequest
+  std::vector<std::string> survivors, dropped;             // UnmaskRequest, version 1
+  Bytes view;                                              // ConsistencyRequest; UnmaskRequest, version 2
+  std::vector<std::pair<std::string, Bytes>> signatures;   // UnmaskRequest, version 2
 };
 
 namespace {
@@ -194,6 +296,7 @@ SecAggStage stage_of_tag(uint8_t tag) {
     case kSessionSetup: case kAdvertiseKeys: return SecAggStage::advertise_keys;
     case kKeysBroadcast: case kShareKeys: return SecAggStage::share_keys;
     case kSharesBroadcast: case kMaskedInput: return SecAggStage::masked_input;
+    case kConsistencyRequest: case kConsistencySignature: return SecAggStage::consistency;
     default: return SecAggStage::unmasking;
   }
 }
@@ -206,10 +309,13 @@ Broadcast parse(const Bytes& data) {
   const Bytes magic = r.fixed(3);
   (void)magic;
   const uint64_t version = r.uint(1);
-  if (version != kVersion)
-    refuse("MalformedMessage", "message version " + std::to_string(version) + ", this code speaks 1");
+  if (version != kVersion && version != kActiveVersion)
+    refuse("MalformedMessage", "message version " + std::to_string(version) + ", this code speaks 1 and 2");
+  b.version = static_cast<uint8_t>(version);
   b.tag = static_cast<uint8_t>(r.uint(1));
-  if (b.tag < 1 || b.tag > 8) refuse("MalformedMessage", "unknown message tag " + std::to_string(b.tag));
+  if (b.tag < 1 || b.tag > 10) refuse("MalformedMessage", "unknown message tag " + std::to_string(b.tag));
+  if (!has_form(b.tag, version))
+    refuse("MalformedMessage", std::string("a ") + kTagNames[b.tag] + " has no version " + std::to_string(version) + " form");
   b.session_id = r.fixed(kSessionIdBytes);
   b.round = r.uint(8);
   b.node = r.string();
@@ -224,6 +330,7 @@ Broadcast parse(const Bytes& data) {
       c.graph_seed = r.fixed(kGraphSeedBytes);
       c.vector_length = r.uint(8);
       c.modulus_bits = static_cast<uint8_t>(r.uint(1));
+      c.active = b.version == kActiveVersion;
       std::vector<std::string> problems;
       const size_t n = c.participants.size();
       std::vector<std::string> sorted = c.participants;
@@ -249,17 +356,31 @@ Broadcast parse(const Bytes& data) {
     case kKeysBroadcast: {
       b.keys.resize(r.count(2 + 2 * kKeyBytes));
       for (auto& k : b.keys) {
-        k.first = r.string();
-        k.second.first = r.fixed(kKeyBytes);
-        k.second.second = r.fixed(kKeyBytes);
+        k.node = r.string();
+        k.channel_pk = r.fixed(kKeyBytes);
+        k.mask_pk = r.fixed(kKeyBytes);
+        if (b.version == kActiveVersion) {
+          k.commitment = r.fixed(kCommitmentBytes);
+          k.credential = r.fixed(r.uint(2));
+          k.signature = r.fixed(kSignatureBytes);
+          if (k.credential.empty())
+            refuse("MalformedMessage", "signed keys carry their owner's credential (certificate or key)");
+        }
       }
       break;
     }
     case kSharesBroadcast: b.ciphertexts = r.pairs(); break;
     case kUnmaskRequest:
+      if (b.version == kActiveVersion) {
+        b.view = r.fixed(r.count(1));
+        if (b.view.empty()) refuse("MalformedMessage", "an active unmask request carries the survivor view");
+        b.signatures = r.pairs();
+        break;
+      }
       b.survivors = r.strings();
       b.dropped = r.strings();
       break;
+    case kConsistencyRequest: b.view = r.fixed(r.count(1)); break;
     default:
       // A client's message where a broadcast belongs: the stage machine refuses it below.
       return b;
@@ -274,6 +395,7 @@ const char* stage_name(SecAggStage s) {
     case SecAggStage::share_keys: return "share_keys";
     case SecAggStage::masked_input: return "masked_input";
     case SecAggStage::unmasking: return "unmasking";
+    case SecAggStage::consistency: return "consistency";
     case SecAggStage::done: return "done";
     case SecAggStage::aborted: return "aborted";
   }
@@ -433,16 +555,60 @@ std::vector<uint32_t> secure_quantize(const std::vector<double>& x, double clip,
   return out;
 }
 
-SecAggClient::SecAggClient(std::string node_id, const Bytes& entropy)
+void ClientPolicy::check(const SessionConfig& c) const {
+  const size_t n = c.participants.size(), k = c.neighbours, t = c.threshold;
+  std::vector<std::string> problems;
+  if (n < min_participants)
+    problems.push_back(std::to_string(n) + " participants, this client takes part only with >= " +
+                       std::to_string(min_participants));
+  if (k < min_neighbours)
+    problems.push_back(std::to_string(k) + " neighbours, this client needs >= " + std::to_string(min_neighbours));
+  const long margin = std::max(1L, static_cast<long>(std::ceil(corrupt_fraction * static_cast<double>(k))));
+  const long slack = 2 * static_cast<long>(t) - static_cast<long>(k);
+  if (slack < margin)
+    problems.push_back("threshold t=" + std::to_string(t) + " of k=" + std::to_string(k) + ": 2t - k = " +
+                       std::to_string(slack) + " < " + std::to_string(margin) +
+                       ", too few shares would expose a client (this client needs t >= " +
+                       std::to_string((static_cast<long>(k) + margin + 1) / 2) + ")");
+  const bool active_needed = require_active ? *require_active : !root_public_key.empty();
+  if (active_needed && !c.active)
+    problems.push_back("a semi-honest session: this client takes part only in sessions with signed keys and the "
+                       "consistency round");
+  if (problems.empty()) return;
+  std::string all;
+  for (auto& p : problems) all += (all.empty() ? "" : "; ") + std::string("session refused: ") + p;
+  refuse("SecAggConfigError", all);
+}
+
+SecAggClient::SecAggClient(std::string node_id, const Bytes& entropy, std::optional<SecAggIdentity> identity,
+                           ClientPolicy policy)
     : node_id_(std::move(node_id)),
+      policy_(std::move(policy)),
       rand_([&] {
         if (entropy.size() < 32) throw Failure(ORCHARD_ERR_ARGUMENT, "entropy must be at least 32 bytes");
         Bytes info = str_bytes("client:");
         info.insert(info.end(), node_id_.begin(), node_id_.end());
         return hkdf(entropy, info, 32);
-      }()) {}
+      }()) {
+  if (identity) {
+    if (!identity->sign || identity->credential.empty() || identity->credential.size() > 0xffff)
+      throw Failure(ORCHARD_ERR_ARGUMENT, "a SecAgg identity needs a signer and a credential of 1 to 65535 bytes");
+    identity_ = std::move(*identity);
+  } else {
+    // SessionIdentity.ephemeral: an uncertified key derived from the entropy.
+    const Bytes key = hkdf(entropy, str_bytes("identity"), 32);
+    identity_.credential = ed25519_public(key);
+    identity_.sign = [key](const Bytes& m) { return ed25519_sign(key, m); };
+  }
+}
 
-SecAggClient::~SecAggClient() = default;
+SecAggClient::~SecAggClient() { forget(); }
+
+void SecAggClient::forget() {
+  for (Bytes* secret : {&c_sk_, &s_sk_, &seed_}) std::fill(secret->begin(), secret->end(), 0), secret->clear();
+  held_.clear();
+  channel_.clear();
+}
 
 Bytes SecAggClient::respond(const Bytes& broadcast, const std::vector<uint32_t>* vector) {
   if (!last_broadcast_.empty() && broadcast == last_broadcast_) return last_reply_;
@@ -450,7 +616,7 @@ Bytes SecAggClient::respond(const Bytes& broadcast, const std::vector<uint32_t>*
     refuse("WrongStage", "client '" + node_id_ + "' has finished its session (" + stage_name(stage_) + ")");
   const Broadcast b = parse(broadcast);
   const bool is_broadcast = b.tag == kSessionSetup || b.tag == kKeysBroadcast || b.tag == kSharesBroadcast ||
-                            b.tag == kUnmaskRequest;
+                            b.tag == kConsistencyRequest || b.tag == kUnmaskRequest;
   if (stage_of_tag(b.tag) != stage_ || !is_broadcast)
     refuse("WrongStage", "client '" + node_id_ + "' waits for the " + stage_name(stage_) + " broadcast, got a " +
                              kTagNames[b.tag]);
@@ -465,10 +631,14 @@ Bytes SecAggClient::respond(const Bytes& broadcast, const std::vector<uint32_t>*
       case kSessionSetup: reply = advertise(b); break;
       case kKeysBroadcast: reply = share(b); break;
       case kSharesBroadcast: reply = mask(b, vector); break;
-      default: reply = unmask(b); break;
+      case kConsistencyRequest: reply = sign_view(b); break;
+      default: reply = config_->active ? unmask_active(b) : unmask(b); break;
     }
   } catch (const Failure& f) {
-    if (std::string(f.what()).rfind("SecAggAbort", 0) == 0) stage_ = SecAggStage::aborted;
+    if (std::string(f.what()).rfind("SecAggAbort", 0) == 0) {
+      stage_ = SecAggStage::aborted;
+      forget();
+    }
     throw;
   }
   last_broadcast_ = broadcast;
@@ -480,6 +650,7 @@ Bytes SecAggClient::advertise(const Broadcast& b) {
   const SessionConfig& c = b.config;
   auto me = std::find(c.participants.begin(), c.participants.end(), node_id_);
   if (me == c.participants.end()) refuse("UnknownPeer", "'" + node_id_ + "' is not among the session's participants");
+  policy_.check(c);
   if (c.modulus_bits > 32)
     refuse("SecAggConfigError", "modulus_bits " + std::to_string(c.modulus_bits) +
                                     " needs 64-bit words; this client masks in 32-bit words (modulus_bits <= 32)");
@@ -496,24 +667,94 @@ Bytes SecAggClient::advertise(const Broadcast& b) {
   neighbours_ = std::move(neighbours);
   config_ = c;
   stage_ = SecAggStage::share_keys;
-  Writer w = header(kAdvertiseKeys, c, node_id_);
-  w.raw(x25519_public(c_sk_));
-  w.raw(x25519_public(s_sk_));
+  const Bytes c_pk = x25519_public(c_sk_), s_pk = x25519_public(s_sk_);
+  if (!c.active) {
+    Writer w = header(kAdvertiseKeys, c, node_id_);
+    w.raw(c_pk);
+    w.raw(s_pk);
+    return w.out;
+  }
+  // Active (active.py): H(b_u) commits to the self-mask seed; the signature binds both
+  // keys and the commitment to this node and this session's config.
+  digest_ = config_digest(c);
+  Bytes committed = with_domain(kSeedDomain);
+  append(committed, digest_);
+  append(committed, encoded_id(node_id_));
+  append(committed, seed_);
+  const Bytes commitment = sha256_bytes(committed.data(), committed.size());
+  Bytes signed_part = with_domain(kAdvertiseDomain);
+  append(signed_part, digest_);
+  append(signed_part, encoded_id(node_id_));
+  append(signed_part, c_pk);
+  append(signed_part, s_pk);
+  append(signed_part, commitment);
+  const Bytes signature = identity_.sign(signed_part);
+  Writer w = header(kAdvertiseKeys, c, node_id_, kActiveVersion);
+  w.raw(c_pk);
+  w.raw(s_pk);
+  w.raw(commitment);
+  w.uint(identity_.credential.size(), 2);
+  w.raw(identity_.credential);
+  w.raw(signature);
   return w.out;
+}
+
+// active.identity_key and SecAggClient._verified: the identity key of a neighbour whose
+// keys are not of small order and carry a valid credential and signature; none otherwise.
+std::optional<Bytes> SecAggClient::verified(const std::string& node, const Bytes& c_pk, const Bytes& s_pk,
+                                            const Bytes& commitment, const Bytes& credential,
+                                            const Bytes& signature) const {
+  if (is_low_order(c_pk) || is_low_order(s_pk)) return std::nullopt;
+  Bytes key;
+  if (!policy_.root_public_key.empty()) {
+    try {
+      key = verify_certificate(credential, policy_.root_public_key, &node).public_key;
+    } catch (const Failure&) {
+      return std::nullopt;
+    }
+  } else if (credential.size() == kEd25519PublicBytes) {
+    key = credential;  // no root to check against: the key is taken on its word
+  } else {
+    if (credential.size() < 3) return std::nullopt;
+    const size_t n = (static_cast<size_t>(credential[1]) << 8) | credential[2];
+    if (credential.size() != 3 + n + kEd25519PublicBytes + 8 + kEd25519SignatureBytes ||
+        std::string(credential.begin() + 3, credential.begin() + 3 + static_cast<long>(n)) != node)
+      return std::nullopt;
+    key.assign(credential.begin() + 3 + static_cast<long>(n),
+               credential.begin() + 3 + static_cast<long>(n + kEd25519PublicBytes));
+  }
+  Bytes signed_part = with_domain(kAdvertiseDomain);
+  append(signed_part, digest_);
+  append(signed_part, encoded_id(node));
+  append(signed_part, c_pk);
+  append(signed_part, s_pk);
+  append(signed_part, commitment);
+  if (!ed25519_verify(key, signed_part, signature)) return std::nullopt;
+  return key;
 }
 
 Bytes SecAggClient::share(const Broadcast& b) {
   const SessionConfig& c = *config_;
   std::set<Bytes> seen{x25519_public(c_sk_), x25519_public(s_sk_)};
   std::map<std::string, Peer> peers;
-  for (auto& [node, keys] : b.keys) {
+  std::map<std::string, Bytes> ids;
+  for (const PeerEntry& k : b.keys) {
+    const std::string& node = k.node;
     if (!neighbours_.count(node)) refuse("UnknownPeer", "keys for '" + node + "', which is not a neighbour of '" + node_id_ + "'");
     if (peers.count(node)) refuse("DuplicateMessage", "keys for '" + node + "' listed twice");
-    if (seen.count(keys.first) || seen.count(keys.second) || keys.first == keys.second)
+    if (seen.count(k.channel_pk) || seen.count(k.mask_pk) || k.channel_pk == k.mask_pk)
       refuse("MalformedMessage", "keys of '" + node + "' repeat a key already seen");
-    seen.insert(keys.first);
-    seen.insert(keys.second);
-    peers[node] = {keys.first, keys.second};
+    seen.insert(k.channel_pk);
+    seen.insert(k.mask_pk);
+    if (c.active) {
+      // Unsigned, substituted or uncertified keys: the neighbour is treated as absent
+      // (no shares to it, no mask with it), as by the Python client.
+      std::optional<Bytes> key;
+      if (b.version == kActiveVersion) key = verified(node, k.channel_pk, k.mask_pk, k.commitment, k.credential, k.signature);
+      if (!key) continue;
+      ids[node] = *key;
+    }
+    peers[node] = {k.channel_pk, k.mask_pk};
   }
   if (peers.size() < c.threshold)
     refuse("SecAggAbort", "only " + std::to_string(peers.size()) + " neighbours of '" + node_id_ +
@@ -543,6 +784,7 @@ Bytes SecAggClient::share(const Broadcast& b) {
   }
   peers_ = std::move(peers);
   channel_ = std::move(channel);
+  ids_ = std::move(ids);
   stage_ = SecAggStage::masked_input;
   Writer w = header(kShareKeys, c, node_id_);
   w.pairs(out);
@@ -552,31 +794,38 @@ Bytes SecAggClient::share(const Broadcast& b) {
 Bytes SecAggClient::mask(const Broadcast& b, const std::vector<uint32_t>* vector) {
   const SessionConfig& c = *config_;
   std::vector<std::pair<std::string, Held>> held;
-  std::set<std::string> from;
+  std::set<std::string> from;  // every sender whose ciphertext was routed here: masked with
   for (auto& [sender, ct] : b.ciphertexts) {
     if (!peers_.count(sender))
       refuse("UnknownPeer", "shares from '" + sender + "', which did not advertise keys as a neighbour of '" + node_id_ + "'");
     if (from.count(sender)) refuse("DuplicateMessage", "shares from '" + sender + "' delivered twice");
-    if (ct.size() != ciphertext_size(sender, node_id_))
-      refuse("MalformedMessage", "ciphertext from '" + sender + "' has the wrong length " + std::to_string(ct.size()));
-    const Bytes key = channel_key(channel_[sender], c, sender, node_id_);
-    const Bytes ad = context("shares", c.session_id, c.round_number, sender, node_id_);
-    Bytes plain;
-    if (!gcm_open(key, ct, ad, &plain))
-      refuse("TamperedCiphertext", "the encrypted shares from '" + sender +
-                                       "' failed authentication: the ciphertext was modified, addressed to another "
-                                       "node, or replayed from another session/round");
-    Reader r(plain);
-    const std::string u = r.string(), v = r.string();
-    const Bytes ks = r.fixed(share_size(kKeyBytes)), ss = r.fixed(share_size(kSeedBytes));
-    r.end();
-    if (u != sender || v != node_id_)
-      refuse("MalformedMessage", "shares from '" + sender + "' name '" + u + "' -> '" + v + "' inside");
     from.insert(sender);
-    held.push_back({sender, {ks, ss}});
+    try {
+      if (ct.size() != ciphertext_size(sender, node_id_))
+        refuse("MalformedMessage", "ciphertext from '" + sender + "' has the wrong length " + std::to_string(ct.size()));
+      const Bytes key = channel_key(channel_[sender], c, sender, node_id_);
+      const Bytes ad = context("shares", c.session_id, c.round_number, sender, node_id_);
+      Bytes plain;
+      if (!gcm_open(key, ct, ad, &plain))
+        refuse("TamperedCiphertext", "the encrypted shares from '" + sender +
+                                         "' failed authentication: the ciphertext was modified, addressed to another "
+                                         "node, or replayed from another session/round");
+      Reader r(plain);
+      const std::string u = r.string(), v = r.string();
+      const Bytes ks = r.fixed(share_size(kKeyBytes)), ss = r.fixed(share_size(kSeedBytes));
+      r.end();
+      if (u != sender || v != node_id_)
+        refuse("MalformedMessage", "shares from '" + sender + "' name '" + u + "' -> '" + v + "' inside");
+      held.push_back({sender, {ks, ss}});
+    } catch (const Failure&) {
+      // Active: a ciphertext that fails costs its sender this holder (its secrets have
+      // k - 1 others); the pair's masks still cancel, since both ends mask once the
+      // ciphertext was routed.
+      if (!c.active) throw;
+    }
   }
-  if (held.size() < c.threshold)
-    refuse("SecAggAbort", "only " + std::to_string(held.size()) + " neighbours of '" + node_id_ +
+  if (from.size() < c.threshold)
+    refuse("SecAggAbort", "only " + std::to_string(from.size()) + " neighbours of '" + node_id_ +
                               "' shared keys, threshold is " + std::to_string(c.threshold));
   if (vector == nullptr) refuse("UpdateSchemaError", "the masked-input stage needs the quantised vector");
   if (vector->size() != c.vector_length)
@@ -588,15 +837,15 @@ Bytes SecAggClient::mask(const Broadcast& b, const std::vector<uint32_t>* vector
   std::vector<uint32_t> y = *vector;
   add_mask(y, seed_, 1);
   const size_t me = index_[node_id_];
-  for (auto& [peer, h] : held) {
-    (void)h;
+  for (auto& peer : from) {
     // The lower-indexed node of a pair adds the mask, the higher one subtracts it.
     add_mask(y, pairwise_seed(s_sk_, peers_[peer].mask_pk, c, node_id_, peer), me < index_[peer] ? 1 : -1);
   }
   for (auto& w : y) w &= static_cast<uint32_t>(modulus_mask);
   held_ = std::move(held);
+  masked_ = std::move(from);
   channel_.clear();
-  stage_ = SecAggStage::unmasking;
+  stage_ = c.active ? SecAggStage::consistency : SecAggStage::unmasking;
   Writer w = header(kMaskedInput, c, node_id_);
   w.uint(4, 1);
   w.uint(y.size(), 8);
@@ -625,6 +874,96 @@ Bytes SecAggClient::unmask(const Broadcast& b) {
   for (auto& u : b.survivors) seed_shares.emplace_back(u, held[u]->seed_share);
   for (auto& u : b.dropped) key_shares.emplace_back(u, held[u]->key_share);
   stage_ = SecAggStage::done;
+  forget();
+  Writer w = header(kUnmaskShares, c, node_id_);
+  w.pairs(seed_shares);
+  w.pairs(key_shares);
+  return w.out;
+}
+
+// Active sessions, between masking and unmasking (consistency.py): sign the view (U2,
+// U3) if it fits what this client saw.
+Bytes SecAggClient::sign_view(const Broadcast& b) {
+  const SessionConfig& c = *config_;
+  const View view = parse_view(b.view, c.participants.size());
+  const auto& ids = c.participants;
+  if (!view.u3.count(index_[node_id_]))
+    refuse("SecAggAbort", "the survivor view leaves out '" + node_id_ +
+                              "', whose masked input was sent: the server lies about who survived");
+  std::set<std::string> in_u2, unknown;
+  for (size_t j : view.u2)
+    if (neighbours_.count(ids[j])) in_u2.insert(ids[j]);
+  for (auto& u : in_u2)
+    if (!peers_.count(u)) unknown.insert(u);
+  auto names = [](const std::set<std::string>& s) {
+    std::string out;
+    for (auto& x : s) out += (out.empty() ? "'" : ", '") + x + "'";
+    return "[" + out + "]";
+  };
+  if (!unknown.empty())
+    refuse("SecAggAbort", "the survivor view puts " + names(unknown) + " in U2, which advertised no keys to '" +
+                              node_id_ + "'");
+  std::set<std::string> verified_u2;
+  for (auto& u : in_u2)
+    if (ids_.count(u)) verified_u2.insert(u);
+  if (verified_u2 != masked_) {
+    std::set<std::string> short_of, extra;
+    for (auto& u : verified_u2)
+      if (!masked_.count(u)) short_of.insert(u);
+    for (auto& u : masked_)
+      if (!in_u2.count(u)) extra.insert(u);
+    refuse("SecAggAbort", "the shares broadcast to '" + node_id_ + "' lacked " + names(short_of) + " (in U2) or named " +
+                              names(extra) + " (not in U2): the server showed another view");
+  }
+  view_ = b.view;
+  stage_ = SecAggStage::unmasking;
+  Bytes signed_part = with_domain(kConsistencyDomain);
+  append(signed_part, digest_);
+  append(signed_part, view_);
+  Writer w = header(kConsistencySignature, c, node_id_, kActiveVersion);
+  w.raw(identity_.sign(signed_part));
+  return w.out;
+}
+
+// Active sessions: reveal only under the view this client signed, once t neighbours
+// signed it too; which share of whom follows from the view, not from the server's say.
+Bytes SecAggClient::unmask_active(const Broadcast& b) {
+  const SessionConfig& c = *config_;
+  if (b.version != kActiveVersion || b.view != view_)
+    refuse("SecAggAbort", "the unmask request to '" + node_id_ +
+                              "' carries another survivor view than the one it signed: the server shows different views");
+  Bytes signed_part = with_domain(kConsistencyDomain);
+  append(signed_part, digest_);
+  append(signed_part, view_);
+  std::set<std::string> good;
+  for (auto& [signer, sig] : b.signatures) {  // t valid signatures are enough: stop there
+    if (good.size() >= c.threshold) break;
+    auto id = ids_.find(signer);
+    if (id != ids_.end() && !good.count(signer) && ed25519_verify(id->second, signed_part, sig)) good.insert(signer);
+  }
+  if (good.size() < c.threshold)
+    refuse("SecAggAbort", "only " + std::to_string(good.size()) + " neighbours of '" + node_id_ +
+                              "' signed its survivor view, threshold is " + std::to_string(c.threshold) +
+                              ": it reveals nothing");
+  const View view = parse_view(view_, c.participants.size());
+  std::set<std::string> u3;
+  for (size_t j : view.u3) u3.insert(c.participants[j]);
+  size_t survived = 0;
+  for (auto& u : masked_) survived += u3.count(u);
+  if (survived < c.threshold)
+    refuse("SecAggAbort", "only " + std::to_string(survived) + " neighbours of '" + node_id_ +
+                              "' survived, threshold is " + std::to_string(c.threshold));
+  std::vector<std::pair<std::string, Held>> order = held_;
+  std::sort(order.begin(), order.end(), [&](const auto& a, const auto& z) { return index_[a.first] < index_[z.first]; });
+  std::vector<std::pair<std::string, Bytes>> seed_shares, key_shares;
+  for (auto& [u, h] : order) {
+    if (u3.count(u))
+      seed_shares.emplace_back(u, h.seed_share);
+    else
+      key_shares.emplace_back(u, h.key_share);
+  }
+  stage_ = SecAggStage::done;
+  forget();
   Writer w = header(kUnmaskShares, c, node_id_);
   w.pairs(seed_shares);
   w.pairs(key_shares);

@@ -1,16 +1,26 @@
 // The client side of SecAgg+ (secure_agg/client.py), byte-compatible with
-// orchard.secure_agg: the same messages (secure_agg/messages.py), neighbour graph
-// (graph.py), Shamir shares over GF(2^31 - 1) (shamir.py), key derivation and share
-// encryption (crypto.py), and masks (prg.py). Given the same entropy and the same
-// broadcasts, a SecAggClient here answers with the Python client's bytes.
+// orchard.secure_agg: the same messages (secure_agg/messages.py, consistency.py) in
+// both versions, neighbour graph (graph.py), Shamir shares over GF(2^31 - 1)
+// (shamir.py), key derivation and share encryption (crypto.py), and masks (prg.py).
+// Given the same entropy, identity key and broadcasts, a SecAggClient here answers with
+// the Python client's bytes.
+//
+// Version 1 is the semi-honest protocol. Version 2 (a session set up as active,
+// secure_agg/active.py): the client signs its keys and H(b_u) with its device identity
+// key and sends the root's certificate of it; it uses a neighbour's keys only when that
+// neighbour's certificate verifies against the root's key (its policy's) and its
+// signature over its keys does, else the neighbour is absent; it signs the survivor view
+// of the consistency stage if it fits what it saw, and reveals shares only under that
+// view once t of its neighbours signed it, which shares following from the view itself.
 //
 // Refusals throw Failure(ORCHARD_ERR_SECAGG) whose message starts with the Python
 // error's class name (MalformedMessage, WrongStage, WrongSession, UnknownPeer,
-// DuplicateMessage, TamperedCiphertext, SecAggAbort). A refused broadcast changes no
-// state, except an abort, after which the client is finished.
+// DuplicateMessage, TamperedCiphertext, SecAggAbort, SecAggConfigError). A refused
+// broadcast changes no state, except an abort, after which the client is finished.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -21,7 +31,8 @@
 
 namespace orchard {
 
-enum class SecAggStage { advertise_keys, share_keys, masked_input, unmasking, done, aborted };
+// The order of secure_agg/stages.py STAGE_ORDER: the stage numbers Fleet.SecAgg carries.
+enum class SecAggStage { advertise_keys, share_keys, masked_input, unmasking, done, aborted, consistency };
 
 struct SessionConfig {
   Bytes session_id;  // 16 bytes
@@ -32,6 +43,26 @@ struct SessionConfig {
   Bytes graph_seed;  // 32 bytes
   uint64_t vector_length = 0;
   uint8_t modulus_bits = 32;
+  bool active = false;  // version 2: signed keys, the consistency stage, the signed view
+};
+
+// What the client signs its session keys and survivor view with (active sessions).
+struct SecAggIdentity {
+  std::function<Bytes(const Bytes&)> sign;  // the device key's Ed25519 signature of a message
+  Bytes credential;  // the root's certificate of that key; else the raw 32-byte public key
+};
+
+// active.ClientPolicy: what the client holds any session to, from its own configuration
+// (never the server's). With a root key, every neighbour's keys must carry a certificate
+// from that root, and semi-honest sessions are refused.
+struct ClientPolicy {
+  Bytes root_public_key;  // empty: a neighbour's credential is taken on its word
+  uint32_t min_participants = 3;
+  uint32_t min_neighbours = 2;
+  double corrupt_fraction = 0.05;  // 2t - k >= max(1, ceil(corrupt_fraction * k))
+  std::optional<bool> require_active;  // unset: exactly when root_public_key is set
+  // Failure "SecAggConfigError: session refused: ..." naming every floor the config misses.
+  void check(const SessionConfig& c) const;
 };
 
 // graph.NeighbourGraph: a Harary graph H(n, k) relabelled by a permutation drawn from
@@ -56,8 +87,11 @@ SecAggStage broadcast_stage(const Bytes& broadcast);
 class SecAggClient {
  public:
   // `entropy`: at least 32 unpredictable bytes; every secret of the session derives
-  // from it (never reuse it).
-  SecAggClient(std::string node_id, const Bytes& entropy);
+  // from it (never reuse it). `identity`: the device's key and the root's certificate
+  // of it (none: an uncertified key derived from the entropy, as the Python client's
+  // SessionIdentity.ephemeral).
+  SecAggClient(std::string node_id, const Bytes& entropy, std::optional<SecAggIdentity> identity = std::nullopt,
+               ClientPolicy policy = ClientPolicy());
   ~SecAggClient();
 
   // The reply to the server's broadcast for the current stage; `vector` (vector_length
@@ -79,8 +113,15 @@ class SecAggClient {
   Bytes share(const struct Broadcast& b);
   Bytes mask(const struct Broadcast& b, const std::vector<uint32_t>* vector);
   Bytes unmask(const struct Broadcast& b);
+  Bytes sign_view(const struct Broadcast& b);
+  Bytes unmask_active(const struct Broadcast& b);
+  std::optional<Bytes> verified(const std::string& node, const Bytes& c_pk, const Bytes& s_pk,
+                                const Bytes& commitment, const Bytes& credential, const Bytes& signature) const;
+  void forget();
 
   std::string node_id_;
+  SecAggIdentity identity_;
+  ClientPolicy policy_;
   ByteStream rand_;
   SecAggStage stage_ = SecAggStage::advertise_keys;
   std::optional<SessionConfig> config_;
@@ -90,6 +131,10 @@ class SecAggClient {
   std::map<std::string, Peer> peers_;
   std::vector<std::pair<std::string, Held>> held_;  // in the order the shares arrived
   std::map<std::string, Bytes> channel_;
+  std::map<std::string, Bytes> ids_;  // neighbours whose signed keys verified -> identity key
+  std::set<std::string> masked_;      // the neighbours whose masks went into y_u
+  Bytes digest_;                      // SessionConfig.digest (active sessions)
+  Bytes view_;                        // the survivor view this client signed
   Bytes last_broadcast_, last_reply_;
 };
 

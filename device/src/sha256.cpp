@@ -33,6 +33,17 @@ void check(int ok) {
 
 }  // namespace
 
+std::vector<uint8_t> sha256_bytes(const uint8_t* data, size_t n) {
+  MdCtx ctx;
+  if (ctx.p == nullptr) throw std::bad_alloc();
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned len = 0;
+  check(EVP_DigestInit_ex(ctx.p, EVP_sha256(), nullptr));
+  check(EVP_DigestUpdate(ctx.p, data, n));
+  check(EVP_DigestFinal_ex(ctx.p, md, &len));
+  return std::vector<uint8_t>(md, md + len);
+}
+
 std::string sha256_hex(const uint8_t* data, size_t n) {
   MdCtx ctx;
   if (ctx.p == nullptr) throw std::bad_alloc();
