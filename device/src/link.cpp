@@ -419,6 +419,8 @@ SecAggReply Link::secagg(const Task& t, int stage, const Bytes& message, const U
     Impl::Call call(*impl_, secret_, wait_s + 15);
     return impl_->stub->SecAgg(&call.ctx, req, &reply);
   }, nullptr);
+  bytes_up_ += static_cast<int64_t>(message.size());
+  bytes_down_ += static_cast<int64_t>(reply.broadcast().size());
   SecAggReply out;
   out.stage = reply.stage();
   out.broadcast.assign(reply.broadcast().begin(), reply.broadcast().end());

@@ -115,6 +115,7 @@ class Link {
   bool cancelled() const { return cancelled_.load(); }
 
   const std::string& node_id() const { return node_id_; }
+  const NodeIdentity* identity() const { return options_.identity; }
   double heartbeat_s() const { return heartbeat_s_; }
   double long_poll_s() const { return long_poll_s_; }
   int64_t max_chunk_bytes() const { return max_chunk_bytes_; }

@@ -2,9 +2,12 @@
 
 #include <cmath>
 
+#include <openssl/rand.h>
+
 #include "codec.h"
 #include "failure.h"
 #include "safetensors.h"
+#include "secure_round.h"
 #include "sha256.h"
 
 namespace orchard {
@@ -84,10 +87,8 @@ RoundReport participate(Participant& p, double max_wait_s) {
   const nlohmann::json cfg = nlohmann::json::parse(t.config_json, nullptr, false);
   if (cfg.is_discarded() || !cfg.is_object()) throw Failure(ORCHARD_ERR_PROTOCOL, "the task's config_json is not JSON");
   const nlohmann::json sa = cfg.value("secure_aggregation", nlohmann::json::object());
-  if (sa.is_object() && sa.value("enabled", false))
-    throw Failure(ORCHARD_ERR_REFUSED, "round " + std::to_string(t.round) +
-                                           " uses secure aggregation, which this build's participation loop does not "
-                                           "run yet (the SecAgg+ client itself is native: src/secagg.h)");
+  std::optional<SecureSettings> secure;
+  if (sa.is_object() && sa.value("enabled", false)) secure = SecureSettings::from_config(cfg);
   const std::string weighting = weighting_of(cfg);
   if (weighting == "fednova")
     throw Failure(ORCHARD_ERR_REFUSED, "cohort.weighting = fednova is not supported by the native client");
@@ -95,6 +96,17 @@ RoundReport participate(Participant& p, double max_wait_s) {
     throw Failure(ORCHARD_ERR_REFUSED, "the run trains task '" + cfg.value("task", std::string()) +
                                            "', the bundle's training program is for '" + p.bundle.manifest.task + "'");
   const CodecSpec codec = CodecSpec::from_json(cfg.value("codec", nlohmann::json::object()));
+  // Under secure aggregation the key stages run first (client/secure.py runs them while
+  // training; here the long polls of the stages keep the node alive meanwhile).
+  std::unique_ptr<SecureRound> session;
+  if (secure) {
+    session = std::make_unique<SecureRound>(p.link, t, [&p] { return p.io.wall(); });
+    std::string why;
+    if (!session->keys(&why)) {
+      report.reason = why;
+      return report;
+    }
+  }
   // The global model (or its reconstruction from a downlink delta, from which the
   // update is then taken: client/update.delta_of), kept as the next pull's base.
   HeldModel pulled = p.link.pull_model(t.model_hash, p.held);
@@ -189,7 +201,26 @@ RoundReport participate(Participant& p, double max_wait_s) {
     h.metric_sums[k] = v * m;
     h.metric_weights[k] = m;
   }
-  p.link.push_update(h, Bytes(enc.payload.begin(), enc.payload.end()));
+  if (session) {
+    // Only the masked form leaves the device: the values the codec carries (its own
+    // payload decoded, as the tier would), weighted and quantised (client/secure.py).
+    std::vector<std::vector<float>> values;
+    size_t at = 0;
+    for (size_t i = 0; i < refs.size(); ++i) {
+      values.push_back(decode_payload(codec, enc.payload.data() + at, enc.sizes[i], refs[i].shape, refs[i].name));
+      at += enc.sizes[i];
+    }
+    std::vector<uint32_t> entropy(4);
+    if (RAND_bytes(reinterpret_cast<unsigned char*>(entropy.data()), 16) != 1)
+      throw Failure(ORCHARD_ERR_INTERNAL, "OpenSSL: RAND_bytes failed");
+    std::string why;
+    if (!session->finish(h, masked_vector(*secure, values, h.weight, entropy), &why)) {
+      report.reason = why;
+      return report;
+    }
+  } else {
+    p.link.push_update(h, Bytes(enc.payload.begin(), enc.payload.end()));
+  }
   report.uploaded = true;
   report.num_examples = r.num_examples;
   report.weight = h.weight;

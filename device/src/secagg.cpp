@@ -536,10 +536,15 @@ Bytes shamir_reconstruct(const std::map<uint32_t, Bytes>& shares, size_t t, size
 }
 
 std::vector<uint32_t> secure_quantize(const std::vector<double>& x, double clip, int bits, uint64_t seed) {
-  if (!(clip > 0) || !std::isfinite(clip) || bits < 1 || bits > 32)
-    refuse("SecAggConfigError", "clip must be a positive finite number and bits in 1..32");
   std::vector<uint32_t> entropy = int_words(seed);
   entropy.push_back(0x5EC);
+  return secure_quantize(x, clip, bits, entropy);
+}
+
+std::vector<uint32_t> secure_quantize(const std::vector<double>& x, double clip, int bits,
+                                      const std::vector<uint32_t>& entropy) {
+  if (!(clip > 0) || !std::isfinite(clip) || bits < 1 || bits > 32)
+    refuse("SecAggConfigError", "clip must be a positive finite number and bits in 1..32");
   Pcg64 rng(entropy);
   const double levels = static_cast<double>((1ull << bits) - 1);
   const double scale = levels / (2.0 * clip);

@@ -79,6 +79,10 @@ Bytes shamir_reconstruct(const std::map<uint32_t, Bytes>& shares, size_t thresho
 // secure_agg.quantize with np.random.default_rng([seed, 0x5EC]) (client/secure.py
 // masked_input): clip to [-clip, clip], map onto [0, 2^bits - 1], round stochastically.
 std::vector<uint32_t> secure_quantize(const std::vector<double>& x, double clip, int bits, uint64_t seed);
+// The same rounding with np.random.default_rng(entropy words): a client's own rounding,
+// seeded from the OS so that nobody can replay it (client/secure.os_generator).
+std::vector<uint32_t> secure_quantize(const std::vector<double>& x, double clip, int bits,
+                                      const std::vector<uint32_t>& entropy);
 
 // Which stage a broadcast belongs to, and its session (for a transport that must match
 // it to a task), without acting on it. Failure for a malformed message.

@@ -54,7 +54,7 @@ TEST(masks_equal_python) {
 TEST(quantiser_equals_python) {
   auto v = vectors::load("secagg.json");
   for (auto& c : v["quantize"]) {
-    auto q = secure_quantize(c["x"].get<std::vector<double>>(), c["clip"], c["bits"], c["seed"]);
+    auto q = secure_quantize(c["x"].get<std::vector<double>>(), c["clip"], c["bits"], c["seed"].get<uint64_t>());
     CHECK(q == c["q"].get<std::vector<uint32_t>>());
   }
 }

@@ -9,9 +9,14 @@ same round. The other runs three rounds with two of each beside a run of four Py
 clients on the same partitions, config and seeds: the mixed run's model improves on the
 initial one, and its held-out loss is within a tolerance of the Python-only run's (the
 native clients draw other batches of the same partitions, so the two runs are close,
-not equal). Both are in the default suite: on the tests' small base the federations
-take seconds (6 s for the second case on a loaded 2-core host); the module's cost is
-its bundle's export (the native build is shared with the other device tests)."""
+not equal). A third runs one round under secure aggregation (SecAgg+, the active
+protocol: every client signs its keys with its enrolled device key) with two of each,
+float32 uploads, beside the same round without it: the secure round's model equals the
+plain round's within the clients' quantisation, so the tier's unmasked sum is the plain
+sum of all four updates, the native clients' included. All are in the default suite: on
+the tests' small base the federations take seconds (6 s for the second case on a loaded
+2-core host); the module's cost is its bundle's export (the native build is shared with
+the other device tests)."""
 
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from fed_harness import FAST, Federation, start_run, wait_status  # noqa: E402
 
 from orchard import wire  # noqa: E402
-from orchard.config import CodecSpec, CohortConfig, RunConfig  # noqa: E402
+from orchard.config import CodecSpec, CohortConfig, RunConfig, SecureAggregationConfig  # noqa: E402
 from orchard.server.store import SQLiteStore  # noqa: E402
 from orchard.server.tls import TlsPaths  # noqa: E402
 from orchard.trainer import TrainConfig  # noqa: E402
@@ -43,6 +48,7 @@ PARAMS = dict(base="random", seq_len=16, n_layer=1, n_head=2, d_model=16, lora_r
 NUM_PARTITIONS = 40
 TRAIN = TrainConfig(steps=8, batch_size=16, learning_rate=0.5, optimizer="sgd")
 QSGD8 = CodecSpec(name="qsgd", params={"bits": 8})
+FLOAT32 = CodecSpec(name="float32")
 # Held-out loss of the mixed run may exceed the Python-only run's by at most this (nats).
 TOLERANCE = 0.05
 
@@ -105,7 +111,7 @@ class Outcome:
 
 
 async def _federation(tmp: Path, task, template: Path, command: Path, *, python: list[int], native: list[int],
-                      rounds: int) -> Outcome:
+                      rounds: int, secure: bool = False, codec: CodecSpec = QSGD8) -> Outcome:
     from orchard.client.runtime import ClientRuntime
     from orchard.edge_runtime.et_trainer import DeviceData, executorch_trainer_factory
     from orchard.link import FleetLink, LinkConfig
@@ -146,8 +152,9 @@ async def _federation(tmp: Path, task, template: Path, command: Path, *, python:
                     str(command), str(b), "--server", agg.address, "--data", str(text), "--rounds", str(rounds),
                     "--wait", "300", "--node-id", f"native-{k}", "--data-dir", str(tmp / f"native-{k}"),
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE))
-        cfg = RunConfig(task="shakespeare", task_params=PARAMS, rounds=rounds, seed=1, train=TRAIN, codec=QSGD8,
-                        downlink_delta=True,
+        cfg = RunConfig(task="shakespeare", task_params=PARAMS, rounds=rounds, seed=1, train=TRAIN,
+                        codec=codec, downlink_delta=codec == QSGD8,
+                        secure_aggregation=SecureAggregationConfig(enabled=secure),
                         cohort=CohortConfig(target=len(python) + len(native), over_selection=1.0, min_fraction=1.0,
                                             deadline_s=180.0))
         await start_run(root, cfg, insecure=False)
@@ -199,3 +206,19 @@ def test_a_mixed_federation_learns_as_a_python_one_does(tmp_path: Path, task, bu
     after_mixed, after_python = task.evaluate(mixed.final)["loss"], task.evaluate(alone.final)["loss"]
     assert after_mixed < before - 0.05, (before, after_mixed)
     assert after_mixed <= after_python + TOLERANCE, (after_mixed, after_python)
+
+
+def test_native_clients_take_part_in_a_secure_round(tmp_path: Path, task, bundle: Path, command: Path) -> None:
+    secure = asyncio.run(_federation(tmp_path / "secure", task, bundle, command, python=[0, 1], native=[2, 3],
+                                     rounds=1, secure=True, codec=FLOAT32))
+    _check_both_kinds_served(secure, [0, 1], [2, 3], 1)
+    plain = asyncio.run(_federation(tmp_path / "plain", task, bundle, command, python=[0, 1], native=[2, 3],
+                                    rounds=1, codec=FLOAT32))
+    _check_both_kinds_served(plain, [0, 1], [2, 3], 1)
+    initial = task.initial_arrays(1)
+    moved = max(float(np.max(np.abs(plain.final[k] - initial[k]))) for k in plain.final)
+    apart = max(float(np.max(np.abs(secure.final[k] - plain.final[k]))) for k in plain.final)
+    # Each client rounds its weighted update to 16 bits over [-clip, clip] = [-1, 1]: at
+    # most 2 / (2^16 - 1) each, times S / sum(w) = 1000 / 512 in the tier's mean.
+    assert moved > 1e-2, moved
+    assert apart < 1e-3, (apart, moved)
