@@ -151,6 +151,10 @@ DevicePolicy DevicePolicy::from_json(const nlohmann::json& j) {
     q.opt_num("joules_per_unit", pc.joules_per_unit, 0.0, true);
     q.done();
   }
+  // DevicePolicy.replay (a continual run's replay buffer): null, the default, is no buffer.
+  if (r.get("replay"))
+    throw Failure(ORCHARD_ERR_BUNDLE, r.where + ".replay sets a replay buffer, which this native client does not "
+                                                "keep (continual training is not native): remove it from the policy");
   r.done();
   return p;
 }
