@@ -31,8 +31,6 @@ from typing import Any
 import numpy as np
 from flwr.app import (
     DEFAULT_TTL,
-    Array,
-    ArrayRecord,
     ConfigRecord,
     Context,
     Message,
@@ -42,6 +40,7 @@ from flwr.app import (
 )
 from flwr.clientapp import ClientApp
 
+from orchard.client.flower_arrays import ArrayBytes
 from orchard.errors import ConfigError, OrchardError, UpdateSchemaError
 from orchard.trainer import EvalResult, TrainConfig, TrainResult
 from orchard.typing import NDArrays
@@ -106,7 +105,10 @@ class FlowerTrainer:
 
     ``node_id`` identifies the simulated node in the Flower ``Context`` (default:
     ``partition_id``); ``run_config`` is what the app reads from
-    ``context.run_config`` (for example ``{"local-epochs": 1}``).
+    ``context.run_config`` (for example ``{"local-epochs": 1}``). ``array_bytes``:
+    where the arrays' ``.npy`` bytes are kept, shared by the trainers of one app's
+    simulated clients so that every message of one global model reuses them
+    (:mod:`orchard.client.flower_arrays`); by default this trainer's own.
     """
 
     # The app reads the round from its config record ("server-round"), live and simulated
@@ -120,6 +122,7 @@ class FlowerTrainer:
         num_partitions: int,
         run_config: Mapping[str, Any] | None = None,
         node_id: int | None = None,
+        array_bytes: ArrayBytes | None = None,
     ) -> None:
         if not 0 <= partition_id < num_partitions:
             raise ConfigError(f"partition_id must be in [0, {num_partitions}), got {partition_id}")
@@ -140,21 +143,15 @@ class FlowerTrainer:
         )
         self._explicit_run_config = dict(run_config or {})
         self._sent = 0  # messages sent, for unique message ids
+        self._bytes = array_bytes if array_bytes is not None else ArrayBytes()
 
     def _call(self, kind: str, arrays: NDArrays, config: TrainConfig) -> RecordDict:
         # Flower apps read their hyper-parameters from context.run_config (Flower fills it
         # from the app's pyproject); here the round's training config fills it, and an
         # explicit run_config given to this trainer wins.
-        derived: dict[str, Any] = {k: v for k, v in config_record(config).items()}
-        self.context.run_config = {**derived, **self._explicit_run_config}
-        content = RecordDict(
-            {
-                "arrays": ArrayRecord(
-                    {k: Array(np.ascontiguousarray(v)) for k, v in arrays.items()}
-                ),
-                "config": config_record(config),
-            }
-        )
+        values = config_record(config)
+        self.context.run_config = {**values, **self._explicit_run_config}
+        content = RecordDict({"arrays": self._bytes.record(arrays), "config": values})
         self._sent += 1
         message_id = f"orchard-{self.node_id}-{self._sent}"
         # Explicit metadata, as Flower's own simulation builds it: the short form
@@ -229,7 +226,7 @@ class FlowerTrainer:
             raise FlowerReplyError(
                 f"a train reply must hold exactly one ArrayRecord; it holds {len(records)}"
             )
-        returned = {k: v.numpy() for k, v in records[0][1].items()}
+        returned = {k: self._bytes.numpy(v) for k, v in records[0][1].items()}
         if set(returned) != set(arrays):
             raise FlowerReplyError(
                 f"the train reply's ArrayRecord names {sorted(set(returned) ^ set(arrays))[:5]} "

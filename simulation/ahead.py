@@ -29,11 +29,16 @@ class TrainingAhead:
     def __init__(self, ctx: Context, jobs: Jobs) -> None:
         self._ctx = ctx
         self._jobs = jobs
-        self.batch = _AHEAD_BATCH  # clients a job: the hand-out sends its queue once it holds this many
         self._most = _AHEAD_MAX
         self._futures: deque[Future[list[ClientOutput]]] = deque()
         self._outputs: dict[int, ClientOutput] = {}
         self.parts: set[int] = set()
+
+    @property
+    def batch(self) -> int:
+        """Clients a job: the hand-out sends its queue once it holds this many (fewer once
+        the engine has timed its clients: see ``jobs.Pace``)."""
+        return self._jobs.pace.clients(_AHEAD_BATCH)
 
     def send(self, queued: list[Arrival], arrays: NDArrays,
              starts: dict[str, tuple[bytes, NDArrays]]) -> list[Arrival]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import time
 from collections import deque
 from concurrent.futures import Future
 from typing import Any
@@ -88,6 +89,7 @@ class Arrivals:
         outputs: dict[int, ClientOutput] = {}
         cursor = 0
         backend, job, workers, chunk_size = ctx.backend, self._jobs.job, ctx.workers, ctx.chunk_size
+        pace = self._jobs.pace  # jobs of about Pace.JOB_SECONDS of training, once it is measured
         # The first jobs are small and grow to chunk_size: folding starts as soon as the
         # first few clients are trained instead of after a whole chunk (a worker's
         # chunk of 512 digits clients is ~0.1 s the engine would otherwise sit idle).
@@ -118,7 +120,7 @@ class Arrivals:
             nonlocal limit, in_flight
             while in_flight < _JOBS_PER_WORKER * workers and cursor < len(arrivals):
                 size, limit = limit, min(chunk_size, 2 * limit)
-                batch = take(size)
+                batch = take(pace.clients(size))
                 if batch:
                     jobs = [job(a) for a in batch if not a.deferred and a.partition not in ahead]
                     if jobs:
@@ -132,12 +134,14 @@ class Arrivals:
             fut = pending[0][1]
             while (run_here is not None and not fut.done() and cursor < len(arrivals)
                    and unfolded < _HELD_HERE_MAX):
-                batch = take(_HELP_BATCH)
+                batch = take(pace.clients(_HELP_BATCH))
                 if not batch:
                     continue
                 jobs = [job(a) for a in batch if not a.deferred and a.partition not in ahead]
-                pending.append((batch, done(run_here(jobs, arrays, starts or None) if jobs else []), False,
-                                len(jobs)))
+                t0 = time.perf_counter()
+                got = run_here(jobs, arrays, starts or None) if jobs else []
+                pace.timed(len(jobs), time.perf_counter() - t0)
+                pending.append((batch, done(got), False, len(jobs)))
                 unfolded += len(jobs)
 
         def root_done() -> bool:

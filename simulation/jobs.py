@@ -39,12 +39,41 @@ class Arrival:
     now_s: float = 0.0  # virtual time when it starts training: how much of a data stream has arrived
 
 
+class Pace:
+    """How long one client's training takes, as the engine timed the last batch it trained
+    itself (wall seconds a client), and job sizes that follow from it.
+
+    A job handed to a worker holds at most about ``JOB_SECONDS`` of training once the pace
+    is known: where clients take milliseconds each (a Flower app, a large model), fixed
+    sizes of hundreds of clients queued seconds of work on a worker while the engine,
+    its own share done, waited for it at the round's end. Where clients take
+    microseconds (a vectorised small model) the sizes stay as they were."""
+
+    JOB_SECONDS = 0.1
+
+    def __init__(self) -> None:
+        self.client_s: float | None = None
+
+    def timed(self, clients: int, seconds: float) -> None:
+        """The engine trained ``clients`` in ``seconds`` (wall)."""
+        if clients > 0:
+            self.client_s = seconds / clients
+
+    def clients(self, most: int) -> int:
+        """``most``, or fewer: about ``JOB_SECONDS`` of training at the measured pace."""
+        if self.client_s is None or self.client_s <= 0:
+            return most
+        return max(1, min(most, int(self.JOB_SECONDS / self.client_s)))
+
+
 class Jobs:
-    """Clients' jobs, and the codec states their folded uploads leave (by partition)."""
+    """Clients' jobs, the codec states their folded uploads leave (by partition), and the
+    pace that sizes them."""
 
     def __init__(self, ctx: Context) -> None:
         self._seed = ctx.seed
         self._attack = ctx.attack
+        self.pace = Pace()
         self.codec_states: dict[int, dict[str, Any]] = {}
         # A shard's fates this round, as (time, client?, what, partition, codec state):
         # None outside a shard's round (see tally).

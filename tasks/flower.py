@@ -73,6 +73,7 @@ class FlowerAppTask:
         self._examples = examples_per_client
         self._eval_clients = eval_clients
         self._partitions: dict[int, Partition] = {}
+        self._bytes: Any = None  # the clients' shared ArrayBytes (orchard.client.flower_arrays), once built
 
     def __repr__(self) -> str:
         return f"FlowerAppTask({self.app_ref!r})"
@@ -98,9 +99,15 @@ class FlowerAppTask:
 
     def client_trainer(self, partition_id: int, num_partitions: int, seed: int) -> Trainer:
         from orchard.client.flower_adapter import FlowerTrainer
+        from orchard.client.flower_arrays import ArrayBytes
 
+        if self._bytes is None:
+            self._bytes = ArrayBytes()
         # It reads the round as "server-round" (FlowerTrainer.reads_round), as from a Flower strategy.
-        return FlowerTrainer(self.app, partition_id=partition_id, num_partitions=num_partitions)
+        # Every client's message of one global model carries the same .npy bytes (each
+        # in its own ArrayRecord: an app cannot reach another client's through it).
+        return FlowerTrainer(self.app, partition_id=partition_id, num_partitions=num_partitions,
+                             array_bytes=self._bytes)
 
     def evaluate(self, arrays: NDArrays, split: str = "test") -> dict[str, float]:
         if split != "test":

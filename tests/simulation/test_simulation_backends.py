@@ -391,3 +391,44 @@ def test_job_sizes_do_not_change_the_round() -> None:
         np.testing.assert_allclose(pieces.final_arrays[k], v, rtol=1e-6, atol=1e-7)
 
 
+
+
+def test_pace_sizes_jobs_to_the_measured_training_time() -> None:
+    from orchard.simulation.jobs import Pace
+
+    pace = Pace()
+    assert pace.clients(512) == 512  # not measured yet: the sizes as asked
+    pace.timed(100, 100 * 20e-6)  # 20 us a client (a vectorised small model)
+    assert pace.clients(512) == 512
+    pace.timed(50, 50 * 0.004)  # 4 ms a client: 0.1 s is 25 clients
+    assert pace.clients(512) == 25 and pace.clients(10) == 10
+    pace.timed(2, 2 * 3.0)  # slower than a job's time: one client a job
+    assert pace.clients(512) == 1
+    pace.timed(0, 1.0)  # nothing trained says nothing
+    assert pace.clients(512) == 1
+
+
+def test_jobs_sized_by_the_pace_change_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Once the engine has timed clients it trained itself, the jobs it hands the worker
+    # (and the ones it trains while it waits) hold about Pace.JOB_SECONDS of training:
+    # here so little that they shrink to a client or two. Which clients train and what
+    # they upload do not depend on how they were grouped into jobs.
+    from orchard.simulation.backends import ProcessBackend
+    from orchard.simulation.jobs import Pace
+
+    monkeypatch.setattr(Pace, "JOB_SECONDS", 1e-9)
+    sizes: list[int] = []
+    real = ProcessBackend.submit
+
+    def counting(self: ProcessBackend, jobs: list, *a: object) -> object:
+        sizes.append(len(jobs))
+        return real(self, jobs, *a)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ProcessBackend, "submit", counting)
+    local = run_simulation(_sim(rounds=3, chunk_size=16))
+    remote = run_simulation(_sim(rounds=3, chunk_size=16, backend="process", workers=1, shard=False))
+    assert sizes and min(sizes) == 1 and max(sizes) > 1  # shrunk once measured
+    for key in ("participants", "trained", "bytes_up", "late"):
+        assert [r[key] for r in remote.rounds] == [r[key] for r in local.rounds], key
+    for k, v in local.final_arrays.items():
+        np.testing.assert_array_equal(remote.final_arrays[k], v)
