@@ -54,8 +54,13 @@ wall time moves by 5-10%.
 
 ``--compare-adversary`` runs every configuration twice in a row, with the same vectors
 and keys: the semi-honest protocol (version 1) and the active one (signed keys checked
-against root certificates, the consistency round, verified shares; the clients hold
-certified identity keys and the root's key, as enrolled devices do). The JSON is then an
+against the root, the consistency round, verified shares; the clients hold identity keys
+the root vouched for and the root's key, as enrolled devices do). ``--credentials``
+says how the root vouches: ``roster`` (default; one signed roster over every client's
+key, each client holding its Merkle path: a client checks the roster's signature once,
+in its session, and a path per neighbour) or ``certificate`` (one root certificate per
+client, checked per neighbour). Each client starts with nothing cached, so the figures
+are a first session's. The JSON is then an
 object: the rows, and per configuration ``active_vs_semi_honest_server_time_ratio``
 (server seconds, active / semi-honest; also its CPU-time ratio) and
 ``active_client_extra_seconds`` (mean client seconds, active - semi-honest; also in
@@ -89,6 +94,7 @@ from orchard.secure_agg import (
     decode,
 )
 from orchard.secure_agg.prg import DEFAULT_CHUNK_BYTES, SEED_BYTES, MaskFolder, available_cores
+from orchard.secure_agg.roster import build_roster
 from orchard.server.maskworkers import MaskWorkers
 
 STAGES = (Stage.ADVERTISE_KEYS, Stage.SHARE_KEYS, Stage.MASKED_INPUT, Stage.UNMASKING)
@@ -131,6 +137,7 @@ class Row:
     mask_batches_on_workers: int = 0
     workers_start_seconds: float = 0.0  # once per server process, before any session
     adversary: str = "semi_honest"  # the protocol: "semi_honest" (version 1) or "active"
+    credentials: str = ""  # active: "roster" or "certificate" (how clients vouch for peers' keys)
 
 
 def _entropy(label: str) -> bytes:
@@ -205,21 +212,27 @@ def _child_cpu(pids: list[int]) -> float:
     return total
 
 
-def certified_clients(ids: list[str], seed: int) -> tuple[bytes, dict[str, tuple[SessionIdentity, ClientPolicy]]]:
-    """Each client's identity key certified by one root, and the policy that checks peers
-    against that root (what enrollment gives a device: made once, not per session)."""
+def certified_clients(ids: list[str], seed: int, credentials: str = "roster",
+                      ) -> tuple[bytes, dict[str, tuple[SessionIdentity, ClientPolicy]]]:
+    """Each client's identity key vouched for by one root, and the policy that checks peers
+    against that root (what enrollment gives a device: made once, not per session).
+    ``credentials``: "roster" (one signed roster of epoch 1 over every client's key, each
+    client holding its Merkle path, :mod:`orchard.secure_agg.roster`) or "certificate"
+    (one root certificate per client)."""
     root = SigningKey.from_bytes(_entropy(f"root/{seed}"))
-    out = {}
-    for p in ids:
-        key = SigningKey.from_bytes(_entropy(f"device/{seed}/{p}"))
-        out[p] = (SessionIdentity(key, certify(root, p, key.public_key, 1)),
-                  ClientPolicy(root_public_key=root.public_key))
-    return root.public_key, out
+    keys = {p: SigningKey.from_bytes(_entropy(f"device/{seed}/{p}")) for p in ids}
+    if credentials == "roster":
+        _, creds = build_roster(root, 1, {p: k.public_key for p, k in keys.items()})
+        policy = ClientPolicy(root_public_key=root.public_key, min_roster_epoch=1)
+    else:
+        creds = {p: certify(root, p, k.public_key, 1) for p, k in keys.items()}
+        policy = ClientPolicy(root_public_key=root.public_key)
+    return root.public_key, {p: (SessionIdentity(keys[p], creds[p]), policy) for p in ids}
 
 
 def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: float,
             threads: int | None = None, seed: int = 0, interleave: bool = False, fold: float = 0.0,
-            active: bool = False,
+            active: bool = False, credentials: str = "roster",
             workers: MaskWorkers | None = None) -> Row:
     params = choose_parameters(n, dropout, corrupt_fraction=corrupt_fraction)
     ids = [f"client-{i:05d}" for i in range(n)]
@@ -228,7 +241,7 @@ def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: fl
                                   entropy=_entropy(f"session/{seed}/{n}/{d}/{dropout}"), active=active)
     rng = np.random.default_rng(seed)
     dropped = set(rng.choice(config.participants, size=int(round(dropout * n)), replace=False))
-    root, trust = certified_clients(ids, seed) if active else (None, {})
+    root, trust = certified_clients(ids, seed, credentials) if active else (None, {})
     server = SecAggServer(config, threads=threads, workers=workers, root_public_key=root)
     clients = {p: SecAggClient(p, entropy=_entropy(f"client/{seed}/{p}"), identity=trust[p][0] if active else None,
                                policy=trust[p][1] if active else None) for p in ids}
@@ -339,6 +352,7 @@ def run_one(n: int, d: int, dropout: float, *, corrupt_fraction: float, gbps: fl
         mask_workers=len(pids),
         mask_batches_on_workers=int(result.measurements.get("mask_batches_on_workers", 0)),
         adversary="active" if active else "semi_honest",
+        credentials=credentials if active else "",
     )
 
 
@@ -361,6 +375,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--corrupt-fraction", type=float, default=0.05,
                     help="fraction of clients assumed to collude with the server (sets k, t)")
     ap.add_argument("--active", action="store_true", help="run the active protocol (default: semi-honest)")
+    ap.add_argument("--credentials", choices=("roster", "certificate"), default="roster",
+                    help="active: how the root vouches for clients' identity keys (default: one signed "
+                         "roster and a Merkle path each; certificate: one root certificate each)")
     ap.add_argument("--compare-adversary", action="store_true",
                     help="each configuration with the semi-honest and then the active protocol; JSON: the ratios")
     args = ap.parse_args(argv)
@@ -439,7 +456,8 @@ def _runs(args: argparse.Namespace, ns: list[int], ds: list[int], drops: list[fl
     for n, d, p in configs:
         modes = (False, True) if args.compare_adversary else (args.active,)
         for r in (run_one(n, d, p, corrupt_fraction=args.corrupt_fraction, gbps=gbps, threads=args.threads,
-                          interleave=args.interleave, fold=fold, workers=workers, active=active)
+                          interleave=args.interleave, fold=fold, workers=workers, active=active,
+                          credentials=args.credentials)
                   for _ in range(max(1, args.repeat)) for active in modes):
             r.workers_start_seconds = started
             rows.append(r)

@@ -31,6 +31,7 @@ from orchard.secure_agg._framing import encoded_id
 from orchard.secure_agg.crypto import hkdf
 from orchard.secure_agg.errors import SecAggConfigError
 from orchard.secure_agg.messages import SessionConfig
+from orchard.secure_agg.roster import RosterCache, is_roster_credential
 
 __all__ = ["ClientPolicy", "SessionIdentity", "advertise_message", "identity_key", "is_low_order",
            "seed_commitment"]
@@ -68,11 +69,16 @@ def seed_commitment(cfg: SessionConfig, node: str, seed: bytes) -> bytes:
     return hashlib.sha256(SEED_DOMAIN + cfg.digest + encoded_id(node) + seed).digest()
 
 
-def identity_key(credential: bytes, node: str, root_public_key: bytes | None) -> bytes:
+def identity_key(credential: bytes, node: str, root_public_key: bytes | None,
+                 rosters: RosterCache | None = None, min_roster_epoch: int = 0) -> bytes:
     """The Ed25519 key ``credential`` binds to ``node``: checked against the root's key
-    when there is one (a certificate, :func:`orchard.identity.verify_certificate`), else
-    taken on its word (a raw 32-byte key, or the key a certificate names).
+    when there is one (a certificate, :func:`orchard.identity.verify_certificate`, or a
+    roster credential, :mod:`~orchard.secure_agg.roster`, whose roster ``rosters``
+    remembers once checked), else taken on its word (a raw 32-byte key, or the key a
+    certificate or roster credential names).
     Raises :class:`~orchard.identity.CertificateError`."""
+    if is_roster_credential(credential):
+        return (rosters or RosterCache()).identity_key(credential, node, root_public_key, min_roster_epoch)
     if root_public_key is not None:
         return verify_certificate(credential, root_public_key, node).public_key
     if len(credential) == 32:
@@ -117,13 +123,15 @@ class ClientPolicy:
 
     ``root_public_key``: the root's certificate key (from enrollment); with it, every
     peer's keys must carry a certificate from that root, and semi-honest sessions are
-    refused. Floors: at least ``min_participants`` clients and ``min_neighbours``
+    refused; ``min_roster_epoch``: the newest roster epoch this client holds (its own
+    enrolment's), below which a peer's roster credential is refused. Floors: at least ``min_participants`` clients and ``min_neighbours``
     neighbours, and a threshold with a margin over a majority: 2t - k >= max(1,
     ceil(corrupt_fraction * k)), so that the two kinds of shares of one client can be
     collected only with more colluding neighbours than that (Bell et al., 2020, §3.3).
     """
 
     root_public_key: bytes | None = None
+    min_roster_epoch: int = 0
     min_participants: int = 3
     min_neighbours: int = 2
     corrupt_fraction: float = 0.05

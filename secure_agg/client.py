@@ -64,6 +64,7 @@ from orchard.secure_agg.messages import (
     UnmaskShares,
 )
 from orchard.secure_agg.prg import SEED_BYTES, ByteStream, MaskFolder, modulus_mask, word_dtype
+from orchard.secure_agg.roster import RosterCache
 from orchard.secure_agg.shamir import share_bytes
 
 __all__ = ["SecAggClient"]
@@ -78,16 +79,19 @@ class SecAggClient:
 
     ``identity``: the device's identity key and the root's certificate of it (default: an
     uncertified key drawn from ``entropy``); ``policy``: the floors and the root key this
-    client holds every session to (its own configuration, never the server's).
+    client holds every session to (its own configuration, never the server's);
+    ``rosters``: the signed rosters this device has already checked (keep one across
+    sessions: a roster's signature is then checked once per epoch, not once per session).
     """
 
     def __init__(self, node_id: str, *, entropy: bytes, identity: SessionIdentity | None = None,
-                 policy: ClientPolicy | None = None) -> None:
+                 policy: ClientPolicy | None = None, rosters: RosterCache | None = None) -> None:
         if len(entropy) < 32:
             raise ValueError(f"entropy must be at least 32 bytes, got {len(entropy)}")
         self.node_id = node_id
         self.identity = identity if identity is not None else SessionIdentity.ephemeral(entropy)
         self.policy = policy if policy is not None else ClientPolicy()
+        self.rosters = rosters if rosters is not None else RosterCache()
         self._rand = ByteStream(crypto.hkdf(entropy, b"client:" + node_id.encode(), 32))
         self.stage = Stage.ADVERTISE_KEYS  # the stage whose broadcast it waits for
         self.config: SessionConfig | None = None
@@ -99,6 +103,7 @@ class SecAggClient:
         self._ids: dict[str, bytes] = {}  # neighbours with verified keys -> identity key
         self._masked: frozenset[str] = frozenset()  # the neighbours whose masks went into y_u
         self._view: bytes = b""  # the survivor view this client signed (active sessions)
+        self._survivors: frozenset[str] = frozenset()  # its U3, among the neighbours
         self.masks_expanded = 0  # measurement
         self._last: tuple[Message, Message] | None = None  # (broadcast, reply) for retries
 
@@ -233,7 +238,8 @@ class SecAggClient:
         if is_low_order(k.channel_pk) or is_low_order(k.mask_pk):
             return None
         try:
-            key = identity_key(k.credential, k.node, self.policy.root_public_key)
+            key = identity_key(k.credential, k.node, self.policy.root_public_key, self.rosters,
+                               self.policy.min_roster_epoch)
         except CertificateError:
             return None
         signed = advertise_message(cfg, k.node, k.channel_pk, k.mask_pk, k.seed_commitment)
@@ -307,7 +313,8 @@ class SecAggClient:
         if self._index[self.node_id] not in view.u3:
             raise SecAggAbort(f"the survivor view leaves out {self.node_id!r}, whose masked input "
                               "was sent: the server lies about who survived")
-        in_u2 = {ids[j] for j in view.u2} & self._neighbours
+        nbrs = frozenset(map(self._index.__getitem__, self._neighbours))
+        in_u2 = {ids[j] for j in view.u2 & nbrs}
         if not in_u2 <= set(self._peers):
             raise SecAggAbort(f"the survivor view puts {sorted(in_u2 - set(self._peers))} in U2, which "
                               f"advertised no keys to {self.node_id!r}")
@@ -316,6 +323,7 @@ class SecAggClient:
             raise SecAggAbort(f"the shares broadcast to {self.node_id!r} lacked {short} (in U2) or named "
                               f"{sorted(self._masked - in_u2)} (not in U2): the server showed another view")
         self._view = msg.view
+        self._survivors = frozenset(ids[j] for j in view.u3 & nbrs)
         self.stage = Stage.UNMASKING
         signature = self.identity.key.sign(consistency_message(cfg, msg.view))
         return ConsistencySignature(cfg.session_id, cfg.round_number, self.node_id, signature)
@@ -371,8 +379,7 @@ class SecAggClient:
         if len(good) < cfg.threshold:
             raise SecAggAbort(f"only {len(good)} neighbours of {self.node_id!r} signed its survivor view, "
                               f"threshold is {cfg.threshold}: it reveals nothing")
-        view = View.from_bytes(self._view, len(cfg.participants))
-        u3 = {cfg.participants[j] for j in view.u3}
+        u3 = self._survivors  # the neighbours in U3 of the view it signed
         if len(self._masked & u3) < cfg.threshold:
             raise SecAggAbort(f"only {len(self._masked & u3)} neighbours of {self.node_id!r} survived, "
                               f"threshold is {cfg.threshold}")

@@ -67,7 +67,7 @@ class View:
             bits = np.unpackbits(np.frombuffer(part, dtype=np.uint8), bitorder="little")
             if bits[num_nodes:].any():
                 raise MalformedMessage("a survivor view names nodes beyond the participant list")
-            sets.append(frozenset(int(i) for i in np.flatnonzero(bits[:num_nodes])))
+            sets.append(frozenset(np.flatnonzero(bits[:num_nodes]).tolist()))
         u2, u3 = sets
         if not u3 <= u2:
             raise MalformedMessage("a survivor view puts a node in U3 that is not in U2")

@@ -88,6 +88,7 @@ from orchard.secure_agg.prg import (
     word_dtype,
 )
 from orchard.secure_agg.results import SecAggResult, StageReport
+from orchard.secure_agg.roster import RosterCache
 from orchard.secure_agg.shamir import reconstruct_many_bytes
 from orchard.secure_agg.verify import recover_verified
 
@@ -125,16 +126,19 @@ class SecAggServer:
     ``root_public_key``: check each active client's certificate against the root (without
     it, its signature is checked against the key its credential names; the clients check
     the certificates either way). ``entropy``: the randomness of the share checks, which no
-    client may predict (default: 32 bytes from the OS).
+    client may predict (default: 32 bytes from the OS). ``rosters``: the signed rosters
+    this server has checked (:mod:`~orchard.secure_agg.roster`; a tier keeps one across
+    sessions).
     """
 
     def __init__(self, config: SessionConfig, *, threads: int | None = None,
                  workers: FoldWorkers | None = None, root_public_key: bytes | None = None,
-                 entropy: bytes | None = None) -> None:
+                 entropy: bytes | None = None, rosters: RosterCache | None = None) -> None:
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1 (or None for every core), got {threads}")
         self.config = config
         self.root_public_key = root_public_key
+        self._rosters = rosters if rosters is not None else RosterCache()
         self._rand = ByteStream(crypto.hkdf(entropy if entropy is not None else secrets.token_bytes(32),
                                             b"server-checks", 32))
         self.threads = threads if threads is not None else available_cores()
@@ -326,7 +330,7 @@ class SecAggServer:
         if msg.version != 2:
             raise MalformedMessage(f"{msg.sender!r} sends unsigned keys to an active session")
         try:
-            key = identity_key(msg.credential, msg.sender, self.root_public_key)
+            key = identity_key(msg.credential, msg.sender, self.root_public_key, self._rosters)
         except CertificateError as err:
             raise MalformedMessage(f"{msg.sender!r}'s credential: {err}") from None
         signed = advertise_message(self.config, msg.sender, msg.channel_pk, msg.mask_pk, msg.seed_commitment)
