@@ -113,7 +113,10 @@ alter what they forward, and clients that send anything:
 - Keys are signed with the device's identity key (``orchard.identity``; the root
   certified it at enrollment) over the keys, H(b_u) and the session config's hash; a
   client checks each neighbour's certificate against the root key of its own
-  :class:`ClientPolicy` and treats a neighbour that fails as absent. Without a root key
+  :class:`ClientPolicy` and treats a neighbour that fails as absent. Instead of a
+  certificate a device may carry a roster credential (:mod:`~orchard.secure_agg.roster`):
+  the root's signature over the epoch's roster and a Merkle path to its key, so a client
+  checks one roster signature and a path of hashes per neighbour. Without a root key
   (nothing enrolled, ``--insecure``) the signatures bind nothing and a relay can
   substitute keys: that case is only as strong as the semi-honest protocol.
 - The consistency round (:mod:`~orchard.secure_agg.consistency`): a client reveals
@@ -134,7 +137,8 @@ the sum (up to the field, so it can wrap a coordinate); the server can only refu
 above n (2^bits - 1) (``orchard.server.secagg``). Preventing it needs a proof of each
 input's range (e.g. ACORN, Bell et al., 2023), which is not implemented. The neighbour
 graph's seed is drawn by the server, not by commit-reveal with the clients: a server that
-grinds it can choose whom each client neighbours, which the bound on c does not cover.
+tries T seeds and keeps the worst graph for a target raises the privacy bound's 2^-40
+to T * 2^-40 per client (union bound), which the bound on c does not cover.
 Clients drop their secrets when a session ends; the server drops its shares and the
 reconstructed keys it cached.
 
