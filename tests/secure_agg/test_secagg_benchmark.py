@@ -39,3 +39,16 @@ def test_toy_runs_are_correct_and_repeated(tmp_path: Path, mode: list[str]) -> N
         assert r["fold_ratio"] == pytest.approx(r["server_seconds"] / r["fold_bound_seconds"])
     assert "medians of 2 runs:" in res.stdout
     assert res.stdout.count("n=12 d=2000") == 2
+
+
+@pytest.mark.parametrize("credentials", ["roster", "certificate"])
+def test_compare_adversary_reports_the_criterion_keys(tmp_path: Path, credentials: str) -> None:
+    out = tmp_path / "secagg.json"
+    res = subprocess.run([sys.executable, str(SCRIPT), "--n", "12", "--d", "2000", "--dropout", "0.25",
+                          "--mask-workers", "0", "--compare-adversary", "--credentials", credentials,
+                          "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(out.read_text())
+    assert {"active_vs_semi_honest_server_time_ratio", "active_client_extra_seconds"} <= got.keys()
+    assert [(r["adversary"], r["credentials"]) for r in got["rows"]] == [("semi_honest", ""), ("active", credentials)]
+    assert all(r["correct"] for r in got["rows"])
