@@ -115,6 +115,21 @@ def secagg_shares() -> Iterator[bytes]:
     yield _wire.pack_shares("c0", "c1", rng.bytes(_wire.MASK_KEY_SHARE_BYTES), rng.bytes(_wire.SELF_MASK_SHARE_BYTES))
 
 
+def secagg_credential() -> Iterator[bytes]:
+    from pure import CREDENTIAL_ROOT_SEED
+
+    from orchard.identity import SigningKey, certify
+    from orchard.secure_agg.roster import build_roster
+
+    root = SigningKey.from_bytes(CREDENTIAL_ROOT_SEED)
+    keys = {f"c{i:04d}": SigningKey.from_bytes(bytes([i + 1]) * 32).public_key for i in range(5)}
+    yield keys["c0001"]
+    yield certify(root, "c0001", keys["c0001"], 1)
+    _, creds = build_roster(root, 1, keys)
+    yield creds["c0001"]
+    yield creds["c0002"]
+
+
 def bundle_client_json() -> Iterator[bytes]:
     from bundles import file_digests
 
@@ -172,6 +187,7 @@ SEEDS: dict[str, Callable[[], Iterator[bytes]]] = {
     "upload_part": upload_part,
     "secagg_message": secagg_message,
     "secagg_shares": secagg_shares,
+    "secagg_credential": secagg_credential,
     "bundle_client_json": bundle_client_json,
     "bundle_manifest": bundle_manifest,
     "bundle_task_json": bundle_task_json,

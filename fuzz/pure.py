@@ -204,3 +204,28 @@ def secagg_shares():
             raise FuzzBug("unpack_shares read what pack_shares does not write")
 
     return one_input
+
+
+CREDENTIAL_ROOT_SEED = bytes(range(32))  # the root whose key the credential corpus is made with
+
+
+def secagg_credential():
+    """A peer's credential (raw key, root certificate, roster credential) as a client and
+    the server read it from signed keys: a verified key, or a named refusal."""
+    from orchard.identity import CertificateError, SigningKey
+    from orchard.secure_agg.active import identity_key
+    from orchard.secure_agg.roster import RosterCache
+
+    root = SigningKey.from_bytes(CREDENTIAL_ROOT_SEED).public_key
+
+    def one_input(data: bytes) -> None:
+        for key in (root, None):
+            try:
+                got = identity_key(data, "c0001", key, RosterCache(), 1)
+            except CertificateError:
+                continue
+            if len(got) != 32:
+                raise FuzzBug(f"a credential gave an identity key of {len(got)} bytes")
+
+    return one_input
+

@@ -38,6 +38,8 @@ TARGETS: tuple[Target, ...] = (
            "every SecAgg+ message decoder (decode, decode_columns held to decode's answer, from_bytes)"),
     Target("secagg_shares", "pure:secagg_shares",
            "the plaintext of an encrypted share message (unpack_shares)"),
+    Target("secagg_credential", "pure:secagg_credential",
+           "a peer's credential in signed SecAgg+ keys: raw key, root certificate or roster credential (identity_key)"),
     Target("bundle_client_json", "bundles:client_json",
            "a bundle's client.json as the client reads and checks it (read_bundle)"),
     Target("bundle_manifest", "bundles:training_manifest",
