@@ -20,7 +20,7 @@ import asyncio
 import logging
 import random
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -37,7 +37,7 @@ from orchard.identity import (
     enrollment_message,
     hash_secret,
 )
-from orchard.messages import Idle, TaskAssignment, UploadHeader
+from orchard.messages import DroppedUpload, Idle, TaskAssignment, UploadHeader
 from orchard.typing import DeviceState, Role
 from orchard.v1 import orchard_pb2 as pb
 from orchard.v1 import orchard_pb2_grpc as pbg
@@ -220,13 +220,17 @@ class FleetLink:
         return reply
 
     async def poll(self, device: DeviceState | None = None, pool_size: int = 0,
-                   pool_eligible: int = 0, wait_s: float | None = None) -> TaskAssignment | Idle:
+                   pool_eligible: int = 0, wait_s: float | None = None,
+                   dropped: Sequence[DroppedUpload] = ()) -> TaskAssignment | Idle:
+        """A task or Idle. ``dropped`` (an aggregator): uploads below that reach no aggregate,
+        reported with this poll; they reached the server once this returns."""
         if not self.joined:
             await self.join(device)
 
         async def call() -> pb.PollReply:
             req = pb.PollRequest(node_id=self.node_id, device=wire.device_to_proto(device), pool_size=pool_size,
-                                 pool_eligible=pool_eligible, wait_s=wait)
+                                 pool_eligible=pool_eligible, wait_s=wait,
+                                 dropped=[wire.dropped_to_proto(d) for d in dropped])
             return await self._stub.Poll(req, metadata=self._meta, timeout=wait + 15)
 
         wait = self.long_poll_s if wait_s is None else min(wait_s, self.long_poll_s)

@@ -42,6 +42,19 @@ class Idle:
 
 
 @dataclass(frozen=True)
+class DroppedUpload:
+    """An upload a tier acknowledged that will be in no aggregate: its ids as the client
+    sent them (its header's run, round, attempt, node and task) and why it is dropped."""
+
+    run_id: str
+    round: int
+    attempt: int
+    node_id: str
+    task_id: str
+    reason: str = ""
+
+
+@dataclass(frozen=True)
 class UploadHeader:
     node_id: str
     run_id: str

@@ -17,7 +17,7 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from orchard.errors import IntegrityError, PayloadTooLargeError, UpdateSchemaError
-from orchard.messages import TaskAssignment, UploadHeader, UploadKind
+from orchard.messages import DroppedUpload, TaskAssignment, UploadHeader, UploadKind
 from orchard.typing import DeviceState, NDArrays, TensorSpec
 from orchard.v1 import orchard_pb2 as pb
 
@@ -309,6 +309,15 @@ def task_from_proto(m: pb.TaskSpec) -> TaskAssignment:
                           model_hash=m.model_hash, model_bytes=m.model_bytes, config_json=m.config_json,
                           schema=tuple(specs_from_proto(m.schema)), deadline_unix=m.deadline_unix,
                           cohort_target=m.cohort_target, shared_seed=m.shared_seed)
+
+
+def dropped_to_proto(d: DroppedUpload) -> pb.DroppedUpload:
+    return pb.DroppedUpload(run_id=d.run_id, round=d.round, attempt=d.attempt, node_id=d.node_id,
+                            task_id=d.task_id, reason=d.reason)
+
+
+def dropped_from_proto(m: pb.DroppedUpload) -> DroppedUpload:
+    return DroppedUpload(m.run_id, m.round, m.attempt, m.node_id, m.task_id, m.reason)
 
 
 def header_to_proto(h: UploadHeader) -> pb.UploadHeader:

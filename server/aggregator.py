@@ -32,9 +32,11 @@ from orchard.errors import (
     SecAggError,
 )
 from orchard.link import FleetLink, UploadRefused
-from orchard.messages import Idle, TaskAssignment, UploadHeader
+from orchard.messages import DroppedUpload, Idle, TaskAssignment, UploadHeader
 from orchard.secure_agg import Stage
 from orchard.secure_agg.stages import stage_index as stage_index_of
+from orchard.server.ackjournal import AckJournal
+from orchard.server.bounds import DROPPED_MAX, REASON_MAX
 from orchard.server.coordinator import Coordinator
 from orchard.server.round import RoundOutcome
 from orchard.server.secagg import SecAggReply
@@ -104,9 +106,17 @@ class LinkUpstream:
 
 
 class UpstreamLink:
-    def __init__(self, coordinator: Coordinator, link: FleetLink) -> None:
+    """The aggregator's side of its upstream: polls (reporting the dropped uploads its
+    ``journal`` holds), serves each task as a round of its own and pushes its partial.
+    ``journal``: where it journals what it acknowledges (``orchard.server.ackjournal``);
+    None (no data dir): nothing is journaled, and a kill loses what it held unrecorded."""
+
+    def __init__(self, coordinator: Coordinator, link: FleetLink, journal: AckJournal | None = None) -> None:
         self.coord = coordinator
         self.link = link
+        self.journal = journal
+        if journal is not None:
+            coordinator.acked = self._acked
         self.rounds_done = 0
         self.pool_report_s = 1.0
         self.stopped = asyncio.Event()
@@ -116,8 +126,13 @@ class UpstreamLink:
         while not self.stopped.is_set():
             try:
                 size, elig = self.coord.capacity()
+                report = self.journal.pending(DROPPED_MAX) if self.journal is not None else []
                 # Short polls keep the pool size the upstream allocates by fresh.
-                got = await self.link.poll(pool_size=size, pool_eligible=elig, wait_s=self.pool_report_s)
+                got = await self.link.poll(pool_size=size, pool_eligible=elig, wait_s=self.pool_report_s,
+                                           dropped=report)
+                if report:
+                    self.journal.reported(report)  # type: ignore[union-attr]
+                    log.info("reported %d dropped uploads upstream", len(report))
                 if isinstance(got, Idle):
                     continue
                 await self._serve(got)
@@ -140,16 +155,37 @@ class UpstreamLink:
         log.info("round %d: target %d, selected %d", t.round, cr.task.target, len(cr.assignments))
         beat = asyncio.create_task(self._heartbeats(t, cr))
         try:
-            await child.report_roster()
-            out = await self.coord.wait_round(cr)
-        finally:
-            beat.cancel()
-        up = child.partial(out)
-        if up is None:  # the clients' masked inputs went to the root's secure session
-            log.info("round %d: relayed to the root's secure session (%s)", t.round, out.reason)
-        else:
-            await self._push(t, out, *up)
+            try:
+                await child.report_roster()
+                out = await self.coord.wait_round(cr)
+            finally:
+                beat.cancel()
+            up = child.partial(out)
+            if up is None:  # the clients' masked inputs went to the root's secure session
+                log.info("round %d: relayed to the root's secure session (%s)", t.round, out.reason)
+            else:
+                await self._push(t, out, cr, *up)
+        finally:  # whatever this round acknowledged and did not forward is dropped, and said why
+            self._drop(cr, f"round {t.round}: the aggregator's round ended without a partial accepted upstream")
         self.rounds_done += 1
+
+    def _acked(self, cr, up: DroppedUpload) -> None:
+        assert self.journal is not None
+        try:
+            self.journal.acked(cr, cr.task.run_id, cr.task.round, cr.task.attempt, up)
+        except OSError as err:  # the update is folded: acknowledge it, and say it is not journaled
+            log.error("cannot journal upload %s of %s: %s", up.task_id, up.node_id, err)
+
+    def _drop(self, cr, reason: str) -> None:
+        if self.journal is None:
+            return
+        try:
+            n = self.journal.drop(cr, reason[:REASON_MAX])
+        except OSError as err:
+            log.error("cannot journal the dropped uploads of round %d: %s", cr.task.round, err)
+            return
+        if n:
+            log.warning("%d acknowledged uploads reach no partial: %s", n, reason)
 
     async def _heartbeats(self, t: TaskAssignment, cr) -> None:
         while not cr.closed:
@@ -158,9 +194,23 @@ class UpstreamLink:
                 self.coord.close_round(cr, "upstream no longer wants this round")
                 return
 
-    async def _push(self, t: TaskAssignment, out: RoundOutcome, header: UploadHeader, payload: bytes) -> None:
+    async def _push(self, t: TaskAssignment, out: RoundOutcome, cr, header: UploadHeader, payload: bytes) -> None:
+        if self.journal is not None:
+            with contextlib.suppress(OSError):
+                self.journal.sending(cr)
         try:
             await self.link.push_update(header, payload)
-            log.info("round %d: pushed partial of %d updates upstream", t.round, out.partial.count)
         except UploadRefused as err:
+            if err.code is grpc.StatusCode.ALREADY_EXISTS:  # a retry of a push the upstream took
+                log.info("round %d: upstream already has this partial: %s", t.round, err)
+                if self.journal is not None:
+                    self.journal.forwarded(cr)
+                return
             log.warning("round %d: upstream refused the partial: %s", t.round, err)
+            over = err.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
+                                grpc.StatusCode.ABORTED)
+            self._drop(cr, ("round over before applied: " if over else "") + f"upstream refused the partial ({err})")
+            return
+        log.info("round %d: pushed partial of %d updates upstream", t.round, out.partial.count)
+        if self.journal is not None:
+            self.journal.forwarded(cr)

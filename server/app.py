@@ -25,6 +25,8 @@ from orchard.config import ServerConfig
 from orchard.errors import ConfigError
 from orchard.files import atomic_write, private_dir, report_loose
 from orchard.link import FleetLink, LinkConfig
+from orchard.messages import DroppedUpload
+from orchard.server.ackjournal import AckJournal
 from orchard.server.aggregator import UpstreamLink
 from orchard.server.auth import (
     Authenticator,
@@ -34,6 +36,7 @@ from orchard.server.auth import (
 )
 from orchard.server.coordinator import Coordinator
 from orchard.server.decoding import ClientUpdateDecoder
+from orchard.server.droplog import DropLog
 from orchard.server.servicer import FleetServicer, add_fleet_servicer
 from orchard.server.store import SQLiteStore, Store, hash_token
 from orchard.server.tls import TlsPaths, init_certs, server_credentials
@@ -74,6 +77,7 @@ class TierHandle:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     log_handlers: list[logging.Handler] = field(default_factory=list)  # removed at stop
     dashboard: Any = None  # orchard.server.dashboard.Dashboard when --dashboard-port is given
+    droplog: DropLog | None = None  # the root's record of dropped uploads
 
     @property
     def address(self) -> str:
@@ -93,6 +97,10 @@ class TierHandle:
             await self.upstream.link.close()
         await self.server.stop(grace)
         self.coordinator.shutdown()
+        if self.upstream is not None and self.upstream.journal is not None:
+            self.upstream.journal.close()
+        if self.droplog is not None:
+            self.droplog.close()
         if self.store is not None:
             self.store.close()
 
@@ -179,11 +187,20 @@ async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int
 
     runlog = RunLog(data_dir)
     server = grpc.aio.server(options=wire.SERVER_GRPC_OPTIONS)
-    add_fleet_servicer(FleetServicer(coord, auth, on_join=on_join), server)
+    droplog = DropLog(data_dir / "orchard.db")
+
+    def on_dropped(via: str, dropped: list[DroppedUpload]) -> None:
+        # Only runs this root knows: an aggregator's report names its runs, not others'.
+        runs = {r for r in {d.run_id for d in dropped} if store.get_run(r) is not None}
+        if droplog.record(via, dropped, runs):
+            log.info("%s reported %d dropped uploads", via, len(dropped))
+
+    add_fleet_servicer(FleetServicer(coord, auth, on_join=on_join, on_dropped=on_dropped), server)
     pbg.add_ControlServicer_to_server(ControlServicer(runner, auth, runlog), server)
     bound = _bind(server, host, port, creds)
     await server.start()
-    h = TierHandle("root", server, host, bound, coord, runner=runner, store=store, admin_token=admin, ca_cert=ca)
+    h = TierHandle("root", server, host, bound, coord, runner=runner, store=store, admin_token=admin, ca_cert=ca,
+                   droplog=droplog)
     runlog_handler, observer = attach_runlog(runner, runlog)
     h.log_handlers.append(runlog_handler)
     h.tasks.append(asyncio.create_task(observer.run()))
@@ -221,10 +238,11 @@ async def start_aggregator(upstream: str, *, host: str = "127.0.0.1", port: int 
     certificate, owner-only), so that a restart resumes the same node and its rounds."""
     check_bind(host, insecure)
     cfg = (server_cfg or ServerConfig()).model_copy(update={"host": host, "port": port})
-    identity_dir = None
+    identity_dir = journal = None
     if data_dir is not None:
         report_loose(data_dir, "the aggregator's data dir", log)
         identity_dir = private_dir(data_dir) / "identity"
+        journal = AckJournal(Path(data_dir) / "acks")  # what it acknowledged and has not forwarded
     link = FleetLink(LinkConfig(target=upstream, role=Role.AGGREGATOR, token=token,
                                 ca_cert=Path(ca_cert) if ca_cert else None, insecure=insecure, node_id=node_id,
                                 identity_dir=identity_dir))
@@ -238,11 +256,11 @@ async def start_aggregator(upstream: str, *, host: str = "127.0.0.1", port: int 
                               "(from `orchard certs init`), or --insecure for loopback development")
         creds = server_credentials(TlsPaths.in_dir(tls_dir))
     server = grpc.aio.server(options=wire.SERVER_GRPC_OPTIONS)
-    add_fleet_servicer(FleetServicer(coord, auth, verify_token_upstream=None if insecure else link.verify_token),
-                       server)
+    add_fleet_servicer(FleetServicer(coord, auth, verify_token_upstream=None if insecure else link.verify_token,
+                                     on_dropped=(lambda _via, d: journal.relay(d)) if journal else None), server)
     bound = _bind(server, host, port, creds)
     await server.start()
-    up = UpstreamLink(coord, link)
+    up = UpstreamLink(coord, link, journal)
     h = TierHandle("aggregator", server, host, bound, coord, upstream=up)
     if metrics_port is not None:
         from orchard.server.metrics import serve_metrics

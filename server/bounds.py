@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from orchard.errors import InvalidRequestError
+from orchard.messages import DroppedUpload
 from orchard.typing import DeviceState
 
 NODE_ID_MAX = 128
@@ -30,6 +31,9 @@ TASK_ID_MAX = 256
 PUBLIC_KEY_BYTES = 32  # Ed25519 (orchard.identity)
 KEY_PROOF_BYTES = 64
 POOL_MAX = 1 << 40
+DROPPED_MAX = 256  # dropped uploads one Poll may report (an aggregator sends the rest next poll)
+RUN_ID_MAX = 128
+REASON_MAX = 512
 # A device's plausible ranges: a battery is 0-100 %, a temperature in degrees Celsius
 # between what a device survives in the cold and what it survives in the heat.
 BATTERY_RANGE = (0.0, 100.0)
@@ -106,6 +110,24 @@ def check_poll(node_id: str, device: DeviceState, pool_size: int, pool_eligible:
     _number("pool_size", pool_size, 0, POOL_MAX)
     _number("pool_eligible", pool_eligible, 0, POOL_MAX)
     _number("wait_s", wait_s, 0.0, 86400.0)
+
+
+def check_dropped(dropped: Sequence[DroppedUpload]) -> None:
+    """The dropped uploads an aggregator reports in a Poll: at most ``DROPPED_MAX``, each
+    with ids of bounded printable text, a round and attempt that are not negative and a
+    reason."""
+    if len(dropped) > DROPPED_MAX:
+        raise InvalidRequestError(f"dropped has {len(dropped)} entries; at most {DROPPED_MAX} per poll are "
+                                  "accepted (send the rest with the next poll)")
+    for i, d in enumerate(dropped):
+        _text(f"dropped[{i}].run_id", d.run_id, RUN_ID_MAX)
+        check_node_id(d.node_id, f"dropped[{i}].node_id")
+        _text(f"dropped[{i}].task_id", d.task_id, TASK_ID_MAX)
+        _text(f"dropped[{i}].reason", d.reason, REASON_MAX)
+        if not (d.run_id and d.node_id and d.task_id and d.reason):
+            raise InvalidRequestError(f"dropped[{i}] lacks a run_id, node_id, task_id or reason; send all four")
+        _number(f"dropped[{i}].round", d.round, 0, POOL_MAX)
+        _number(f"dropped[{i}].attempt", d.attempt, 0, POOL_MAX)
 
 
 def check_heartbeat(node_id: str, device: DeviceState, task_id: str, progress: float) -> None:

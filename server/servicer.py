@@ -38,7 +38,7 @@ from orchard.errors import (
     UnknownRunError,
     UpdateSchemaError,
 )
-from orchard.messages import Idle
+from orchard.messages import DroppedUpload, Idle
 from orchard.server import bounds
 from orchard.server.auth import Ask, Authenticator, Enrollment, UpstreamUnavailable, bearer_token
 from orchard.server.coordinator import Coordinator
@@ -147,13 +147,15 @@ class FleetServicer(pbg.FleetServicer):
 
     def __init__(self, coordinator: Coordinator, auth: Authenticator,
                  on_join: Callable[[str, Role, str, dict[str, str]], None] | None = None,
-                 verify_token_upstream: Ask | None = None, limits: JoinLimiter | None = None) -> None:
+                 verify_token_upstream: Ask | None = None, limits: JoinLimiter | None = None,
+                 on_dropped: Callable[[str, list[DroppedUpload]], None] | None = None) -> None:
         self.coord = coordinator
         self.auth = auth
         cfg = coordinator.cfg
         self.limits = limits or JoinLimiter(time.monotonic, cfg.join_failures_burst, cfg.join_failures_per_s,
                                             cfg.unpolled_joins_burst, cfg.unpolled_joins_per_s)
         self._on_join = on_join
+        self._on_dropped = on_dropped  # an aggregator's report of uploads below that reach no aggregate
         self._verify_upstream = verify_token_upstream
         self._chunks = ChunkCache()
 
@@ -208,13 +210,26 @@ class FleetServicer(pbg.FleetServicer):
     async def Poll(self, request: pb.PollRequest, context: grpc.aio.ServicerContext) -> pb.PollReply:
         device = wire.device_from_proto(request.device)
         bounds.check_poll(request.node_id, device, request.pool_size, request.pool_eligible, request.wait_s)
+        dropped = [wire.dropped_from_proto(d) for d in request.dropped]
+        bounds.check_dropped(dropped)
         await self._caller(context, request.node_id)
         self.limits.polled(request.node_id)
+        if dropped:
+            self._dropped(request.node_id, dropped)
         got = await self.coord.poll(request.node_id, device,
                                     request.pool_size, request.pool_eligible, request.wait_s)
         if isinstance(got, Idle):
             return pb.PollReply(idle=pb.Idle(retry_after_s=got.retry_after_s, reason=got.reason))
         return pb.PollReply(task=wire.task_to_proto(got))
+
+    def _dropped(self, node_id: str, dropped: list[DroppedUpload]) -> None:
+        c = self.coord.children.get(node_id)
+        if c is None or c.role is not Role.AGGREGATOR:
+            raise InvalidRequestError("only an aggregator reports dropped uploads in its poll; send none")
+        if self._on_dropped is None:
+            log.warning("%s reported %d dropped uploads; this tier keeps no record of them", node_id, len(dropped))
+        else:
+            self._on_dropped(node_id, dropped)
 
     @mapped
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatReply:

@@ -84,18 +84,36 @@ class JoinReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., heartbeat_s: _Optional[float] = ..., long_poll_s: _Optional[float] = ..., max_chunk_bytes: _Optional[int] = ..., server_id: _Optional[str] = ..., credential: _Optional[str] = ..., certificate: _Optional[bytes] = ..., root_public_key: _Optional[bytes] = ...) -> None: ...
 
 class PollRequest(_message.Message):
-    __slots__ = ("node_id", "device", "pool_size", "pool_eligible", "wait_s")
+    __slots__ = ("node_id", "device", "pool_size", "pool_eligible", "wait_s", "dropped")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     POOL_SIZE_FIELD_NUMBER: _ClassVar[int]
     POOL_ELIGIBLE_FIELD_NUMBER: _ClassVar[int]
     WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     device: DeviceState
     pool_size: int
     pool_eligible: int
     wait_s: float
-    def __init__(self, node_id: _Optional[str] = ..., device: _Optional[_Union[DeviceState, _Mapping]] = ..., pool_size: _Optional[int] = ..., pool_eligible: _Optional[int] = ..., wait_s: _Optional[float] = ...) -> None: ...
+    dropped: _containers.RepeatedCompositeFieldContainer[DroppedUpload]
+    def __init__(self, node_id: _Optional[str] = ..., device: _Optional[_Union[DeviceState, _Mapping]] = ..., pool_size: _Optional[int] = ..., pool_eligible: _Optional[int] = ..., wait_s: _Optional[float] = ..., dropped: _Optional[_Iterable[_Union[DroppedUpload, _Mapping]]] = ...) -> None: ...
+
+class DroppedUpload(_message.Message):
+    __slots__ = ("run_id", "round", "attempt", "node_id", "task_id", "reason")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ROUND_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    round: int
+    attempt: int
+    node_id: str
+    task_id: str
+    reason: str
+    def __init__(self, run_id: _Optional[str] = ..., round: _Optional[int] = ..., attempt: _Optional[int] = ..., node_id: _Optional[str] = ..., task_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class TaskSpec(_message.Message):
     __slots__ = ("run_id", "round", "attempt", "task_id", "model_hash", "model_bytes", "config_json", "schema", "deadline_unix", "cohort_target", "shared_seed")

@@ -41,7 +41,7 @@ import numpy as np
 
 from orchard.config import RunConfig, ServerConfig
 from orchard.errors import OrchardError, RoundClosedError, SecAggError, UpdateSchemaError
-from orchard.messages import Idle, TaskAssignment, UploadHeader
+from orchard.messages import DroppedUpload, Idle, TaskAssignment, UploadHeader
 from orchard.server.buffer import BufferState
 from orchard.server.cohort import Assignment, CohortRound
 from orchard.server.downlink import DownlinkCache, ModelReply, full_reply
@@ -92,9 +92,10 @@ class Coordinator:
                                          "bytes_down": 0, "rounds_closed": 0}
         # Asynchronous mode: updates folded over the run, by staleness.
         self.staleness: dict[int, int] = {}
-        # Set by the root: called (on the loop) with the buffer's state after every
-        # accepted fold in asynchronous mode, before the upload is acknowledged.
+        # Called on the loop after an accepted fold, before the upload is acknowledged: by a root
+        # (async: the buffer's state), by an aggregator (the client upload's ids, ackjournal.py).
         self.journal: Callable[[BufferState], None] | None = None
+        self.acked: Callable[[CohortRound, DroppedUpload], None] | None = None
 
     # ------------------------------------------------------------------ registry
 
@@ -264,8 +265,7 @@ class Coordinator:
     async def secagg_exchange(self, node_id: str, run_id: str, rnd: int, attempt: int, task_id: str,
                               stage_index: int, message: bytes, header: UploadHeader | None,
                               wait_s: float) -> SecAggReply:
-        """Take one stage message (if any), then long-poll up to ``wait_s`` for this node's
-        next broadcast."""
+        """Take one stage message (if any), then long-poll ``wait_s`` for its next broadcast."""
         self.touch(node_id)
         ended = self._session_ended(node_id, run_id, rnd, attempt, task_id)
         if ended is not None:
@@ -372,8 +372,7 @@ class Coordinator:
         return self.outcome(cr)
 
     def outcome(self, cr: CohortRound) -> RoundOutcome:
-        """The result of a closed round (the simulator calls this directly), once its folds
-        are done."""
+        """The result of a closed round, once its folds are done (the simulator calls this)."""
         partial, measurements = cr.result()
         dropped = sum(1 for a in cr.assignments.values() if a.dropped) + cr.dropped_below
         return RoundOutcome(task=cr.task, partial=partial, selected=len(cr.assignments), dropped=dropped,

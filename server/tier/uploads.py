@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from orchard.errors import OrchardError, UpdateSchemaError
-from orchard.messages import UploadHeader, UploadKind
+from orchard.messages import DroppedUpload, UploadHeader, UploadKind
 from orchard.server.admission import admit_header, check_assignment
 from orchard.server.cohort import Assignment, CheckedUpload, CohortRound
 from orchard.server.round import RoundTask
@@ -125,6 +125,8 @@ async def complete(tier: Coordinator, slot: UploadSlot, payload: bytes | bytearr
     except BaseException:
         slot.cohort.set_in_flight(a, False)
         raise
+    if tier.acked is not None and h.kind is UploadKind.CLIENT_UPDATE:  # journaled before it is acknowledged
+        tier.acked(cr, DroppedUpload(h.run_id, h.round, h.attempt, h.node_id, h.task_id))
     delivered(tier, slot)
     if snap is not None:
         policy.folded(cr, snap)
