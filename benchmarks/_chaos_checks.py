@@ -6,6 +6,7 @@ and upload number, one model coordinate each) and the driver's own record of its
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -71,29 +72,43 @@ def _replay(store, run_id: str, rounds: list[dict[str, Any]], cfg) -> tuple[bool
     return replay_ok, whole, match, counts, why
 
 
-def drop_reason(ev: dict[str, Any], rounds: list[dict[str, Any]], run_end: float, kills: list[dict[str, Any]],
-                holder: str, window_s: float) -> str:
-    """Why an acknowledged upload is in no aggregate, or "" when nothing recorded says why."""
-    t, t_end = ev["t"], ev["t"] + window_s
+def drop_reason(ev: dict[str, Any], rounds: list[dict[str, Any]], recorded: dict[tuple[str, str], str]) -> str:
+    """Why an acknowledged upload is in no aggregate, as the root's store records it, or ""
+    when it records nothing: the upload's own row in the dropped uploads its aggregator
+    reported (``orchard.server.droplog``), or its attempt's status (failed, interrupted or
+    stopped: the root's attempt and everything it held are gone)."""
+    why = recorded.get((ev["node"], ev["task"]))
+    if why:
+        return why
     att = [r for r in rounds if r["round"] == ev["round"] and r["attempt"] == ev["attempt"]]
     if att and att[0]["status"] in ("failed", "interrupted", "stopped"):
-        return f"its attempt {att[0]['status']} (store)"
+        return f"its attempt {att[0]['status']}"
+    return ""
+
+
+def guess(ev: dict[str, Any], run_end: float, kills: list[dict[str, Any]], holder: str, window_s: float) -> str:
+    """A diagnostic for an upload the store records nothing about: what happened around it
+    (from the kill times and the run's end); never counted as a reason."""
+    t, t_end = ev["t"], ev["t"] + window_s
     if run_end and run_end < t:
-        # An aggregator acknowledges into its buffer until it learns its upstream round is
-        # over: after the run's last buffer was applied, nothing it takes is applied.
-        return "acknowledged by its aggregator after the run's last round was applied (store)"
+        return "acknowledged after the run's last round was applied"
     if t <= run_end <= t_end:
-        return "the run ended while it was on its way (still at its aggregator)"
+        return "the run ended while it was on its way"
     for k in kills:
         if t <= k["t"] <= t_end and k["name"] == holder:
-            return "its aggregator was killed holding it (in memory)"
+            return f"its aggregator {holder} was killed {k['t'] - t:.1f} s later"
     for k in kills:
         if t <= k["t"] <= t_end and k["kind"] == "root":
-            return "the root was killed while its aggregator's partial was on its way"
-    for r in rounds:
-        if r.get("rejected") and r.get("finished") and t <= r["finished"] <= t_end:
-            return "a partial refused at the root (store: " + ",".join(sorted(r["rejected"])) + ")"
-    return ""
+            return f"the root was killed {k['t'] - t:.1f} s later"
+    return "no kill or run end near it"
+
+
+def _kind(reason: str) -> str:
+    """A recorded reason without what varies from one upload to the next (a round number, an
+    error's details), to count them by kind."""
+    for sep in (" (", ": ["):
+        reason = reason.split(sep)[0]
+    return re.sub(r"round \d+", "round N", reason)
 
 
 def _growth(incarnations: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -125,10 +140,13 @@ def _growth(incarnations: dict[str, Any]) -> dict[str, dict[str, float]]:
 def check(facts: dict[str, Any]) -> dict[str, Any]:
     """Every invariant of the module doc of ``benchmarks/chaos.py``, from ``facts`` (``drive``)."""
     from orchard.config import RunConfig
+    from orchard.server.droplog import DropLog
     from orchard.server.store import SQLiteStore
 
     work = Path(facts["work"])
     store = SQLiteStore(work / "root" / "orchard.db")
+    drops = DropLog(work / "root" / "orchard.db")
+    recorded_total = recorded_but_counted = 0
     uploads, trained = _events(work)
     kills = facts["kills"]
     counted = double = phantom = not_acked = 0
@@ -165,18 +183,24 @@ def check(facts: dict[str, Any]) -> dict[str, Any]:
             acked = {(e["index"], e["seq"]) for e in mine if e["accepted"]}
             not_acked += sum(1 for c in np.nonzero(counts)[0] if (int(c) // SLOTS, int(c) % SLOTS) not in acked)
             run_end = max((r["finished"] or 0.0 for r in done), default=0.0)
+            recorded = {(d["node_id"], d["task_id"]): d["reason"] for d in drops.dropped(run["run_id"])}
+            recorded_total += len(recorded)
             for e in mine:
                 if not e["accepted"] or counts[e["index"] * SLOTS + e["seq"]] > 0:
+                    if (e["node"], e["task"]) in recorded and e["accepted"]:
+                        recorded_but_counted += 1
                     continue
-                why = drop_reason(e, rounds, run_end, kills, facts["holders"][str(e["index"])], facts["window_s"])
+                why = drop_reason(e, rounds, recorded)
                 if why:
-                    dropped[why] += 1
+                    dropped[_kind(why)] += 1
                 else:
-                    lost.append(e)
+                    lost.append({**e, "diagnostic": guess(e, run_end, kills, facts["holders"][str(e["index"])],
+                                                          facts["window_s"])})
             runs_out.append({"run_id": run["run_id"], "mode": run["mode"], "status": row.status,
                              "completed_rounds": row.completed_rounds, "rounds": cfg.rounds,
                              "attempts": len(rounds), "updates_counted": int((counts > 0).sum())})
     finally:
+        drops.close()
         store.close()
     inv["no_double_count"] = double == 0
     inv["no_phantom_updates"] = phantom == 0
@@ -188,7 +212,9 @@ def check(facts: dict[str, Any]) -> dict[str, Any]:
         "kills": len(kills), "kills_by_kind": dict(Counter(k["kind"] for k in kills)),
         "kills_by_phase": dict(Counter(f"{k['kind']}: {k['phase']}" for k in kills)),
         "double_counted": double, "lost_without_reason": len(lost), "lost_examples": lost[:10],
-        "dropped_with_reason": dict(dropped), "updates_counted": counted, "counted_not_acknowledged": not_acked,
+        "dropped_with_reason": dict(dropped), "drops_recorded": recorded_total,
+        "recorded_dropped_but_counted": recorded_but_counted,
+        "lost_diagnostics": dict(Counter(e["diagnostic"] for e in lost)), "updates_counted": counted, "counted_not_acknowledged": not_acked,
         "phantom_updates": phantom, "uploads_acknowledged": sum(1 for e in uploads if e["accepted"]),
         "rounds_finished": rounds_finished, "runs": runs_out, "invariants": inv,
         "invariants_ok": all(inv.values()), "problems": problems, "growth": growth,

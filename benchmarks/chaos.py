@@ -24,11 +24,11 @@ and the checks run (:func:`check`):
   across the run's aggregates;
 - ``no_phantom_updates``: every counted coordinate is an upload a client made;
 - ``every_accepted_update_accounted``: every upload a client saw acknowledged is in
-  exactly one aggregate, or dropped with a reason (:func:`drop_reason`: its attempt
-  failed or was interrupted in the store, a partial refused at the root in the store,
-  the run ended, or the process holding it, its aggregator or the root, was killed
-  within ``window_s`` after it was acknowledged: an aggregator's rounds and buffers are
-  in memory, docs/operating.md);
+  exactly one aggregate, or the root's store records why it is in none
+  (:func:`drop_reason`: its own row among the dropped uploads its aggregator reported,
+  ``orchard.server.droplog``, or its attempt failed, was interrupted or stopped). For an
+  upload the store says nothing of, what happened near it (kills, the run's end) is
+  printed as a diagnostic, never counted as a reason;
 - ``replay_equals_final``: the initial checkpoint stepped through every recorded
   aggregate with ``orchard.aggregation.server_step`` equals every checkpoint, the last too;
 - ``fds_bounded`` / ``rss_bounded``: no process incarnation that lived ``--min-life-s``
@@ -185,7 +185,8 @@ class Federation:
             self.aggs.append(Proc(f"agg-{k}", "aggregator", [
                 py, "-m", "orchard.cli", "aggregator", "start", "--upstream", self.root_addr, "--port",
                 addr.split(":")[1], "--insecure", "--node-id", f"agg-{k}", "--config", str(work / "agg.toml"),
-                "--port-file", str(work / f"agg-{k}.port")], work / f"agg-{k}.log", work / f"agg-{k}.port"))
+                "--data-dir", str(work / f"agg-{k}"), "--port-file", str(work / f"agg-{k}.port")],
+                work / f"agg-{k}.log", work / f"agg-{k}.port"))
         self.clients = [Proc(f"c-{i}", "client", [
             py, str(HERE / "chaos_client.py"), "--server", agg_addrs[i % 2], "--node-id", f"c-{i}", "--index",
             str(i), "--state", str(work / f"c-{i}"), "--log", str(work / f"c-{i}.events"), "--train-s",
@@ -363,6 +364,8 @@ def table(out: dict[str, Any]) -> str:
     lines.append(f"{'dropped with a reason':<28}{sum(out['dropped_with_reason'].values()):>8}")
     lines += [f"  {k:<40}{v:>6}" for k, v in sorted(out["dropped_with_reason"].items())]
     lines.append(f"{'lost without a reason':<28}{out['lost_without_reason']:>8}")
+    lines += [f"  {'near: ' + k:<40}{v:>6}" for k, v in sorted(out["lost_diagnostics"].items())]
+    lines.append(f"{'recorded dropped, counted':<28}{out['recorded_dropped_but_counted']:>8}")
     lines += [f"{'invariant ' + k:<44}{'ok' if v else 'FAILED'}" for k, v in out["invariants"].items()]
     return "\n".join(lines)
 
