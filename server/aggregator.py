@@ -207,8 +207,8 @@ class UpstreamLink:
                     self.journal.forwarded(cr)
                 return
             log.warning("round %d: upstream refused the partial: %s", t.round, err)
-            over = err.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND,
-                                grpc.StatusCode.ABORTED)
+            # The root's round or buffer closed (the run's last one too), or the update is too stale.
+            over = err.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED)
             self._drop(cr, ("round over before applied: " if over else "") + f"upstream refused the partial ({err})")
             return
         log.info("round %d: pushed partial of %d updates upstream", t.round, out.partial.count)
