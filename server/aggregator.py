@@ -128,8 +128,15 @@ class UpstreamLink:
                 size, elig = self.coord.capacity()
                 report = self.journal.pending(DROPPED_MAX) if self.journal is not None else []
                 # Short polls keep the pool size the upstream allocates by fresh.
-                got = await self.link.poll(pool_size=size, pool_eligible=elig, wait_s=self.pool_report_s,
-                                           dropped=report)
+                try:
+                    got = await self.link.poll(pool_size=size, pool_eligible=elig, wait_s=self.pool_report_s,
+                                               dropped=report)
+                except grpc.aio.AioRpcError as err:
+                    if report and err.code() is grpc.StatusCode.INVALID_ARGUMENT:  # never send it again
+                        log.error("upstream refused the report of %d dropped uploads, which stay unrecorded: %s",
+                                  len(report), err.details())
+                        self.journal.reported(report)  # type: ignore[union-attr]
+                    raise
                 if report:
                     self.journal.reported(report)  # type: ignore[union-attr]
                     log.info("reported %d dropped uploads upstream", len(report))
@@ -180,7 +187,7 @@ class UpstreamLink:
         if self.journal is None:
             return
         try:
-            n = self.journal.drop(cr, reason[:REASON_MAX])
+            n = self.journal.drop(cr, " ".join(reason.split())[:REASON_MAX])  # printable, as a poll carries it
         except OSError as err:
             log.error("cannot journal the dropped uploads of round %d: %s", cr.task.round, err)
             return
