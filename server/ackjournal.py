@@ -64,6 +64,7 @@ class AckJournal:
     def __init__(self, directory: str | Path) -> None:
         self.dir = private_dir(directory)
         self._open: dict[Hashable, _Open] = {}
+        self._into: dict[Hashable, Hashable] = {}  # a round moved into another: what it takes goes there
         self._dropped: dict[Path, list[DroppedUpload]] = {}  # dropped, not yet reported, by file
         self._seq = 0
         for p in sorted(self.dir.glob("*.acks")):
@@ -73,6 +74,15 @@ class AckJournal:
                 log.warning("%d acknowledged uploads of %s were never forwarded: %s", len(ids), p.name, ids[0].reason)
             else:
                 p.unlink(missing_ok=True)
+
+    def _key(self, key: Hashable) -> Hashable:
+        while key in self._into:
+            key = self._into[key]
+        return key
+
+    def _finish(self, key: Hashable) -> _Open | None:
+        self._into = {k: v for k, v in self._into.items() if v != key}
+        return self._open.pop(key, None)
 
     def _file(self, key: Hashable, run_id: str, rnd: int, attempt: int) -> _Open:
         o = self._open.get(key)
@@ -89,26 +99,46 @@ class AckJournal:
     def acked(self, key: Hashable, run_id: str, rnd: int, attempt: int, up: DroppedUpload) -> None:
         """Upload ``up`` (its ids; no reason yet) was taken into round ``key`` (that round's
         run, round and attempt name its file); called before it is acknowledged."""
-        o = self._file(key, run_id, rnd, attempt)
+        o = self._file(self._key(key), run_id, rnd, attempt)
         self._line(o, {"a": [up.run_id, up.round, up.attempt, up.node_id, up.task_id]})
         o.ids.append(up)
 
+    def moved(self, key: Hashable, into: Hashable, run_id: str, rnd: int, attempt: int) -> None:
+        """Round ``key``'s sums moved into round ``into`` (``run_id``, ``rnd``, ``attempt``):
+        its uploads, and any it takes from now on, are ``into``'s. Written into ``into``'s
+        file before ``key``'s goes."""
+        key, into = self._key(key), self._key(into)
+        if key == into:
+            return
+        self._into = {k: (into if v == key else v) for k, v in self._into.items()}
+        self._into[key] = into
+        o = self._open.pop(key, None)
+        if o is None:
+            return
+        d = self._file(into, run_id, rnd, attempt)
+        d.f.write("".join(json.dumps({"a": [u.run_id, u.round, u.attempt, u.node_id, u.task_id]},
+                                     separators=(",", ":")) + "\n" for u in o.ids))
+        d.f.flush()
+        d.ids.extend(o.ids)
+        o.f.close()
+        o.path.unlink(missing_ok=True)
+
     def sending(self, key: Hashable) -> None:
         """Round ``key``'s partial is about to be pushed upstream."""
-        o = self._open.get(key)
+        o = self._open.get(self._key(key))
         if o is not None:
             self._line(o, {"sending": 1})
 
     def forwarded(self, key: Hashable) -> None:
         """The upstream accepted round ``key``'s partial: its uploads are its to account for."""
-        o = self._open.pop(key, None)
+        o = self._finish(self._key(key))
         if o is not None:
             o.f.close()
             o.path.unlink(missing_ok=True)
 
     def drop(self, key: Hashable, reason: str) -> int:
         """Round ``key``'s uploads reach no partial, for ``reason``; returns how many."""
-        o = self._open.pop(key, None)
+        o = self._finish(self._key(key))
         if o is None:
             return 0
         with contextlib.closing(o.f):

@@ -37,6 +37,7 @@ from orchard.secure_agg import Stage
 from orchard.secure_agg.stages import stage_index as stage_index_of
 from orchard.server.ackjournal import AckJournal
 from orchard.server.bounds import DROPPED_MAX, REASON_MAX
+from orchard.server.cohort import CohortRound
 from orchard.server.coordinator import Coordinator
 from orchard.server.round import RoundOutcome
 from orchard.server.secagg import SecAggReply
@@ -116,7 +117,8 @@ class UpstreamLink:
         self.link = link
         self.journal = journal
         if journal is not None:
-            coordinator.acked = self._acked
+            coordinator.acks = self
+        self._no_round_since: float | None = None  # upstream has answered "no round open" since
         self.rounds_done = 0
         self.pool_report_s = 1.0
         self.stopped = asyncio.Event()
@@ -141,7 +143,9 @@ class UpstreamLink:
                     self.journal.reported(report)  # type: ignore[union-attr]
                     log.info("reported %d dropped uploads upstream", len(report))
                 if isinstance(got, Idle):
+                    self._idle(got)
                     continue
+                self._no_round_since = None
                 await self._serve(got)
             except asyncio.CancelledError:
                 raise
@@ -173,17 +177,42 @@ class UpstreamLink:
             else:
                 await self._push(t, out, cr, *up)
         finally:  # whatever this round acknowledged and did not forward is dropped, and said why
-            self._drop(cr, f"round {t.round}: the aggregator's round ended without a partial accepted upstream")
+            self.dropped(cr, f"round {t.round}: the aggregator's round ended without a partial accepted upstream")
         self.rounds_done += 1
 
-    def _acked(self, cr, up: DroppedUpload) -> None:
+    def _idle(self, idle: Idle) -> None:
+        """A buffer's continuation waits for its run's next round from upstream. Once the
+        upstream has had no round open for the run's deadline (the run is over, not between
+        two buffers), nothing will carry what it took: it closes, and its uploads are
+        dropped with that reason."""
+        cr = self.coord.current
+        if idle.reason != "no round open" or cr is None or cr.closed or not cr.continuation:
+            self._no_round_since = None
+            return
+        now = time.monotonic()
+        self._no_round_since = self._no_round_since or now
+        if now - self._no_round_since >= cr.task.config.cohort.deadline_s:
+            self.coord.close_round(cr, "upstream has no round open: the run is over")
+            self.dropped(cr, f"run over before applied: upstream had no round open for {now - self._no_round_since:.0f}"
+                             f" s after round {cr.task.round} of run {cr.task.run_id!r} closed")
+
+    # The tier's AckLog (orchard.server.tier.uploads): rounds are the journal's keys, by identity
+    # (held until the round is forwarded or dropped: ids of freed rounds would be reused).
+    def acked(self, cr: CohortRound, up: DroppedUpload) -> None:
         assert self.journal is not None
         try:
             self.journal.acked(cr, cr.task.run_id, cr.task.round, cr.task.attempt, up)
         except OSError as err:  # the update is folded: acknowledge it, and say it is not journaled
             log.error("cannot journal upload %s of %s: %s", up.task_id, up.node_id, err)
 
-    def _drop(self, cr, reason: str) -> None:
+    def moved(self, prev: CohortRound, cr: CohortRound) -> None:
+        assert self.journal is not None
+        try:
+            self.journal.moved(prev, cr, cr.task.run_id, cr.task.round, cr.task.attempt)
+        except OSError as err:
+            log.error("cannot journal round %d's move into round %d: %s", prev.task.round, cr.task.round, err)
+
+    def dropped(self, cr: CohortRound, reason: str) -> None:
         if self.journal is None:
             return
         try:
@@ -201,7 +230,7 @@ class UpstreamLink:
                 self.coord.close_round(cr, "upstream no longer wants this round")
                 return
 
-    async def _push(self, t: TaskAssignment, out: RoundOutcome, cr, header: UploadHeader, payload: bytes) -> None:
+    async def _push(self, t: TaskAssignment, out: RoundOutcome, cr: CohortRound, header: UploadHeader, payload: bytes) -> None:
         if self.journal is not None:
             with contextlib.suppress(OSError):
                 self.journal.sending(cr)
@@ -216,7 +245,7 @@ class UpstreamLink:
             log.warning("round %d: upstream refused the partial: %s", t.round, err)
             # The root's round or buffer closed (the run's last one too), or the update is too stale.
             over = err.code in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ABORTED)
-            self._drop(cr, ("round over before applied: " if over else "") + f"upstream refused the partial ({err})")
+            self.dropped(cr, ("round over before applied: " if over else "") + f"upstream refused the partial ({err})")
             return
         log.info("round %d: pushed partial of %d updates upstream", t.round, out.partial.count)
         if self.journal is not None:

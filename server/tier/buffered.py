@@ -66,6 +66,9 @@ class BufferedPolicy:
         carry = prev is not None and prev.task.config.mode.is_async and prev.task.run_id == task.run_id
         if prev is not None and not prev.closed and not carry:
             tier.close_round(prev, "superseded by a new round")
+            if prev.continuation and tier.acks is not None:  # no partial will carry what it took
+                tier.acks.dropped(prev, "round over before applied: its continuation was superseded by "
+                                        f"a round of run {task.run_id!r}")
         if carry and prev is not None and prev.task.model_hash != task.model_hash:
             self._prev_model = (prev.task.model_hash, prev.task.model_blob)
         cr = new_round(tier, task, self._compressed(task), upstream)
@@ -95,6 +98,8 @@ class BufferedPolicy:
                 continue  # a client's masked input belongs to its buffer's SecAgg+ session
             cr.add(a, c.role is Role.CLIENT)
         if prev.close(f"moved into the buffer of round {cr.task.round}"):
+            if self.tier.acks is not None:
+                self.tier.acks.moved(prev, cr)
             cr.absorb_counts(prev)
             # After the folds already queued into ``prev``, before any into ``cr``.
             self.tier.executor.after_folds(cr.absorb_sums, prev, then=lambda: self._moved(cr))

@@ -41,7 +41,7 @@ import numpy as np
 
 from orchard.config import RunConfig, ServerConfig
 from orchard.errors import OrchardError, RoundClosedError, SecAggError, UpdateSchemaError
-from orchard.messages import DroppedUpload, Idle, TaskAssignment, UploadHeader
+from orchard.messages import Idle, TaskAssignment, UploadHeader
 from orchard.server.buffer import BufferState
 from orchard.server.cohort import Assignment, CohortRound
 from orchard.server.downlink import DownlinkCache, ModelReply, full_reply
@@ -52,7 +52,7 @@ from orchard.server.tier.executor import Executor, executor_for, run_inline
 from orchard.server.tier.policy import RoundPolicy, policy_for
 from orchard.server.tier.registry import Child, Registry
 from orchard.server.tier.secure import NoSecure, SecureProtocol, secure_for
-from orchard.server.tier.uploads import Upload, UploadSlot
+from orchard.server.tier.uploads import AckLog, Upload, UploadSlot
 from orchard.typing import DeviceState, NDArrays, Role
 
 # Decodes a client's payload into a float32 delta (codec-specific; see orchard.server.decoding).
@@ -95,7 +95,7 @@ class Coordinator:
         # Called on the loop after an accepted fold, before the upload is acknowledged: by a root
         # (async: the buffer's state), by an aggregator (the client upload's ids, ackjournal.py).
         self.journal: Callable[[BufferState], None] | None = None
-        self.acked: Callable[[CohortRound, DroppedUpload], None] | None = None
+        self.acks: AckLog | None = None
 
     # ------------------------------------------------------------------ registry
 

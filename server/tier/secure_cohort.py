@@ -31,9 +31,9 @@ class CohortSecure(SessionRole):
         return self.direct_clients(cr)
 
     def credit(self, cr: CohortRound, members: list[Assignment], contributed: set[str], p: Partial) -> None:
-        acked = self.tier.acked
+        acks = self.tier.acks
         for a in members:
             cr.settle(a, a.node_id in contributed)
-            if acked is not None and a.node_id in contributed:  # an aggregator journals what it takes
-                acked(cr, DroppedUpload(cr.task.run_id, cr.task.round, cr.task.attempt, a.node_id, a.task_id))
+            if acks is not None and a.node_id in contributed:  # an aggregator journals what it takes
+                acks.acked(cr, DroppedUpload(cr.task.run_id, cr.task.round, cr.task.attempt, a.node_id, a.task_id))
         cr.count_participants(self.tier.name, p.count)

@@ -20,7 +20,7 @@ the node may try again; the refusal is counted by its error's name.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from orchard.errors import OrchardError, UpdateSchemaError
 from orchard.messages import DroppedUpload, UploadHeader, UploadKind
@@ -33,6 +33,21 @@ from orchard.wire import check_payload
 
 if TYPE_CHECKING:
     from orchard.server.tier.coordinator import Coordinator
+
+
+class AckLog(Protocol):
+    """Where a tier records the client uploads it acknowledges, round by round, until a
+    partial carries them (an aggregator's journal, ``orchard.server.ackjournal``). Every
+    call is on the loop, before the acknowledgement or the change it reports."""
+
+    def acked(self, cr: CohortRound, up: DroppedUpload) -> None:
+        """``up`` is folded into ``cr``."""
+
+    def moved(self, prev: CohortRound, cr: CohortRound) -> None:
+        """``prev``'s sums move into ``cr`` (asynchronous mode: a buffer's continuation)."""
+
+    def dropped(self, cr: CohortRound, reason: str) -> None:
+        """``cr``'s uploads will be in no partial, for ``reason``."""
 
 
 @dataclass
@@ -125,8 +140,8 @@ async def complete(tier: Coordinator, slot: UploadSlot, payload: bytes | bytearr
     except BaseException:
         slot.cohort.set_in_flight(a, False)
         raise
-    if tier.acked is not None and h.kind is UploadKind.CLIENT_UPDATE:  # journaled before it is acknowledged
-        tier.acked(cr, DroppedUpload(h.run_id, h.round, h.attempt, h.node_id, h.task_id))
+    if tier.acks is not None and h.kind is UploadKind.CLIENT_UPDATE:  # journaled before it is acknowledged
+        tier.acks.acked(cr, DroppedUpload(h.run_id, h.round, h.attempt, h.node_id, h.task_id))
     delivered(tier, slot)
     if snap is not None:
         policy.folded(cr, snap)

@@ -92,3 +92,19 @@ def test_a_polls_dropped_uploads_are_bounded(bad: DroppedUpload, what: str) -> N
         check_dropped([bad])
     with pytest.raises(InvalidRequestError, match="at most"):
         check_dropped([DroppedUpload("run", 1, 0, "a", f"t{i}", "why") for i in range(DROPPED_MAX + 1)])
+
+
+def test_a_round_moved_into_another_is_forwarded_or_dropped_with_it(tmp_path: Path) -> None:
+    j = AckJournal(tmp_path / "acks")
+    _ack(j, "continuation", "a")
+    _ack(j, "next", "b")
+    j.moved("continuation", "next", "run-1", 4, 0)
+    _ack(j, "continuation", "c")  # a fold queued into the continuation, acknowledged after the move
+    assert len(list((tmp_path / "acks").glob("*.acks"))) == 1
+    assert j.drop("next", "why") == 3
+    assert {d.node_id for d in j.pending(10)} == {"a", "b", "c"}
+    _ack(j, "cont-2", "d")
+    j.moved("cont-2", "next-2", "run-1", 5, 0)
+    j.forwarded("next-2")
+    j.reported(j.pending(10))
+    assert not list((tmp_path / "acks").glob("*.acks")) and AckJournal(tmp_path / "acks").pending(10) == []
