@@ -146,7 +146,8 @@ def check(facts: dict[str, Any]) -> dict[str, Any]:
     work = Path(facts["work"])
     store = SQLiteStore(work / "root" / "orchard.db")
     drops = DropLog(work / "root" / "orchard.db")
-    recorded_total = recorded_but_counted = 0
+    recorded_total = 0
+    recorded_but_counted: Counter[str] = Counter()  # a record the aggregates contradict, by reason
     uploads, trained = _events(work)
     kills = facts["kills"]
     counted = double = phantom = not_acked = 0
@@ -188,7 +189,7 @@ def check(facts: dict[str, Any]) -> dict[str, Any]:
             for e in mine:
                 if not e["accepted"] or counts[e["index"] * SLOTS + e["seq"]] > 0:
                     if (e["node"], e["task"]) in recorded and e["accepted"]:
-                        recorded_but_counted += 1
+                        recorded_but_counted[_kind(recorded[(e["node"], e["task"])])] += 1
                     continue
                 why = drop_reason(e, rounds, recorded)
                 if why:
@@ -213,7 +214,7 @@ def check(facts: dict[str, Any]) -> dict[str, Any]:
         "kills_by_phase": dict(Counter(f"{k['kind']}: {k['phase']}" for k in kills)),
         "double_counted": double, "lost_without_reason": len(lost), "lost_examples": lost[:10],
         "dropped_with_reason": dict(dropped), "drops_recorded": recorded_total,
-        "recorded_dropped_but_counted": recorded_but_counted,
+        "recorded_dropped_but_counted": dict(recorded_but_counted),
         "lost_diagnostics": dict(Counter(e["diagnostic"] for e in lost)), "updates_counted": counted, "counted_not_acknowledged": not_acked,
         "phantom_updates": phantom, "uploads_acknowledged": sum(1 for e in uploads if e["accepted"]),
         "rounds_finished": rounds_finished, "runs": runs_out, "invariants": inv,

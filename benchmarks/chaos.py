@@ -34,7 +34,7 @@ and the checks run (:func:`check`):
 - ``fds_bounded`` / ``rss_bounded``: no process incarnation that lived ``--min-life-s``
   grew its open file descriptors or resident memory by more than the bounds.
 
-    python benchmarks/chaos.py --duration 600 --mode all --json benchmarks/results/chaos.json
+    python benchmarks/chaos.py --duration 600 --mode all --json benchmarks/results/chaos.json  (appends)
 """
 
 from __future__ import annotations
@@ -370,7 +370,8 @@ def table(out: dict[str, Any]) -> str:
     lines += [f"  {k:<40}{v:>6}" for k, v in sorted(out["dropped_with_reason"].items())]
     lines.append(f"{'lost without a reason':<28}{out['lost_without_reason']:>8}")
     lines += [f"  {'near: ' + k:<40}{v:>6}" for k, v in sorted(out["lost_diagnostics"].items())]
-    lines.append(f"{'recorded dropped, counted':<28}{out['recorded_dropped_but_counted']:>8}")
+    lines.append(f"{'recorded dropped, counted':<28}{sum(out['recorded_dropped_but_counted'].values()):>8}")
+    lines += [f"  {k:<40}{v:>6}" for k, v in sorted(out["recorded_dropped_but_counted"].items())]
     lines += [f"{'invariant ' + k:<44}{'ok' if v else 'FAILED'}" for k, v in out["invariants"].items()]
     return "\n".join(lines)
 
@@ -394,9 +395,10 @@ def main() -> int:
     out = chaos(args.duration, args.seed, args.clients, modes, args.rounds, args.kill_every, args.settle,
                 work=args.work, min_kills=args.min_kills)
     print(table(out))
-    if args.json:
+    if args.json:  # appended: the file holds every sitting's JSON, oldest first
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+        old = json.loads(args.json.read_text()) if args.json.is_file() else []
+        args.json.write_text(json.dumps([*(old if isinstance(old, list) else [old]), out], indent=2) + "\n")
     return 0 if out["invariants_ok"] else 1
 
 
