@@ -189,10 +189,14 @@ class BufferedPolicy:
         return check_version(cr.task, False, "", h.run_id, h.round, m.max_stale, int(cr.continuation))[1]
 
     def reserve(self, cr: CohortRound, h: UploadHeader) -> None:
-        """As sync, but a buffer may take a few more than K (those in flight at K)."""
+        """As sync, but a buffer may take a few more than K (those in flight at K). A root's
+        continuation of the run's last buffer takes nothing: no version follows to apply it."""
         if cr.closed:
             raise RoundClosedError(f"round {cr.task.round} closed ({cr.close_reason}) while the upload arrived; "
                                    "late uploads are refused")
+        if cr.continuation and self.tier.journal is not None and cr.task.round >= cr.task.config.rounds:
+            raise RoundClosedError(f"round {cr.task.round}, the run's last, is full: nothing would apply this "
+                                   "update; it is refused")
         cr.reserve(h.count)
 
     def fold(self, cr: CohortRound, h: UploadHeader, arrays: NDArrays | CheckedUpload,
