@@ -18,7 +18,8 @@ The rules, all here::
     short         below ceil(K x min_fraction) at the deadline, or with every chosen
                   client settled: select again and extend the deadline (never close short)
     close at K    a continuation (same task, ahead = 1) takes what arrives until the next
-                  open; none after a secure buffer closed short (the root retries it)
+                  open; none after a secure buffer closed short (the root retries it);
+                  a root's continuation of the run's last buffer refuses what comes
     compressed    sums in the compressed domain only when every update is of the buffer's
                   own version (max_staleness = 0) and nothing is journaled
 """
