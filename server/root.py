@@ -281,6 +281,12 @@ class RootRunner:
         await self._wait_capacity(run)
         if run.stop_requested:
             return None
+        if plan.config.privacy.bounds_participation and any(
+                c.role is Role.AGGREGATOR for c in self.coord.children.values()):
+            # An aggregator's counts are in its memory only, and a device may join another.
+            raise ConfigError("privacy.mode 'dpftrl' needs its clients directly under the root, which journals "
+                              "the participation bound; this root has aggregators below it: run DP-FTRL on a "
+                              "flat federation, or use privacy.mode 'central'")
         started = time.time()
         task = root_task(run.run_id, plan.round, plan.attempt, plan.config, plan.config_json, run.arrays, run.blob,
                          run.blob_hash, started, plan.noise_stddev)

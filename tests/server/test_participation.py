@@ -156,3 +156,25 @@ def test_a_restarted_root_continues_the_tree_and_the_bound(tmp_path: Path) -> No
     coord.registry.participation.begin("run-x", 3, cfg.privacy)
     assert not coord.registry.participation.allows("d0")  # round 2 + separation 3
     store.close()
+
+
+def test_a_root_with_aggregators_refuses_dpftrl(tmp_path: Path) -> None:
+    # An aggregator's participation counts live in its memory only: the root refuses.
+    store = SQLiteStore(tmp_path / "orchard.db")
+    coord = Coordinator("root", ServerConfig(), np.random.default_rng(0), ClientUpdateDecoder())
+    coord.join("agg-1", Role.AGGREGATOR, "tok", DeviceState())
+    coord.touch("agg-1", pool_size=20, pool_eligible=20)
+    coord.registry.poll_started(coord.children["agg-1"])  # waiting for work
+    runner = RootRunner(coord, store, tmp_path, ServerConfig(), start_grace_s=0.0)
+    cfg = _cfg(rounds=2, target=2, population=100)
+
+    async def go() -> str:
+        run_id = await runner.start_run(cfg, wire.arrays_to_blob({"w": np.zeros(4, np.float32)}))
+        assert runner._task is not None
+        await asyncio.wait_for(runner._task, 30)
+        return run_id
+
+    run_id = asyncio.run(go())
+    row = store.get_run(run_id)
+    assert row is not None and row.status == "failed" and "directly under the root" in row.error
+    store.close()
