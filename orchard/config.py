@@ -424,7 +424,7 @@ class RunConfig(_Strict):
             out.append("privacy.mode 'distributed' adds noise on the clients under secure aggregation: set "
                        "secure_aggregation.enabled = true, or use privacy.mode 'central'")
         if p.mode == "dpftrl":
-            out += _ftrl_problems(self)
+            out += ftrl_problems(self)
         if p.adaptive is not None and secure:
             out.append("privacy.adaptive needs each client's clipped bit, which secure aggregation would send in "
                        "the clear: use a fixed privacy.clip_norm under secure aggregation")
@@ -456,9 +456,12 @@ class RunConfig(_Strict):
         return out
 
 
-def _ftrl_problems(cfg: RunConfig) -> list[str]:
-    """What DP-FTRL's tree and participation bound need from the rest of the run."""
+def ftrl_problems(cfg: RunConfig, population: int | None = None) -> list[str]:
+    """What DP-FTRL's tree and participation bound need from the rest of the run;
+    ``population``: the devices the run touches, where the caller knows them (the
+    simulator's), else ``privacy.population``."""
     p, out = cfg.privacy, []
+    size = p.population if p.population is not None else population
     if cfg.mode.is_async:
         out.append("privacy.mode 'dpftrl' releases one tree leaf per round; asynchronous buffers carry updates "
                    "across versions: use [run.mode] kind = 'sync', or privacy.mode 'central'")
@@ -467,16 +470,16 @@ def _ftrl_problems(cfg: RunConfig) -> list[str]:
                    "no such share: use a fixed privacy.clip_norm with privacy.mode 'dpftrl'")
     if p.noise_multiplier is None and p.target_epsilon is None:
         return out
-    if p.population is not None and p.max_participations is not None:
+    if size is not None and p.max_participations is not None:
         per_round = math.ceil(cfg.cohort.target * cfg.cohort.over_selection)
-        if p.population * p.max_participations < cfg.rounds * per_round:
-            out.append(f"privacy: {p.population} devices taking part at most {p.max_participations} times cannot "
+        if size * p.max_participations < cfg.rounds * per_round:
+            out.append(f"privacy: {size} devices taking part at most {p.max_participations} times cannot "
                        f"fill {cfg.rounds} rounds of {per_round} selected: raise privacy.max_participations or "
                        "privacy.population, or plan fewer rounds")
-        if p.min_separation is not None and p.population < min(p.min_separation, cfg.rounds) * per_round:
-            out.append(f"privacy: {p.population} devices, each at most once every {p.min_separation} rounds, "
+        if p.min_separation is not None and size < min(p.min_separation, cfg.rounds) * per_round:
+            out.append(f"privacy: {size} devices, each at most once every {p.min_separation} rounds, "
                        f"cannot fill rounds of {per_round} selected: lower privacy.min_separation to at most "
-                       f"{max(1, p.population // per_round)}")
+                       f"{max(1, size // per_round)}")
     return out
 
 

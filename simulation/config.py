@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from orchard.config import RunConfig, apply_overrides, load_toml
+from orchard.config import RunConfig, apply_overrides, ftrl_problems, load_toml
 from orchard.errors import ConfigError
 
 
@@ -244,6 +244,8 @@ def _semantic_problems(cfg: SimulationConfig) -> list[str]:
     if cfg.run.continual is not None and cfg.backend != "local":
         problems.append(f"simulation.run.continual: streaming devices keep their replay buffers in this process's "
                         f"files and run on the local backend only, got backend {cfg.backend!r}: set backend = 'local'")
+    if cfg.run.privacy.bounds_participation:  # with this table's rounds, target and population
+        problems += ftrl_problems(cfg.run_config(), cfg.clients)
     if cfg.runtime == "executorch" and cfg.backend != "local":
         problems.append(f"simulation.runtime 'executorch' runs on the local backend only, got backend "
                         f"{cfg.backend!r}: set backend = 'local'")

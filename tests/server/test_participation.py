@@ -178,3 +178,15 @@ def test_a_root_with_aggregators_refuses_dpftrl(tmp_path: Path) -> None:
     row = store.get_run(run_id)
     assert row is not None and row.status == "failed" and "directly under the root" in row.error
     store.close()
+
+
+def test_the_simulator_refuses_a_population_the_bound_cannot_fill() -> None:
+    from orchard.simulation.config import simulation_problems
+
+    sim = {"clients": 100, "clients_per_round": 10, "rounds": 20,
+           "run": {"cohort": {"weighting": "uniform", "over_selection": 1.0},
+                   "privacy": {"mode": "dpftrl", "target_epsilon": 8.0, "delta": 1e-3, "max_participations": 1,
+                               "min_separation": 20}}}
+    assert any("cannot fill 20 rounds" in p for p in simulation_problems({"simulation": sim}))
+    sim["rounds"] = 10
+    assert simulation_problems({"simulation": sim}) == []
