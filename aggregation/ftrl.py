@@ -145,10 +145,10 @@ def _lattice(clip: float, shapes: dict[str, tuple[int, ...]]) -> float:
 
 
 def _total(nodes: dict[tuple[int, int], NDArrays], shapes: dict[str, tuple[int, ...]]) -> NDArrays:
-    out = {k: np.zeros(s, np.float64) for k, s in shapes.items()}
+    out: NDArrays = {k: np.zeros(s, np.float64) for k, s in shapes.items()}
     for noise in nodes.values():
         for k in out:
-            out[k] += noise[k]
+            out[k] = np.add(out[k], noise[k])
     return out
 
 
@@ -169,14 +169,14 @@ def tree_step(state: TreeState, shapes: dict[str, tuple[int, ...]], stddev: floa
         if node in before:
             after[node] = before[node]
             continue
-        drawn = {}
+        drawn: NDArrays = {}
         for k, sh in shapes.items():
             v = np.empty(math.prod(sh), np.float64)
             sampler.fill(v, rng)
             drawn[k] = v.reshape(sh)
         after[node] = drawn
     prev, new = _total(before, shapes), _total(after, shapes)
-    return TreeState(t, tuple(after.items())), {k: new[k] - prev[k] for k in shapes}
+    return TreeState(t, tuple(after.items())), {k: np.subtract(new[k], prev[k]) for k in shapes}
 
 
 def add_tree_noise(sums: NDArrays, increment: NDArrays, clip: float) -> NDArrays:
@@ -211,7 +211,7 @@ def advance(state: TreeNoise, shapes: dict[str, tuple[int, ...]], stddev: float,
     if restart_every is not None and tree.step >= restart_every:
         tree = TreeState()
     tree, inc = tree_step(tree, shapes, stddev, clip, rng)
-    carry = inc if state.carry is None else {k: state.carry[k] + inc[k] for k in inc}
+    carry = inc if state.carry is None else {k: np.add(state.carry[k], inc[k]) for k in inc}
     return TreeNoise(tree, state.leaves + 1, carry)
 
 

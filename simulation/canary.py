@@ -42,4 +42,4 @@ def unseen_direction(shapes: dict[str, tuple[int, ...]], seed: int, k: int) -> N
 
 def update(shapes: dict[str, tuple[int, ...]], seed: int, device: int, norm: float) -> NDArrays:
     """What canary ``device`` sends: ``norm`` times its direction, float32."""
-    return {k: (norm * v).astype(np.float32) for k, v in direction(shapes, seed, device).items()}
+    return {k: np.multiply(norm, v).astype(np.float32) for k, v in direction(shapes, seed, device).items()}
