@@ -12,6 +12,8 @@ between it and the updates.
 
 from __future__ import annotations
 
+import math
+
 from orchard.errors import ConfigError
 
 # How far one device's contribution can move a round's clipped sum, in clip norms, under
@@ -51,7 +53,7 @@ def epsilon_spent(noise_multiplier: float, rounds: int, delta: float, adjacency:
 def epsilon_of(rounds: list[tuple[float, int]], delta: float, adjacency: str = "replace_one") -> float:
     """ε of a composition of rounds given as ``(noise multiplier, count)`` pairs
     (several runs on the same devices compose this way: the population ledger)."""
-    events = [(z, n) for z, n in rounds if n > 0]
+    events = [(z, n) for z, n in rounds if n > 0 and math.isfinite(z)]  # z = inf: a charge that adds nothing
     if not events:
         return 0.0
     import dp_accounting

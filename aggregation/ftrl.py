@@ -39,12 +39,18 @@ from orchard.errors import ConfigError
 from orchard.typing import NDArrays
 
 
-def max_node_counts_squared(rounds: int, min_separation: int) -> int:
+def max_node_counts_squared(rounds: int, min_separation: int, max_participations: int | None = None) -> int:
     """An upper bound on ``sum_nodes c_node^2`` over every participation pattern of one
-    device in a ``rounds``-leaf tree with participations ``min_separation`` apart."""
-    if rounds < 1 or min_separation < 1:
-        raise ConfigError(f"need rounds >= 1 and min_separation >= 1, got {rounds} and {min_separation}")
+    device in a ``rounds``-leaf tree with participations ``min_separation`` apart, at
+    most ``max_participations`` of them (None: as many as the separation allows)."""
+    if rounds < 1 or min_separation < 1 or (max_participations is not None and max_participations < 0):
+        raise ConfigError(f"need rounds >= 1, min_separation >= 1 and max_participations >= 0, got {rounds}, "
+                          f"{min_separation} and {max_participations}")
     k = math.ceil(rounds / min_separation)
+    if max_participations is not None:
+        k = min(k, max_participations)
+    if k == 0:
+        return 0
     total, h = 0, 0
     while True:
         m = min(k, math.ceil(2 ** h / min_separation))
@@ -54,26 +60,53 @@ def max_node_counts_squared(rounds: int, min_separation: int) -> int:
         h += 1
 
 
-def _event(noise_multiplier: float, rounds: int, min_separation: int, adjacency: str):  # -> dp_accounting.DpEvent
+def restarted_counts_squared(rounds: int, min_separation: int, max_participations: int | None = None,
+                             restart_every: int | None = None) -> int:
+    """The bound of :func:`max_node_counts_squared` over ``rounds`` leaves cut into trees of
+    ``restart_every`` leaves (the last one shorter), each with its own noise: the trees'
+    node sets are disjoint, so their ``sum c^2`` add. A device's participations are split
+    among the trees in the worst way the cap allows (a knapsack over the trees: tree ``i``
+    takes ``k_i <= ceil(R_i / b)`` of at most ``max_participations`` in all, and adds its
+    bound at ``k_i``). Each tree is bounded as if its participations could sit anywhere
+    ``b`` apart inside it: an upper bound."""
+    if rounds < 1:
+        raise ConfigError(f"need rounds >= 1, got {rounds}")
+    size = rounds if restart_every is None else restart_every
+    lengths = [min(size, rounds - s) for s in range(0, rounds, size)]
+    cap = sum(math.ceil(r / min_separation) for r in lengths)
+    if max_participations is not None:
+        cap = min(cap, max_participations)
+    best = [0] * (cap + 1)  # best[j]: the largest sum with j participations over the trees so far
+    for r in lengths:
+        gains = [max_node_counts_squared(r, min_separation, k) for k in range(min(cap, math.ceil(r / min_separation)) + 1)]
+        best = [max(best[j - k] + g for k, g in enumerate(gains) if k <= j) for j in range(cap + 1)]
+    return max(best)
+
+
+def _event(noise_multiplier: float, rounds: int, min_separation: int, adjacency: str,
+           max_participations: int | None = None, restart_every: int | None = None):  # -> dp_accounting.DpEvent
     import dp_accounting
 
-    s = math.sqrt(max_node_counts_squared(rounds, min_separation)) * sensitivity_factor(adjacency)
-    return dp_accounting.GaussianDpEvent(noise_multiplier / s)
+    s = math.sqrt(restarted_counts_squared(rounds, min_separation, max_participations, restart_every))
+    return dp_accounting.GaussianDpEvent(noise_multiplier / (s * sensitivity_factor(adjacency)))
 
 
 def ftrl_epsilon(noise_multiplier: float, rounds: int, min_separation: int, delta: float,
-                 adjacency: str = "replace_one") -> float:
+                 adjacency: str = "replace_one", max_participations: int | None = None,
+                 restart_every: int | None = None) -> float:
     """Epsilon of ``rounds`` rounds of tree-aggregated noise at ``noise_multiplier``
-    (each node's stddev over the clip norm) under ``min_separation``."""
+    (each node's stddev over the clip norm) under ``min_separation``, at most
+    ``max_participations`` per device, trees of ``restart_every`` leaves."""
     from dp_accounting.rdp import RdpAccountant
 
     acc = RdpAccountant()
-    acc.compose(_event(noise_multiplier, rounds, min_separation, adjacency))
+    acc.compose(_event(noise_multiplier, rounds, min_separation, adjacency, max_participations, restart_every))
     return float(acc.get_epsilon(delta))
 
 
 def ftrl_noise_multiplier_for(epsilon: float, delta: float, rounds: int, min_separation: int,
-                              adjacency: str = "replace_one") -> float:
+                              adjacency: str = "replace_one", max_participations: int | None = None,
+                              restart_every: int | None = None) -> float:
     """The smallest per-node noise multiplier whose run spends at most ``epsilon``."""
     if not (epsilon > 0 and 0 < delta < 1):
         raise ConfigError(f"need epsilon > 0 and 0 < delta < 1, got {epsilon} and {delta}")
@@ -81,7 +114,8 @@ def ftrl_noise_multiplier_for(epsilon: float, delta: float, rounds: int, min_sep
     from dp_accounting.rdp import RdpAccountant
 
     return float(dp_accounting.calibrate_dp_mechanism(
-        RdpAccountant, lambda z: _event(z, rounds, min_separation, adjacency), epsilon, delta))
+        RdpAccountant, lambda z: _event(z, rounds, min_separation, adjacency, max_participations, restart_every),
+        epsilon, delta))
 
 
 def decomposition(t: int) -> list[tuple[int, int]]:
@@ -111,10 +145,10 @@ def _lattice(clip: float, shapes: dict[str, tuple[int, ...]]) -> float:
 
 
 def _total(nodes: dict[tuple[int, int], NDArrays], shapes: dict[str, tuple[int, ...]]) -> NDArrays:
-    out = {k: np.zeros(s, np.float64) for k, s in shapes.items()}
+    out: NDArrays = {k: np.zeros(s, np.float64) for k, s in shapes.items()}
     for noise in nodes.values():
         for k in out:
-            out[k] += noise[k]
+            out[k] = np.add(out[k], noise[k])
     return out
 
 
@@ -135,14 +169,14 @@ def tree_step(state: TreeState, shapes: dict[str, tuple[int, ...]], stddev: floa
         if node in before:
             after[node] = before[node]
             continue
-        drawn = {}
+        drawn: NDArrays = {}
         for k, sh in shapes.items():
             v = np.empty(math.prod(sh), np.float64)
             sampler.fill(v, rng)
             drawn[k] = v.reshape(sh)
         after[node] = drawn
     prev, new = _total(before, shapes), _total(after, shapes)
-    return TreeState(t, tuple(after.items())), {k: new[k] - prev[k] for k in shapes}
+    return TreeState(t, tuple(after.items())), {k: np.subtract(new[k], prev[k]) for k in shapes}
 
 
 def add_tree_noise(sums: NDArrays, increment: NDArrays, clip: float) -> NDArrays:
@@ -150,3 +184,76 @@ def add_tree_noise(sums: NDArrays, increment: NDArrays, clip: float) -> NDArrays
     as central DP's noise is (``privacy.add_gaussian_noise`` says why)."""
     gamma = _lattice(clip, {k: np.shape(v) for k, v in sums.items()})
     return {k: (np.rint(np.asarray(v, np.float64) / gamma) + increment[k]) * gamma for k, v in sums.items()}
+
+
+@dataclass(frozen=True)
+class TreeNoise:
+    """A run's tree noise between rounds: the current tree (restarted every
+    ``restart_every`` leaves), the leaves drawn in all, and ``carry``, the noise drawn
+    since the last released round, in lattice units (None: nothing pending).
+
+    Every charged round attempt is a leaf. A completed round releases its clipped sum
+    plus ``carry``: ``P(t) - P(s)``, the difference of the noisy prefix sums at this leaf
+    and at the last released one ``s``, where a failed attempt's leaf holds no data (its
+    sum is never released), so what is released is post-processing of the noisy nodes.
+    At a restart the finished tree's noise stays in the model and a new tree starts from
+    zero: its first increment is its first leaf's noise."""
+
+    tree: TreeState = TreeState()
+    leaves: int = 0
+    carry: NDArrays | None = None
+
+
+def advance(state: TreeNoise, shapes: dict[str, tuple[int, ...]], stddev: float, clip: float,
+            rng: np.random.Generator, restart_every: int | None = None) -> TreeNoise:
+    """One more leaf: its noise increment joins ``carry``."""
+    tree = state.tree
+    if restart_every is not None and tree.step >= restart_every:
+        tree = TreeState()
+    tree, inc = tree_step(tree, shapes, stddev, clip, rng)
+    carry = inc if state.carry is None else {k: np.add(state.carry[k], inc[k]) for k in inc}
+    return TreeNoise(tree, state.leaves + 1, carry)
+
+
+def release(state: TreeNoise, sums: NDArrays, clip: float) -> tuple[NDArrays, TreeNoise]:
+    """A completed round's sum with the pending noise added (on the lattice), and the
+    state with nothing pending."""
+    if state.carry is None:
+        raise ConfigError("DP-FTRL releases a round only after its leaf was drawn (charge the attempt first)")
+    return add_tree_noise(sums, state.carry, clip), TreeNoise(state.tree, state.leaves, None)
+
+
+def to_arrays(state: TreeNoise) -> NDArrays:
+    """The state as named arrays (a journal writes them; :func:`from_arrays` reads them)."""
+    arrays: NDArrays = {"counters": np.array([state.tree.step, state.leaves, int(state.carry is not None)], np.int64)}
+    for (h, j), noise in state.tree.nodes:
+        for k, v in noise.items():
+            arrays[f"node/{h}/{j}/{k}"] = v
+    for k, v in (state.carry or {}).items():
+        arrays[f"carry/{k}"] = v
+    return arrays
+
+
+def from_arrays(arrays: NDArrays) -> TreeNoise:
+    """The state :func:`to_arrays` wrote; ConfigError if it is not one."""
+    nodes: dict[tuple[int, int], NDArrays] = {}
+    carry: NDArrays = {}
+    counters = None
+    for name, v in arrays.items():
+        kind, _, rest = name.partition("/")
+        if kind == "counters" and np.shape(v) == (3,):
+            counters = [int(x) for x in np.asarray(v)]
+        elif kind == "node" and rest.count("/") >= 2:
+            h, j, key = rest.split("/", 2)
+            nodes.setdefault((int(h), int(j)), {})[key] = np.asarray(v, np.float64)
+        elif kind == "carry" and rest:
+            carry[rest] = np.asarray(v, np.float64)
+        else:
+            raise ConfigError(f"a DP-FTRL journal holds an unknown array {name!r}")
+    if counters is None:
+        raise ConfigError("a DP-FTRL journal has no counters")
+    step, leaves, pending = counters
+    order = decomposition(step) if step else []
+    if sorted(nodes) != sorted(order):
+        raise ConfigError(f"a DP-FTRL journal at step {step} holds nodes {sorted(nodes)}, expected {sorted(order)}")
+    return TreeNoise(TreeState(step, tuple((n, nodes[n]) for n in order)), leaves, carry if pending else None)

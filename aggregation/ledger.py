@@ -13,15 +13,12 @@ from typing import cast
 
 import numpy as np
 
-from orchard.aggregation.accounting import (
-    epsilon_of,
-    epsilon_spent,
-    noise_multiplier_for,
-    update_noise_multiplier,
-)
+from orchard.aggregation.accounting import epsilon_of, update_noise_multiplier
+from orchard.aggregation.mechanisms import GaussianRounds, Mechanism, mechanism_for
 from orchard.aggregation.privacy import adapt_clip
-from orchard.config import RunConfig
+from orchard.config import PrivacyConfig, RunConfig
 from orchard.errors import ConfigError
+from orchard.typing import NDArrays
 
 
 def population_problems(cfg: RunConfig, population: int | None) -> list[str]:
@@ -52,10 +49,12 @@ class PrivacyLedger:
     The root and the simulator keep one each and call it around every round attempt:
     ``check_next`` (refuses a round that would exceed the target), ``round_config`` (the
     round's config: the resolved noise multiplier and the current clip norm),
-    ``noise_stddev`` (what the root adds, central DP), ``charge`` (before an attempt
-    opens: every opened round counts, retried or not, failed or not), ``adapt``
-    (adaptive clipping, after a completed round). Epsilon is always the accountant's,
-    never a running sum.
+    ``noise_stddev`` (what the root's aggregation stack adds, central DP), ``charge``
+    (before an attempt opens: every opened round counts, retried or not, failed or not),
+    ``draw`` (the charged attempt's noise, DP-FTRL), ``release`` (a completed round's sum
+    as the server step takes it), ``adapt`` (adaptive clipping, after a completed round).
+    What differs between mechanisms is the ``mechanism``'s (``orchard.aggregation.mechanisms``).
+    Epsilon is always the accountant's, never a running sum.
     """
 
     mode: str
@@ -75,6 +74,7 @@ class PrivacyLedger:
     epsilon: float = 0.0
     # The accountant's last answer, (rounds, epsilon): check_next and charge ask for the same one.
     _last: tuple[int, float] | None = field(default=None, repr=False, compare=False)
+    mechanism: Mechanism = field(default_factory=lambda: GaussianRounds(PrivacyConfig(mode="central")))
 
     @classmethod
     def plan(cls, cfg: RunConfig, population: int | None = None,
@@ -95,24 +95,26 @@ class PrivacyLedger:
         if problems:
             raise ConfigError(problems)
         size = p.population if p.population is not None else cast(int, population)
+        mech = mechanism_for(p)
         if p.noise_multiplier is not None:
             z = p.noise_multiplier
             if p.target_epsilon is not None:
-                planned = epsilon_spent(z, cfg.rounds, p.delta, p.adjacency)
+                planned = mech.epsilon(z, cfg.rounds, p.delta)
                 if planned > p.target_epsilon * (1 + 1e-9):
-                    need = noise_multiplier_for(p.target_epsilon, p.delta, cfg.rounds, p.adjacency)
+                    need = mech.calibrate(p.target_epsilon, p.delta, cfg.rounds)
                     raise ConfigError(f"privacy: noise multiplier {z} over {cfg.rounds} rounds spends epsilon "
                                       f"{planned:.3f} > target {p.target_epsilon}; raise the noise multiplier to "
                                       f"{need:.4g}, or plan fewer rounds")
         else:
-            z = noise_multiplier_for(cast(float, p.target_epsilon), p.delta, cfg.rounds, p.adjacency)
+            z = mech.calibrate(cast(float, p.target_epsilon), p.delta, cfg.rounds)
         z_update, count_stddev = z, None
         if p.adaptive is not None:
             count_stddev = p.adaptive.count_stddev or cfg.cohort.target / 20.0
             z_update = update_noise_multiplier(z, count_stddev, p.adjacency)
         ledger = cls(mode=p.mode, noise_multiplier=z, update_noise_multiplier=z_update, adjacency=p.adjacency,
                      population=size, delta=p.delta, target_epsilon=p.target_epsilon, clip_norm=p.clip_norm,
-                     count_stddev=count_stddev, prior=tuple(prior), lifetime_epsilon=p.lifetime_epsilon)
+                     count_stddev=count_stddev, prior=tuple(prior), lifetime_epsilon=p.lifetime_epsilon,
+                     mechanism=mech)
         if p.lifetime_epsilon is not None:
             whole = ledger.population_epsilon_after(cfg.rounds)
             if whole > p.lifetime_epsilon * (1 + 1e-9):
@@ -126,14 +128,15 @@ class PrivacyLedger:
         """Epsilon after ``rounds`` charged rounds (the accountant's)."""
         if self._last is not None and self._last[0] == rounds:
             return self._last[1]
-        eps = epsilon_spent(self.noise_multiplier, rounds, self.delta, self.adjacency)
+        eps = self.mechanism.epsilon(self.noise_multiplier, rounds, self.delta)
         self._last = (rounds, eps)
         return eps
 
     def population_epsilon_after(self, rounds: int) -> float:
         """Epsilon of the population's ledger: every earlier run's charges and ``rounds``
         of this run, composed."""
-        return epsilon_of([*self.prior, (self.noise_multiplier, rounds)], self.delta, self.adjacency)
+        return epsilon_of([*self.prior, *self.mechanism.charges(self.noise_multiplier, rounds)], self.delta,
+                          self.adjacency)
 
     def check_next(self) -> None:
         """Raise PrivacyBudgetExceeded if one more round would spend more than the run's
@@ -161,8 +164,35 @@ class PrivacyLedger:
 
     @property
     def noise_stddev(self) -> float:
-        """The Gaussian noise the root adds to a round's sum: central DP only."""
-        return self.update_noise_multiplier * self.clip_norm if self.mode == "central" else 0.0
+        """The Gaussian noise the root's aggregation stack adds to a round's sum: central DP only."""
+        return self.mechanism.root_noise_stddev(self.update_noise_multiplier, self.clip_norm)
+
+    @property
+    def charge_multiplier(self) -> float:
+        """The last charged attempt as one Gaussian round's noise multiplier: what the
+        population ledger records for it (``inf`` when it adds nothing)."""
+        return self.mechanism.charge_multiplier(self.noise_multiplier, self.rounds)
+
+    def draw(self, shapes: dict[str, tuple[int, ...]], rng: np.random.Generator | None) -> None:
+        """The charged attempt's noise, drawn before it opens (DP-FTRL's tree leaf; nothing
+        for Gaussian rounds)."""
+        self.mechanism.draw(shapes, self.update_noise_multiplier, self.clip_norm, rng)
+
+    def snapshot(self) -> NDArrays | None:
+        """What the mechanism keeps between rounds, for the root's journal (None: nothing)."""
+        return self.mechanism.snapshot()
+
+    def resume(self, snapshot: NDArrays | None, released_at: int, shapes: dict[str, tuple[int, ...]],
+               rng: np.random.Generator | None) -> None:
+        """A restarted root's ledger (``rounds`` already restored) takes its mechanism's
+        journal back; ``released_at``: the attempt the last completed round was charged as."""
+        self.mechanism.resume(snapshot, self.rounds, released_at, shapes, self.update_noise_multiplier,
+                              self.clip_norm, rng)
+
+    def release(self, sums: NDArrays) -> NDArrays:
+        """A completed round's sum as the server step takes it (DP-FTRL: plus the tree
+        noise drawn since the last release; Gaussian rounds: as the tiers finalized it)."""
+        return self.mechanism.release(sums, self.clip_norm)
 
     def charge(self) -> dict[str, float]:
         """Account one more round attempt, before it opens (an attempt whose result never
@@ -172,7 +202,7 @@ class PrivacyLedger:
         self.rounds += 1
         self.epsilon = self.epsilon_after(self.rounds)
         return {"epsilon": round(self.epsilon, 6), "delta": self.delta, "clip_norm": clip_norm,
-                "noise_multiplier": self.noise_multiplier}
+                "noise_multiplier": self.noise_multiplier, "attempts_charged": self.rounds}
 
     def adapt(self, below_fraction: float | None, clients: int, target_quantile: float, learning_rate: float,
               rng: np.random.Generator) -> None:
@@ -190,7 +220,7 @@ class PrivacyLedger:
         return {"mode": self.mode, "epsilon": round(self.epsilon, 6), "delta": self.delta,
                 "target_epsilon": self.target_epsilon, "noise_multiplier": self.noise_multiplier,
                 "adjacency": self.adjacency, "population": self.population,
-                "participation": "every round (no amplification by sampling)", "clip_norm": self.clip_norm,
+                "participation": self.mechanism.participation, "clip_norm": self.clip_norm,
                 "rounds_charged": self.rounds, **({} if self.lifetime_epsilon is None else {
                     "population_epsilon": round(self.population_epsilon_after(self.rounds), 6),
                     "lifetime_epsilon": self.lifetime_epsilon})}

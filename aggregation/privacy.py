@@ -394,7 +394,7 @@ def session_params(cfg: RunConfig, participants: int, dim: int) -> DDGParams | N
     p, sa = cfg.privacy, cfg.secure_aggregation
     if not p.enabled:
         return None
-    if p.mode == "central":
+    if p.noised_at_root:  # central DP, DP-FTRL: the root adds the noise to the unmasked sum
         return bounded_params(cast(float, cfg.clip_norm), participants, dim, sa.modulus_bits)
     if p.noise_multiplier is None:
         raise ConfigError("distributed DP needs the run's noise multiplier; the root resolves it at start")

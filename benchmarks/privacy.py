@@ -14,6 +14,14 @@ invocation:
 - **central DP** at each target epsilon (delta 1e-5 over the run): clipping at the
   lowest tier, Gaussian noise at the root, the noise multiplier from dp-accounting's RDP
   accountant;
+- **DP-FTRL** at each target epsilon (``privacy.mode = "dpftrl"``): the same clipping,
+  tree-aggregated noise at the root (Kairouz et al. 2021), each device selected at most
+  ``--max-participations`` times, ``--min-separation`` rounds apart (default: the run's
+  rounds, so once), which the selection enforces on the simulator's availability model
+  (a device online but past its bound is not checked in); accounted as one Gaussian
+  mechanism over the tree's nodes (``orchard.aggregation.ftrl``). Its test
+  (``tests/benchmarks/test_privacy_benchmark.py``) recomputes the epsilon the ledger
+  reports with a reference implementation;
 - **secure aggregation, no DP**, and **distributed DP** at each target epsilon: SecAgg+
   with each client's share of discrete Gaussian noise (the cost of DP is read against
   the secure run: same transport). ``--scope tree`` (the default) runs one session per
@@ -90,6 +98,10 @@ def _case(task: str, rounds: int, population: int, per_round: int, aggregators: 
         "accuracy_by_round": {r["round"]: r["accuracy"] for r in done if r.get("accuracy") is not None},
         "epsilon": rep.privacy["epsilon"] if rep.privacy else None,
         "noise_multiplier": rep.privacy["noise_multiplier"] if rep.privacy else None,
+        # What an independent recomputation of epsilon needs: the attempts charged and the
+        # run's privacy table as the ledger read it.
+        "rounds_charged": rep.privacy["rounds_charged"] if rep.privacy else None,
+        "privacy_config": cfg.run.privacy.model_dump() if privacy is not None else None,
         "seconds_per_round": round(sum(r["seconds"] for r in done) / max(1, len(done)), 3),
         "bytes_up_per_round": round(sum(r["bytes_up"] for r in done) / max(1, len(done))),
         "participants_per_round": round(sum(r["participants"] for r in done) / max(1, len(done)), 1),
@@ -148,6 +160,10 @@ def main() -> None:
     ap.add_argument("--aggregators", type=int, default=2)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0], help="one run of every case per seed")
     ap.add_argument("--epsilons", type=float, nargs="*", default=[1.0, 4.0, 8.0])
+    ap.add_argument("--max-participations", type=int, default=1, help="DP-FTRL: rounds a device may take part in")
+    ap.add_argument("--min-separation", type=int, default=None,
+                    help="DP-FTRL: rounds between a device's participations (default: the run's rounds)")
+    ap.add_argument("--restart-every", type=int, default=None, help="DP-FTRL: leaves per tree (default: one tree)")
     ap.add_argument("--clip", type=float, default=0.1, help="L2 clip norm (DP) and norm bound (robustness)")
     ap.add_argument("--dropout-rate", type=float, default=0.1,
                     help="secure aggregation's dropout tolerance: distributed DP sizes each noise share for "
@@ -183,6 +199,10 @@ def main() -> None:
     plan: list[tuple[str, str, float | None, dict[str, Any], str]] = [("non-private", "baseline", None, {}, "")]
     plan += [(f"central DP eps={eps:g}", "central", eps, {"privacy": {"mode": "central", "target_epsilon": eps}},
               "non-private") for eps in a.epsilons]
+    ftrl = {"mode": "dpftrl", "max_participations": a.max_participations,
+            "min_separation": a.min_separation or a.rounds, "restart_every": a.restart_every}
+    plan += [(f"DP-FTRL eps={eps:g}", "dpftrl", eps, {"privacy": {**ftrl, "target_epsilon": eps}}, "non-private")
+             for eps in a.epsilons]
     plan.append(("secure, no DP", "secure", None, {"secure": True}, "non-private"))
     plan += [(f"distributed DP eps={eps:g}", "distributed", eps,
               {"secure": True, "privacy": {"mode": "distributed", "target_epsilon": eps}}, "non-private")
@@ -225,7 +245,8 @@ def main() -> None:
             json.dump({"task": a.task, "population": a.population, "per_round": a.per_round, "rounds": a.rounds,
                        "robust_rounds": a.robust_rounds, "eval_every": a.eval_every,
                        "aggregators": a.aggregators, "clip": a.clip, "delta": 1e-5, "seeds": a.seeds,
-                       "dropout_rate": a.dropout_rate, "scope": a.scope, "over_selection": a.over_selection, "trim_fraction": a.trim_fraction, "complete": complete,
+                       "dropout_rate": a.dropout_rate, "max_participations": a.max_participations,
+                       "min_separation": a.min_separation or a.rounds, "restart_every": a.restart_every, "scope": a.scope, "over_selection": a.over_selection, "trim_fraction": a.trim_fraction, "complete": complete,
                        "cases": rows, "load_average": {"before": list(load_before), "now": list(os.getloadavg())}},
                       fh, indent=2)
 

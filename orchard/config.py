@@ -8,6 +8,7 @@ they live in :mod:`orchard.validation`, which the CLI and the server call.
 
 from __future__ import annotations
 
+import math
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -191,7 +192,11 @@ class PrivacyConfig(_Strict):
     are trusted: updates are clipped where they are seen -- at the lowest tier, or on the
     client under secure aggregation -- and the root adds Gaussian noise); "distributed"
     (no tier is trusted: under secure aggregation each client clips and adds its share of
-    discrete Gaussian noise, so every cohort sum a tier learns is already private). The
+    discrete Gaussian noise, so every cohort sum a tier learns is already private);
+    "dpftrl" (DP-FTRL, Kairouz et al. 2021: trusted as "central", but the root adds
+    tree-aggregated noise, ``orchard.aggregation.ftrl``, and each device takes part at most
+    ``max_participations`` times, ``min_separation`` rounds apart, which the selection
+    enforces; ``restart_every``: rounds per tree, None for one tree over the run). The
     noise multiplier comes from ``target_epsilon`` (at ``delta``, over the planned rounds,
     every round accounted as if every device took part: no amplification by sampling) or
     is given as ``noise_multiplier``.
@@ -206,7 +211,7 @@ class PrivacyConfig(_Strict):
     Orchard's selection does not perform.
     """
 
-    mode: Literal["off", "central", "distributed"] = "off"
+    mode: Literal["off", "central", "distributed", "dpftrl"] = "off"
     target_epsilon: float | None = Field(None, gt=0.0)
     delta: float = Field(1e-5, gt=0.0, lt=1.0)
     noise_multiplier: float | None = Field(None, gt=0.0)
@@ -220,10 +225,25 @@ class PrivacyConfig(_Strict):
     lifetime_epsilon: float | None = Field(None, gt=0.0)
     sampling_rate: float | None = Field(None, gt=0.0, le=1.0)
     adaptive: AdaptiveClipConfig | None = None
+    # DP-FTRL's participation bound (mode "dpftrl" only): the selection of every tier that
+    # picks clients refuses a device past either (orchard.server.participation).
+    max_participations: int | None = Field(None, ge=1)
+    min_separation: int | None = Field(None, ge=1)
+    restart_every: int | None = Field(None, ge=1)
 
     @property
     def enabled(self) -> bool:
         return self.mode != "off"
+
+    @property
+    def noised_at_root(self) -> bool:
+        """The root adds the noise (central DP, DP-FTRL); tiers and clients only clip."""
+        return self.mode in ("central", "dpftrl")
+
+    @property
+    def bounds_participation(self) -> bool:
+        """The selection holds each device to the participation bound (DP-FTRL)."""
+        return self.mode == "dpftrl"
 
     def problems(self) -> list[str]:
         """What this table claims that Orchard does not deliver, with what to change."""
@@ -240,6 +260,18 @@ class PrivacyConfig(_Strict):
         if self.enabled and self.population is not None and self.delta > 1.0 / self.population:
             out.append(f"privacy.delta = {self.delta:g} is above 1 / population = {1.0 / self.population:.3g}: "
                        f"lower it to at most {1.0 / self.population:.3g}")
+        bound = {"max_participations": self.max_participations, "min_separation": self.min_separation,
+                 "restart_every": self.restart_every}
+        if self.mode == "dpftrl":
+            missing = [k for k in ("max_participations", "min_separation") if bound[k] is None]
+            if missing:
+                out.append(f"privacy.mode 'dpftrl' accounts for a participation bound: set privacy.{' and privacy.'.join(missing)} "
+                           "(the selection enforces them; e.g. max_participations = 1, min_separation = the rounds)")
+        else:
+            given = [k for k, v in bound.items() if v is not None]
+            if given:
+                out.append(f"privacy.{', privacy.'.join(given)} only apply to privacy.mode 'dpftrl' (the other modes "
+                           "account every round as if every device took part): remove them or set mode = 'dpftrl'")
         return out
 
 
@@ -391,6 +423,8 @@ class RunConfig(_Strict):
         if p.mode == "distributed" and not secure:
             out.append("privacy.mode 'distributed' adds noise on the clients under secure aggregation: set "
                        "secure_aggregation.enabled = true, or use privacy.mode 'central'")
+        if p.mode == "dpftrl":
+            out += ftrl_problems(self)
         if p.adaptive is not None and secure:
             out.append("privacy.adaptive needs each client's clipped bit, which secure aggregation would send in "
                        "the clear: use a fixed privacy.clip_norm under secure aggregation")
@@ -420,6 +454,33 @@ class RunConfig(_Strict):
                 out.append(f"robust.statistic {r.statistic!r} has no DP analysis here: with privacy on use "
                            "'mean' with a clip norm")
         return out
+
+
+def ftrl_problems(cfg: RunConfig, population: int | None = None) -> list[str]:
+    """What DP-FTRL's tree and participation bound need from the rest of the run;
+    ``population``: the devices the run touches, where the caller knows them (the
+    simulator's), else ``privacy.population``."""
+    p, out = cfg.privacy, []
+    size = p.population if p.population is not None else population
+    if cfg.mode.is_async:
+        out.append("privacy.mode 'dpftrl' releases one tree leaf per round; asynchronous buffers carry updates "
+                   "across versions: use [run.mode] kind = 'sync', or privacy.mode 'central'")
+    if p.adaptive is not None:
+        out.append("privacy.adaptive is accounted per round as a Gaussian beside the updates; DP-FTRL's tree has "
+                   "no such share: use a fixed privacy.clip_norm with privacy.mode 'dpftrl'")
+    if p.noise_multiplier is None and p.target_epsilon is None:
+        return out
+    if size is not None and p.max_participations is not None:
+        per_round = math.ceil(cfg.cohort.target * cfg.cohort.over_selection)
+        if size * p.max_participations < cfg.rounds * per_round:
+            out.append(f"privacy: {size} devices taking part at most {p.max_participations} times cannot "
+                       f"fill {cfg.rounds} rounds of {per_round} selected: raise privacy.max_participations or "
+                       "privacy.population, or plan fewer rounds")
+        if p.min_separation is not None and size < min(p.min_separation, cfg.rounds) * per_round:
+            out.append(f"privacy: {size} devices, each at most once every {p.min_separation} rounds, "
+                       f"cannot fill rounds of {per_round} selected: lower privacy.min_separation to at most "
+                       f"{max(1, size // per_round)}")
+    return out
 
 
 class ServerConfig(_Strict):

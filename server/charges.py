@@ -7,6 +7,11 @@ killed mid-round, is charged all the same. Runs that name the same
 their charges and composes its rounds with them against ``privacy.lifetime_epsilon``
 (``orchard.aggregation.ledger``). Two implementations, one interface: SQLite in the
 root's data dir, and in memory.
+
+It also journals what a run's mechanism keeps between rounds (DP-FTRL: the tree of noise
+and the participation bound's counts, ``save_state``), so that a restarted root continues
+the same tree and the same bound instead of drawing noise again or forgetting who took
+part.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ CREATE TABLE IF NOT EXISTS privacy_charges(population TEXT NOT NULL, run_id TEXT
     attempt INTEGER NOT NULL, noise_multiplier REAL NOT NULL, adjacency TEXT NOT NULL, at REAL NOT NULL,
     PRIMARY KEY(run_id, round, attempt));
 CREATE INDEX IF NOT EXISTS privacy_charges_population ON privacy_charges(population);
+CREATE TABLE IF NOT EXISTS mechanism_state(run_id TEXT NOT NULL, key TEXT NOT NULL, data BLOB NOT NULL,
+    PRIMARY KEY(run_id, key));
 """
 
 
@@ -51,6 +58,14 @@ class ChargeLog(Protocol):
 
     def run_rounds(self, run_id: str) -> int:
         """How many attempts of ``run_id`` were charged."""
+        ...
+
+    def save_state(self, run_id: str, key: str, data: bytes) -> None:
+        """Durable before it returns: ``run_id``'s mechanism state under ``key``, replacing the last."""
+        ...
+
+    def state(self, run_id: str, key: str) -> bytes | None:
+        """What :meth:`save_state` last wrote, or None."""
         ...
 
     def close(self) -> None: ...
@@ -97,6 +112,16 @@ class SQLiteChargeLog:
             (n,) = self._db.execute("SELECT COUNT(*) FROM privacy_charges WHERE run_id = ?", (run_id,)).fetchone()
         return int(n)
 
+    def save_state(self, run_id: str, key: str, data: bytes) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO mechanism_state VALUES (?, ?, ?)", (run_id, key, data))
+
+    def state(self, run_id: str, key: str) -> bytes | None:
+        with self._lock:
+            row = self._db.execute("SELECT data FROM mechanism_state WHERE run_id = ? AND key = ?",
+                                   (run_id, key)).fetchone()
+        return None if row is None else bytes(row[0])
+
     def close(self) -> None:
         self._db.close()
 
@@ -104,6 +129,7 @@ class SQLiteChargeLog:
 class MemoryChargeLog:
     def __init__(self) -> None:
         self._charges: dict[tuple[str, int, int], Charge] = {}
+        self._states: dict[tuple[str, str], bytes] = {}
 
     def record(self, charge: Charge) -> None:
         self._charges.setdefault((charge.run_id, charge.round, charge.attempt), charge)
@@ -115,6 +141,12 @@ class MemoryChargeLog:
 
     def run_rounds(self, run_id: str) -> int:
         return sum(1 for c in self._charges.values() if c.run_id == run_id)
+
+    def save_state(self, run_id: str, key: str, data: bytes) -> None:
+        self._states[(run_id, key)] = bytes(data)
+
+    def state(self, run_id: str, key: str) -> bytes | None:
+        return self._states.get((run_id, key))
 
     def close(self) -> None:
         pass

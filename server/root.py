@@ -104,7 +104,8 @@ class RootRunner:
             if ck.optimizer_path and Path(ck.optimizer_path).is_file():
                 opt.load_state_bytes(Path(ck.optimizer_path).read_bytes())
             self.run = ActiveRun(row.run_id, cfg, row.config_json, arrays, opt, ck.round,
-                                 privacy=self._restore_privacy(row.run_id, cfg), blob=blob, blob_hash=ck.sha256)
+                                 privacy=self._restore_privacy(row.run_id, cfg, arrays), blob=blob,
+                                 blob_hash=ck.sha256)
             if cfg.mode.is_async:
                 self.run.restore = self._journaled_buffer(self.run)
                 self.coord.journal = self._journal
@@ -118,10 +119,11 @@ class RootRunner:
             self._task = asyncio.create_task(self._loop(self.run))
             return
 
-    def _restore_privacy(self, run_id: str, cfg: RunConfig) -> PrivacyLedger | None:
+    def _restore_privacy(self, run_id: str, cfg: RunConfig, arrays: NDArrays) -> PrivacyLedger | None:
         """The ledger of a resumed run: the same plan, every attempt already opened charged
-        (interrupted ones too: their cohort sums may have been released), and the clip norm
-        the last completed round left."""
+        (interrupted ones too: their cohort sums may have been released), the clip norm
+        the last completed round left, and its mechanism's journal (DP-FTRL: the tree of
+        noise, and the participation bound's counts)."""
         ledger = PrivacyLedger.plan(cfg, prior=self._prior(cfg, run_id))
         if ledger is None:
             return None
@@ -131,6 +133,13 @@ class RootRunner:
         done = [r for r in rounds if r.get("status") == "completed" and r.get("privacy")]
         if done:
             ledger.clip_norm = float(done[-1]["privacy"].get("next_clip_norm", ledger.clip_norm))
+        tree = self.charges.state(run_id, "tree")
+        ledger.resume(None if tree is None else wire.blob_to_arrays(tree),
+                      int(done[-1]["privacy"].get("attempts_charged", 0)) if done else 0,
+                      {k: np.shape(v) for k, v in arrays.items()}, self.coord.noise_rng)
+        seen = self.charges.state(run_id, "participation")
+        if seen is not None:
+            self.coord.registry.participation.restore(seen.decode())
         return ledger
     def _journaled_buffer(self, run: ActiveRun) -> BufferState | None:
         """The buffer a killed root had acknowledged updates into (asynchronous mode).
@@ -272,6 +281,12 @@ class RootRunner:
         await self._wait_capacity(run)
         if run.stop_requested:
             return None
+        if plan.config.privacy.bounds_participation and any(
+                c.role is Role.AGGREGATOR for c in self.coord.children.values()):
+            # An aggregator's counts are in its memory only, and a device may join another.
+            raise ConfigError("privacy.mode 'dpftrl' needs its clients directly under the root, which journals "
+                              "the participation bound; this root has aggregators below it: run DP-FTRL on a "
+                              "flat federation, or use privacy.mode 'central'")
         started = time.time()
         task = root_task(run.run_id, plan.round, plan.attempt, plan.config, plan.config_json, run.arrays, run.blob,
                          run.blob_hash, started, plan.noise_stddev)
@@ -279,6 +294,9 @@ class RootRunner:
         if run.restore is not None and run.restore.round == plan.round:
             restore, run.restore = run.restore, None
         cr = self.coord.open_round(task, restore=restore)
+        if plan.config.privacy.bounds_participation:
+            # Journaled before any selected device can take its task (no await between).
+            self.charges.save_state(run.run_id, "participation", self.coord.registry.participation.to_json().encode())
         run.current = {"round": plan.round, "attempt": plan.attempt, "phase": "training", "cohort": cr}
         self.store.record_round(run.run_id, plan.round, plan.attempt, "running", started, None,
                                 {"selected": len(cr.assignments)})
@@ -296,7 +314,10 @@ class RootRunner:
         ledger = state.privacy
         assert ledger is not None
         self.charges.record(Charge(state.config.privacy.population_ledger, state.run_id, plan.round, plan.attempt,
-                                   ledger.noise_multiplier, ledger.adjacency))
+                                   ledger.charge_multiplier, ledger.adjacency))
+        snapshot = ledger.snapshot()
+        if snapshot is not None:  # DP-FTRL: the tree with this attempt's leaf, before it opens
+            self.charges.save_state(state.run_id, "tree", wire.arrays_to_blob(snapshot))
 
     def first_attempt(self, state: RunState, rnd: int) -> int:
         return self.store.attempts(state.run_id, rnd)  # > 0 after a restart mid-round

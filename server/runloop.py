@@ -12,11 +12,14 @@ cannot drift apart::
     for each round r, attempt a (retried up to cohort.max_retries times):
         plan      the ledger checks the budget (PrivacyBudgetExceeded ends the run) and
                   gives the round its config (clip norm, noise multiplier) and noise
-        charge    the ledger charges the attempt, and the sink records the charge,
-                  before it opens (its sums may leave the tiers)
+        charge    the ledger charges the attempt and draws its noise (DP-FTRL's tree
+                  leaf), and the sink records both, before it opens (its sums may
+                  leave the tiers)
         play      the backend opens the round and returns its outcome
         judge     enough(outcome): at least ceil(buffer_target x min_fraction) updates
                   with a positive weight, else the attempt fails and the model stays
+        release   the ledger's mechanism adds what it adds at the root after the tiers
+                  (DP-FTRL: the tree noise drawn since the last release)
         step      server_step (finalize, FedNova rescale, server optimizer)
         adapt     adaptive clipping moves the ledger's clip norm
         record    the sink writes the attempt (a completed one with its new model)
@@ -30,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -138,7 +141,8 @@ async def run_rounds(state: RunState, backend: RoundBackend, sink: RunSink,
                      adapt_rng: np.random.Generator | None = None) -> RunState:
     """Run ``state``'s remaining rounds. Ends with ``state.status`` completed, stopped (an
     operator, the caller's predicate, the privacy budget) or failed (a round that never
-    reached its minimum), and ``state.reason``. ``adapt_rng``: adaptive clipping's noise."""
+    reached its minimum), and ``state.reason``. ``adapt_rng``: the ledger's own noise
+    (adaptive clipping's count, DP-FTRL's tree)."""
     cfg = state.config
     try:
         while state.completed_rounds < cfg.rounds and not state.stop_requested:
@@ -178,6 +182,7 @@ async def _attempt(state: RunState, backend: RoundBackend, sink: RunSink, rnd: i
         # attempt whose wait raises, or a root killed mid-round, has paid for whatever its
         # tiers released. (One stopped before it opened is charged too: conservative.)
         charge = ledger.charge()
+        ledger.draw({k: np.shape(v) for k, v in state.arrays.items()}, adapt_rng)
         sink.charged(state, plan)
     played = await backend.play(state, plan)
     if played is None:
@@ -201,7 +206,10 @@ async def _attempt(state: RunState, backend: RoundBackend, sink: RunSink, rnd: i
                              f"({out.reason}); global model unchanged, round retried")
         await sink.failed(state, plan, record, played)
         return False
-    new_arrays, metrics = await backend.offload(server_step, out.partial, cfg, state.optimizer)
+    partial = out.partial
+    if ledger is not None:
+        partial = replace(partial, sums=ledger.release(partial.sums))
+    new_arrays, metrics = await backend.offload(server_step, partial, cfg, state.optimizer)
     record = RoundRecord.from_outcome(out, RoundStatus.COMPLETED)
     record.simulated = played.simulated
     record.metrics = metrics

@@ -71,12 +71,14 @@ class CheckIn:
                     li = i % n_leaves
                     if not left[li]:
                         continue
+                    node = f"device-{i}"
+                    if not leaves[li].coord.registry.participation.allows(node, rnd):
+                        continue  # past DP-FTRL's bound at its tier: it could not be selected
                     dev = self.pop.device(i, cols, j)
                     state = Population.state_of(dev)
                     if not Population.eligible(state, cfg.eligibility, wall):
                         self.pop.store(dev)
                         continue
-                    node = f"device-{i}"
                     leaves[li].coord.join(node, Role.CLIENT, TOKEN, state)
                     live[node] = dev
                     left[li] -= 1

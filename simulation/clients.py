@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -48,6 +48,8 @@ class ClientJob:
     # Virtual seconds since the run began when it starts training: a streaming task's
     # trainer reads the samples of its device's stream arrived by then.
     now_s: float = 0.0
+    # A canary (orchard.simulation.canary): (seed, norm) of the direction it sends instead.
+    canary: tuple[int, float] | None = None
 
 
 @dataclass
@@ -199,6 +201,10 @@ def run_jobs(task: Task, population: int, cfg: RunConfig, codec: Codec, global_a
             if jobs[i].attack != 1.0:
                 for v in deltas.values():
                     v[row] *= np.float32(jobs[i].attack)
+            if jobs[i].canary is not None:
+                sent = _canary(jobs[i], {k: v.shape[1:] for k, v in deltas.items()})
+                for k, v in deltas.items():
+                    v[row] = sent[k]
         try:
             got = build_uploads([jobs[i].assignment for i in ok], cfg, codec, [jobs[i].node_id for i in ok], deltas,
                                 done, [seeds_cfgs[i][0] for i in ok])
@@ -222,6 +228,8 @@ def run_jobs(task: Task, population: int, cfg: RunConfig, codec: Codec, global_a
             delta = delta_of(job.assignment, start, res)
             if job.attack != 1.0:
                 delta = {k: (v * np.float32(job.attack)).astype(np.float32) for k, v in delta.items()}
+            if job.canary is not None:
+                delta = _canary(job, {k: np.shape(v) for k, v in delta.items()})
             header, payload, states = build_upload(job.assignment, cfg, tc, codec, job.node_id, delta, res, seed,
                                                    job.codec_state)
         except OrchardError as err:
@@ -230,3 +238,10 @@ def run_jobs(task: Task, population: int, cfg: RunConfig, codec: Codec, global_a
         out.append(ClientOutput(job.partition, job.node_id, header, payload, states or None,
                                 metrics=dict(res.metrics)))
     return out
+
+
+def _canary(job: ClientJob, shapes: dict[str, tuple[int, ...]]) -> NDArrays:
+    from orchard.simulation import canary
+
+    seed, norm = cast(tuple[int, float], job.canary)
+    return canary.update(shapes, seed, job.partition, norm)

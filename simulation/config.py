@@ -30,7 +30,7 @@ from pydantic import (
     model_validator,
 )
 
-from orchard.config import RunConfig, apply_overrides, load_toml
+from orchard.config import RunConfig, apply_overrides, ftrl_problems, load_toml
 from orchard.errors import ConfigError
 
 
@@ -113,17 +113,21 @@ DEFAULT_MIX: dict[str, float] = {"low_end_phone": 0.5, "high_end_phone": 0.35, "
 class AttackConfig(_Strict):
     """``[simulation.attack]``: a share of the population sends corrupted updates, to
     measure robustness. Attackers are drawn per device from the seed; an attacker's
-    update is ``multiplier * delta`` (default: 100 for "scale", -1 for "sign_flip")."""
+    update is ``multiplier * delta`` (default: 100 for "scale", -1 for "sign_flip").
+    "canary": the device's update is replaced by ``multiplier`` (default 1) times a random
+    unit direction drawn from the seed and the device (``orchard.simulation.canary``), for
+    empirical privacy estimation; the report counts how often each canary's update was
+    folded (``canary_folds``)."""
 
     fraction: float = Field(0.0, ge=0.0, le=1.0)
-    kind: Literal["scale", "sign_flip"] = "scale"
+    kind: Literal["scale", "sign_flip", "canary"] = "scale"
     multiplier: float | None = None
 
     @property
     def factor(self) -> float:
         if self.multiplier is not None:
             return self.multiplier
-        return 100.0 if self.kind == "scale" else -1.0
+        return {"scale": 100.0, "sign_flip": -1.0, "canary": 1.0}[self.kind]
 
 
 class SimulationConfig(_Strict):
@@ -240,6 +244,8 @@ def _semantic_problems(cfg: SimulationConfig) -> list[str]:
     if cfg.run.continual is not None and cfg.backend != "local":
         problems.append(f"simulation.run.continual: streaming devices keep their replay buffers in this process's "
                         f"files and run on the local backend only, got backend {cfg.backend!r}: set backend = 'local'")
+    if cfg.run.privacy.bounds_participation:  # with this table's rounds, target and population
+        problems += ftrl_problems(cfg.run_config(), cfg.clients)
     if cfg.runtime == "executorch" and cfg.backend != "local":
         problems.append(f"simulation.runtime 'executorch' runs on the local backend only, got backend "
                         f"{cfg.backend!r}: set backend = 'local'")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -19,6 +19,7 @@ from orchard.messages import TaskAssignment
 from orchard.server.round import RoundOutcome, SimulatedCounts
 from orchard.server.runloop import Played
 from orchard.simulation.clients import ClientJob, ClientOutput
+from orchard.simulation.config import AttackConfig
 from orchard.simulation.context import Context
 from orchard.simulation.tree import Tier
 
@@ -75,21 +76,32 @@ class Jobs:
         self._attack = ctx.attack
         self.pace = Pace()
         self.codec_states: dict[int, dict[str, Any]] = {}
+        # Canaries (attack kind "canary"): how often each canary device's update was folded.
+        self.canaries: dict[int, int] | None = {} if ctx.attack is not None and ctx.attack.kind == "canary" else None
         # A shard's fates this round, as (time, client?, what, partition, codec state):
         # None outside a shard's round (see tally).
         self.log: list[tuple[float, bool, str, int, dict[str, Any] | None]] | None = None
 
     def job(self, a: Arrival) -> ClientJob:
-        return ClientJob(a.partition, a.node_id, a.assignment, a.steps, self.codec_states.get(a.partition), a.start,
-                         self.attack(a.partition), a.now_s)
+        job = ClientJob(a.partition, a.node_id, a.assignment, a.steps, self.codec_states.get(a.partition), a.start,
+                        now_s=a.now_s)
+        if self.canaries is not None:  # a canary sends factor x its direction instead of its update
+            job.canary = (self._seed, cast(AttackConfig, self._attack).factor) if self._drawn(a.partition) else None
+        else:
+            job.attack = self.attack(a.partition)
+        return job
+
+    def _drawn(self, partition: int) -> bool:
+        """Whether the attack (or the canaries) drew this device, from the seed."""
+        att = self._attack
+        return (att is not None and att.fraction > 0
+                and np.random.default_rng([self._seed, partition, 0xBAD]).random() < att.fraction)
 
     def attack(self, partition: int) -> float:
         """The multiplier a device applies to its update: the attack's for attackers (drawn
         per device from the seed), 1 for everyone else."""
         att = self._attack
-        if att is None or att.fraction <= 0:
-            return 1.0
-        return att.factor if np.random.default_rng([self._seed, partition, 0xBAD]).random() < att.fraction else 1.0
+        return cast(AttackConfig, att).factor if self._drawn(partition) else 1.0
 
     def tally(self, stats: SimulatedCounts, when: float, client: bool, what: str, partition: int = -1,
               codec_state: dict[str, Any] | None = None) -> None:
@@ -102,6 +114,8 @@ class Jobs:
             self.log.append((when, client, what, partition, codec_state))
             return
         count(stats, client, what)
+        if client and what == FOLDED and self.canaries is not None and self._drawn(partition):
+            self.canaries[partition] = self.canaries.get(partition, 0) + 1
         if codec_state:
             self.codec_states[partition] = codec_state
 

@@ -55,6 +55,8 @@ class SimulationReport:
     peak_rss_mib: dict[str, float] | None = None
     # With the Ray backend: client jobs run on each node of the cluster (by Ray node id).
     placement: dict[str, int] | None = None
+    # [simulation.attack] kind "canary": how often each canary device's update was folded.
+    canary_folds: dict[int, int] | None = None
     out: str | None = None
     plots: list[str] = field(default_factory=list)
     # The global model after the last round (not serialised).

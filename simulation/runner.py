@@ -122,6 +122,7 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
     noise_rng = np.random.default_rng([cfg.seed, 0xADA])  # adaptive clipping's count noise (seeded here)
     try:
         run_inline(run_rounds(state, rounds, rounds, noise_rng))
+        report.canary_folds = engine.jobs.canaries
         placement = getattr(backend, "placement", None)  # a cluster's backend says where jobs ran
         if placement is not None:
             report.placement = placement()

@@ -153,7 +153,7 @@ class Coordinator:
     def new_assignment(self, cr: CohortRound, node_id: str, target: int) -> Assignment:
         t = cr.task
         a = Assignment(node_id, f"{t.run_id}.{t.round}.{t.attempt}.{next(self._ids)}", target, round=t.round)
-        cr.add(a, self.children[node_id].role is Role.CLIENT)
+        cr.add(a, self.registry.assigned(node_id))
         return a
 
     async def poll(self, node_id: str, device: DeviceState | None, pool_size: int | None,
@@ -189,7 +189,7 @@ class Coordinator:
         if a is None:
             # Fill-in: a client that arrived after selection may take an unused quota slot.
             if (c.role is Role.CLIENT and self.secure.takes_fill_ins and cr.clients_selected < cr.client_quota
-                    and cr.received < cr.task.target and c.eligible(cr.task.config.eligibility)):
+                    and cr.received < cr.task.target and self.registry.may_select(c, cr.task.config)):
                 a = self.new_assignment(cr, node_id, 1)
             else:
                 return None

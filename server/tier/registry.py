@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from orchard.config import EligibilityConfig, RunConfig
 from orchard.errors import JOIN_FIRST, UnknownNodeError
+from orchard.server.participation import ParticipationBound
 from orchard.server.selection import device_eligible
 from orchard.typing import DeviceState, Role
 
@@ -64,6 +65,7 @@ class Registry:
         self.ready_s = ready_s
         self._mono = monotonic
         self.children: dict[str, Child] = {}
+        self.participation = ParticipationBound()  # DP-FTRL's bound on who may be selected
 
     def join(self, node_id: str, role: Role, token_hash: str, device: DeviceState, waiting: bool = True) -> str:
         """Register a node. ``waiting``: it waits for work from now on (an in-process
@@ -156,7 +158,20 @@ class Registry:
             return 0
         if c.role is Role.AGGREGATOR:
             return c.pool_eligible
-        return int(cfg is None or c.eligible(cfg.eligibility))
+        return int(self.may_select(c, cfg))
+
+    def may_select(self, c: Child, cfg: RunConfig | None) -> bool:
+        """Whether client ``c`` may be selected: eligible by its reported state, and within
+        the run's participation bound (DP-FTRL; ``orchard.server.participation``)."""
+        return (cfg is None or c.eligible(cfg.eligibility)) and self.participation.allows(c.node_id)
+
+    def assigned(self, node_id: str) -> bool:
+        """``node_id`` was handed an assignment: a client's counts against the participation
+        bound. Whether it is a client."""
+        client = self.children[node_id].role is Role.CLIENT
+        if client:
+            self.participation.record(node_id)
+        return client
 
     def capacity(self, cfg: RunConfig | None = None) -> tuple[int, int]:
         """(live clients below this tier, clients below it that a round may select now)."""

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 
 def select(tier: Coordinator, cr: CohortRound) -> None:
     cfg, children = cr.task.config, tier.children
+    tier.registry.participation.begin(cr.task.run_id, cr.task.round, cfg.privacy)
     caps: dict[str, int] = {}
     for c in children.values():
         if (n := tier.registry.selectable(c, cfg)) > 0:
@@ -71,4 +72,6 @@ def idle_reason(tier: Coordinator, node_id: str) -> str:
         ok, why = device_eligible(c.device, cr.task.config.eligibility)
         if not ok:
             return "not eligible: " + "; ".join(why)
+        if not tier.registry.participation.allows(node_id):
+            return "not eligible: past the run's participation bound (privacy.max_participations, min_separation)"
     return "not selected for this round"

@@ -45,3 +45,66 @@ def test_attacks_are_read_against_a_clean_run_of_their_length(tmp_path: Path) ->
         ("non-private", None), ("10% sign_flip, norm bound", "non-private")]
     assert again["cases"][1]["per_seed"][0]["accuracy"] == attacked["per_seed"][0]["accuracy"]
     assert again["cases"][0]["per_seed"][0]["accuracy"] == clean["per_seed"][0]["accuracy"]
+
+
+def _levels_containing(rounds: int, restart: int | None) -> int:
+    """Reference: the most tree nodes any one leaf lies under, trees of ``restart`` leaves
+    (one participation's sum of c^2), by listing every node's interval."""
+    size = rounds if restart is None else restart
+    best = 0
+    for start in range(0, rounds, size):
+        n = min(size, rounds - start)
+        nodes = [(j * 2 ** h, (j + 1) * 2 ** h) for h in range(n.bit_length() + 1) for j in range(-(-n // 2 ** h))]
+        best = max(best, max(sum(1 for lo, hi in set(nodes) if lo < t <= hi) for t in range(1, n + 1)))
+    return best
+
+
+def _epsilon_of_gaussian(mu: float, delta: float) -> float:
+    """Reference: epsilon of one Gaussian mechanism of sensitivity over noise ``mu`` at
+    ``delta`` from its Renyi DP ``alpha mu^2 / 2``, with the conversion
+    ``eps = rdp + log((alpha - 1) / alpha) - (log delta + log alpha) / (alpha - 1)``
+    (Canonne, Kamath and Steinke 2020), minimised over a fine grid of orders."""
+    import math
+
+    best = math.inf
+    for i in range(1, 200_000):
+        alpha = 1.0 + i * 0.0025
+        rdp = alpha * mu * mu / 2
+        best = min(best, rdp + math.log((alpha - 1) / alpha) - (math.log(delta) + math.log(alpha)) / (alpha - 1))
+    return best
+
+
+def _exact_delta(mu: float, eps: float) -> float:
+    """Reference: the Gaussian mechanism's exact delta at ``eps`` (Balle and Wang 2018)."""
+    import math
+
+    def phi(x: float) -> float:
+        return 0.5 * (1 + math.erf(x / math.sqrt(2)))
+
+    return phi(mu / 2 - eps / mu) - math.exp(eps) * phi(-mu / 2 - eps / mu)
+
+
+def test_the_ledgers_epsilon_is_recomputed_independently(tmp_path: Path) -> None:
+    got = _bench(tmp_path, "8", "--rounds", "5", "--seeds", "0", "--no-robustness", "--only", "central DP",
+                 "DP-FTRL", "--max-participations", "1", "--min-separation", "5")
+    cases = {c["case"]: c for c in got["cases"]}
+    assert set(cases) == {"non-private", "central DP eps=8", "DP-FTRL eps=8"}
+    for name, case in cases.items():
+        if name == "non-private":
+            continue
+        for run in case["per_seed"]:
+            p, z, t = run["privacy_config"], run["noise_multiplier"], run["rounds_charged"]
+            assert t == 5 and p["adjacency"] == "replace_one"
+            # Squared sensitivity in clip norms: replace-one moves a contribution by 2C.
+            if p["mode"] == "central":  # every device in every round
+                s2 = 4.0 * t
+            else:
+                assert p["max_participations"] == 1  # one participation: its leaf's nodes
+                s2 = 4.0 * _levels_containing(t, p["restart_every"])
+            mu = (s2 ** 0.5) / z
+            ref = _epsilon_of_gaussian(mu, p["delta"])
+            assert ref <= run["epsilon"] * (1 + 1e-6) and run["epsilon"] <= ref * 1.01, (name, ref, run["epsilon"])
+            assert run["epsilon"] <= 8.0 * (1 + 1e-6)
+            assert _exact_delta(mu, run["epsilon"]) <= p["delta"]  # the guarantee, exactly
+    # DP-FTRL needs less noise than central DP for the same epsilon over the same rounds.
+    assert cases["DP-FTRL eps=8"]["noise_multiplier"] < cases["central DP eps=8"]["noise_multiplier"]
