@@ -352,7 +352,7 @@ def test_device_data_from_text_and_npz(ffa: Bundled, tmp_path: Path) -> None:
     np.testing.assert_array_equal(again.x, train.x)
     assert len(none) == 0
     np.savez(tmp_path / "bad.npz", x=train.x[:, :8], y=train.y[:, :8])
-    with pytest.raises(ConfigError, match=r"expected both \(N, 16\)"):
+    with pytest.raises(ConfigError, match=r"expected x of shape \(N, 16\) int64"):
         load_device_data(tmp_path / "bad.npz", seq_len=16)
 
 
