@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -28,7 +29,11 @@ from orchard.edge_runtime.et_program import (  # noqa: E402
     read_manifest,
 )
 from orchard.edge_runtime.et_rows import export_rows_program, row_program_kind  # noqa: E402
-from orchard.edge_runtime.et_trainer import DeviceData, ExecuTorchTrainer  # noqa: E402
+from orchard.edge_runtime.et_trainer import (  # noqa: E402
+    DeviceData,
+    ExecuTorchTrainer,
+    executorch_trainer_factory,
+)
 from orchard.edge_runtime.task_bundle import write_task_bundle  # noqa: E402
 from orchard.tasks import IID, make_task  # noqa: E402
 from orchard.tasks.core import SupervisedTask  # noqa: E402
@@ -123,6 +128,14 @@ def test_a_plain_task_trains_through_its_program_as_torch_does(tmp_path: Path, t
     assert max(float(np.abs(want_r.arrays[k] - arrays[k]).max()) for k in want) > 1e-2
     assert sorted(got_r.metrics) == sorted(want_r.metrics)  # no accuracy for regression, as torch's
     assert got_r.metrics["train_loss"] == pytest.approx(want_r.metrics["train_loss"], abs=1e-5)
+
+    # What `orchard client start --runtime executorch --data rows.npz` builds from the bundle.
+    np.savez(tmp_path / "rows.npz", x=data.x, y=data.y, test_x=x, test_y=y)
+    factory = executorch_trainer_factory(tmp_path / "b", data_path=tmp_path / "rows.npz")
+    device = factory(SimpleNamespace(task=task.name))
+    again = device.train(arrays, cfg)
+    assert all(np.array_equal(again.arrays[k], got_r.arrays[k]) for k in want)
+    assert ("accuracy" in device.evaluate(arrays, cfg).metrics) == (kind == "classification")
 
 
 class _Clamp(torch.autograd.Function):
