@@ -36,7 +36,7 @@ real rows of a batch split into micro-batches, the micro-batch losses and gradie
 up to the batch's mean token cross-entropy and its gradient exactly (what the torch
 trainer computes), whatever the batch size.
 
-A ``classification`` or ``regression`` program takes ``features`` (M, *F) float32,
+A ``classification`` or ``regression`` program takes ``features`` (M, *F) float32 or int64,
 ``labels`` (M,) int64 class indices or (M, *Y) float32 targets, and ``row_weight``
 (M,) float32, and returns the same list: ``loss = sum_r row_weight[r] * l_r`` with
 ``l_r`` the row's cross-entropy, or its summed squared error over the ``K = prod(Y)``
@@ -57,7 +57,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Final, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -75,7 +75,9 @@ GRADIENTS_INDEX_METHOD = f"__et_training_gradients_index_{METHOD}"
 PARAMETERS_INDEX_METHOD = f"__et_training_parameters_index_{METHOD}"
 INPUT_NAMES = ("idx", "targets", "row_weight")
 ROW_INPUT_NAMES = ("features", "labels", "row_weight")
-NEXT_TOKEN, CLASSIFICATION, REGRESSION = "next_token", "classification", "regression"
+NEXT_TOKEN: Final = "next_token"
+CLASSIFICATION: Final = "classification"
+REGRESSION: Final = "regression"
 # Each kind's inputs, in the program's order.
 KIND_INPUTS: dict[str, tuple[str, ...]] = {
     NEXT_TOKEN: INPUT_NAMES, CLASSIFICATION: ROW_INPUT_NAMES, REGRESSION: ROW_INPUT_NAMES,
