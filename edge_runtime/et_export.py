@@ -1,10 +1,12 @@
-"""Export a LoRA task's training program with ExecuTorch (what ``orchard client bundle``
+"""Export a task's training program with ExecuTorch (what ``orchard client bundle``
 ships for phone-class devices; the program and its manifest are described in
-:mod:`orchard.edge_runtime.et_program`).
+:mod:`orchard.edge_runtime.et_program`). A :class:`LossProgram` says what one kind of
+program computes: :class:`_LossProgram` here for next-token text tasks, the row
+programs of :mod:`orchard.edge_runtime.et_rows` for classification and regression.
 
 Steps, all ExecuTorch's own:
 
-1. ``torch.export`` of a module computing the loss of :class:`_LossProgram` on a fixed
+1. ``torch.export`` of a module computing the kind's loss on a fixed
    micro-batch shape (the runtime plans memory for fixed shapes; batches of any size
    are split into micro-batches and padded with rows of weight 0).
 2. ``run_decompositions()`` into the core ATen op set *before* the joint graph is
@@ -17,7 +19,8 @@ Steps, all ExecuTorch's own:
 3. ``torch.export.experimental._export_forward_backward``: the joint graph, whose
    outputs are the loss, the user outputs, and the gradients of every parameter that
    requires grad (the adapter's trained tensors: ``B`` for FFA-LoRA, ``A`` and ``B`` for
-   ``full``). The base and a frozen ``A`` become constants of the program.
+   ``full``; or the named parameters of a task that trains its model). The base, a
+   frozen ``A`` and every other frozen tensor become constants of the program.
 4. ``to_edge_transform_and_lower``: every matrix product is rewritten as a batched one
    (:func:`_matmul_passes`; the runtime's portable ``addmm`` alone is a scalar loop,
    3.5 ms per call here), and the XNNPACK partitioner hands what it supports (batched
@@ -40,9 +43,11 @@ import inspect
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -56,6 +61,7 @@ from .et_program import (
     INPUT_NAMES,
     MANIFEST_FILE,
     METHOD,
+    NEXT_TOKEN,
     PROGRAM_FILE,
     TensorDecl,
     TrainingManifest,
@@ -76,6 +82,34 @@ PROGRAM_CACHE_ENV = "ORCHARD_PROGRAM_CACHE"
 
 class ProgramExportError(OrchardError):
     """The task's model could not be exported as an ExecuTorch training program."""
+
+
+class UnsupportedOperatorError(ProgramExportError):
+    """The model's graph holds an operator a training program cannot hold (named in
+    ``operator``): one without an ExecuTorch kernel or derivative, or a custom autograd
+    Function whose own backward the exported joint graph would not run."""
+
+    def __init__(self, operator: str, why: str) -> None:
+        self.operator = operator
+        super().__init__(
+            f"operator {operator} cannot be part of an ExecuTorch training program: {why}. Replace it in the "
+            "model's forward with standard torch operators, or bundle without a training program "
+            "(--no-training-program) for devices that train with torch"
+        )
+
+
+@dataclass(frozen=True)
+class LossProgram:
+    """What one kind of training program computes: ``module`` (the model wrapped as its
+    ``model`` attribute) maps ``example`` (one micro-batch, the manifest's ``inputs``) to
+    ``(loss, correct)``; ``fields`` are the kind's own manifest fields."""
+
+    kind: str
+    module: nn.Module
+    example: tuple[torch.Tensor, ...]
+    inputs: tuple[TensorDecl, ...]
+    loss: str
+    fields: dict[str, object]
 
 
 class _LossProgram(nn.Module):
@@ -178,15 +212,56 @@ def export_training_program(
     out_dir: str | os.PathLike[str],
     *,
     task: str,
-    lora_variant: str,
-    lora_rank: int,
+    lora_variant: str | None,
+    lora_rank: int | None,
     seq_len: int,
     vocab_size: int,
     micro_batch: int = 8,
 ) -> TrainingManifest:
-    """Write ``train.pte`` and ``train_program.json`` for ``model`` (a peft LoRA model
-    whose parameters require grad exactly when named in ``trainable``) into ``out_dir``
-    and return the manifest. Files are written atomically, the manifest last.
+    """Write ``train.pte`` and ``train_program.json`` of a next-token text task's
+    program for ``model`` (a peft LoRA model whose parameters require grad exactly when
+    named in ``trainable``) into ``out_dir`` and return the manifest (see
+    :func:`export_program`)."""
+    example = (
+        torch.zeros(micro_batch, seq_len, dtype=torch.int64),
+        torch.zeros(micro_batch, seq_len, dtype=torch.int64),
+        torch.full((micro_batch,), 1.0 / (micro_batch * seq_len), dtype=torch.float32),
+    )
+    spec = LossProgram(
+        kind=NEXT_TOKEN,
+        module=_LossProgram(model),
+        example=example,
+        inputs=(
+            TensorDecl(name=INPUT_NAMES[0], dtype="int64", shape=(micro_batch, seq_len)),
+            TensorDecl(name=INPUT_NAMES[1], dtype="int64", shape=(micro_batch, seq_len)),
+            TensorDecl(name=INPUT_NAMES[2], dtype="float32", shape=(micro_batch,)),
+        ),
+        loss=LOSS_DESCRIPTION,
+        fields={"seq_len": seq_len, "vocab_size": vocab_size},
+    )
+    return export_program(model, trainable, out_dir, spec, task=task, lora_variant=lora_variant,
+                          lora_rank=lora_rank, micro_batch=micro_batch)
+
+
+def export_program(
+    model: nn.Module,
+    trainable: Sequence[str],
+    out_dir: str | os.PathLike[str],
+    spec: LossProgram,
+    *,
+    task: str,
+    lora_variant: str | None,
+    lora_rank: int | None,
+    micro_batch: int,
+) -> TrainingManifest:
+    """Export ``spec`` (whose module wraps ``model``: its parameters require grad exactly
+    when named in ``trainable``) into ``out_dir`` and return the manifest. Files are
+    written atomically, the manifest last.
+
+    Refused before ExecuTorch runs (:class:`UnsupportedOperatorError`, naming the
+    operator): a custom autograd Function (the joint graph would differentiate its
+    forward, not run its backward), an operator outside ATen (no ExecuTorch kernel),
+    and an operator with complex outputs (the runtime has no complex dtype).
 
     With ``$ORCHARD_PROGRAM_CACHE`` set to a directory, a program exported before from
     the same inputs is copied from there instead (and a new one is kept there). The key
@@ -199,9 +274,9 @@ def export_training_program(
     cache = os.environ.get(PROGRAM_CACHE_ENV, "").strip()
     entry = None
     if cache:
-        entry = Path(cache) / _cache_key(model, trainable, dict(
-            task=task, lora_variant=lora_variant, lora_rank=lora_rank, seq_len=seq_len, vocab_size=vocab_size,
-            micro_batch=micro_batch))
+        entry = Path(cache) / _cache_key(spec.module, trainable, dict(
+            task=task, kind=spec.kind, lora_variant=lora_variant, lora_rank=lora_rank, micro_batch=micro_batch,
+            inputs=[d.model_dump(mode="json") for d in spec.inputs], loss=spec.loss, **spec.fields))
         hit = _from_cache(entry, root)
         if hit is not None:
             return hit
@@ -217,24 +292,24 @@ def export_training_program(
     wanted = set(trainable)
     was_training = model.training
     model.eval()  # no dropout in the traced graph; LoRA dropout is refused by the spec anyway
-    wrapped = _LossProgram(model)
-    example = (
-        torch.zeros(micro_batch, seq_len, dtype=torch.int64),
-        torch.zeros(micro_batch, seq_len, dtype=torch.int64),
-        torch.full((micro_batch,), 1.0 / (micro_batch * seq_len), dtype=torch.float32),
-    )
     try:
-        with _math_attention():
-            ep = export(wrapped, example, strict=False)
-        joint = _export_forward_backward(ep.run_decompositions())
-        # remove_view_copy=False: the view-elision pass mis-handles some views of the
-        # joint graph; a copy per view is cheap next to the matmuls.
-        edge = to_edge_transform_and_lower(
-            joint, transform_passes=_matmul_passes(), partitioner=[XnnpackPartitioner()]
-        )
-        et = edge.to_executorch(ExecutorchBackendConfig(remove_view_copy=False))
-    except Exception as err:  # torch.export / executorch raise many types
-        raise ProgramExportError(f"ExecuTorch could not export the training program: {type(err).__name__}: {err}") from err
+        _refuse_custom_functions(spec)
+        try:
+            with _math_attention():
+                ep = export(spec.module, spec.example, strict=False)
+        except Exception as err:  # torch.export raises many types
+            raise _export_failure(err) from err
+        _refuse_unsupported_operators(ep.graph)
+        try:
+            joint = _export_forward_backward(ep.run_decompositions())
+            # remove_view_copy=False: the view-elision pass mis-handles some views of the
+            # joint graph; a copy per view is cheap next to the matmuls.
+            edge = to_edge_transform_and_lower(
+                joint, transform_passes=_matmul_passes(), partitioner=[XnnpackPartitioner()]
+            )
+            et = edge.to_executorch(ExecutorchBackendConfig(remove_view_copy=False))
+        except Exception as err:  # torch.export / executorch raise many types
+            raise _export_failure(err) from err
     finally:
         model.train(was_training)
     order = [
@@ -252,19 +327,14 @@ def export_training_program(
     root.mkdir(parents=True, exist_ok=True)
     _write_atomic(root / PROGRAM_FILE, et.buffer)
     manifest = TrainingManifest(
+        kind=spec.kind,  # type: ignore[arg-type]
         program=BundleFile(name=PROGRAM_FILE, sha256=file_sha256(root / PROGRAM_FILE)),
         method=METHOD,
         task=task,
         lora_variant=lora_variant,
         lora_rank=lora_rank,
         micro_batch=micro_batch,
-        seq_len=seq_len,
-        vocab_size=vocab_size,
-        inputs=(
-            TensorDecl(name=INPUT_NAMES[0], dtype="int64", shape=(micro_batch, seq_len)),
-            TensorDecl(name=INPUT_NAMES[1], dtype="int64", shape=(micro_batch, seq_len)),
-            TensorDecl(name=INPUT_NAMES[2], dtype="float32", shape=(micro_batch,)),
-        ),
+        inputs=spec.inputs,
         loss_output=0,
         correct_output=1,
         gradients_start=n_user,
@@ -272,14 +342,69 @@ def export_training_program(
         parameters=tuple(
             TensorDecl(name=str(n), dtype="float32", shape=tuple(params[str(n)].shape)) for n in names
         ),
-        loss=LOSS_DESCRIPTION,
+        loss=spec.loss,
         executorch_version=importlib.metadata.version("executorch"),
         base_sha256=frozen_digest(model, trainable),
+        **spec.fields,  # type: ignore[arg-type]
     )
     _write_atomic(root / MANIFEST_FILE, (manifest.model_dump_json(indent=2) + "\n").encode())
     if entry is not None:
         _to_cache(entry, root)
     return manifest
+
+
+def _refuse_custom_functions(spec: LossProgram) -> None:
+    """Run the loss once in eager torch and refuse a custom ``torch.autograd.Function``
+    on the loss's autograd graph: torch.export traces its forward, and the joint graph
+    would differentiate that instead of running the Function's own backward."""
+    with torch.enable_grad():
+        loss = spec.module(*spec.example)[0]
+    seen: set[int] = set()
+    stack = [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, torch.autograd.function.BackwardCFunction):
+            name = type(node).__name__.removesuffix("Backward")
+            raise UnsupportedOperatorError(
+                f"{name} (a custom torch.autograd.Function)",
+                "the exported program would differentiate its forward instead of running its own backward",
+            )
+        stack.extend(fn for fn, _ in node.next_functions)
+
+
+def _refuse_unsupported_operators(graph: torch.fx.Graph) -> None:
+    """Refuse what ExecuTorch cannot run, by the operator, before it fails on it less
+    clearly: operators outside ATen and prims (a custom op has no kernel in the runtime)
+    and operators with complex outputs (an FFT: the runtime has no complex dtype)."""
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        name = f"{node.target.namespace}.{node.target._opname}"
+        if node.target.namespace not in ("aten", "prims"):
+            raise UnsupportedOperatorError(name, "it is not an ATen operator, and the ExecuTorch runtime has no "
+                                                 "kernel for it")
+        vals = node.meta.get("val")
+        for v in vals if isinstance(vals, list | tuple) else [vals]:
+            if isinstance(v, torch.Tensor) and v.dtype.is_complex:
+                raise UnsupportedOperatorError(name, f"it computes a {v.dtype} tensor, and the ExecuTorch runtime "
+                                                     "has no complex dtype")
+
+
+# How torch.export and ExecuTorch name an operator in their errors.
+_OPERATOR = re.compile(r"torch\.ops\.(\w+\.\w+)|\b(aten(?:\.|::)\w+)")
+
+
+def _export_failure(err: Exception) -> ProgramExportError:
+    """The export's error, naming the operator when the report names one."""
+    text = f"{type(err).__name__}: {err}"
+    m = _OPERATOR.search(text)
+    if m:
+        return UnsupportedOperatorError((m.group(1) or m.group(2)).replace("::", "."),
+                                        text.strip().splitlines()[0][:300])
+    return ProgramExportError(f"ExecuTorch could not export the training program: {text.strip()[:600]}")
 
 
 def _check_inputs(model: nn.Module, trainable: Sequence[str], micro_batch: int) -> None:
@@ -290,7 +415,8 @@ def _check_inputs(model: nn.Module, trainable: Sequence[str], micro_batch: int) 
     if grads != wanted:
         raise ProgramExportError(
             f"the model's parameters that require grad ({sorted(grads)[:3]}...) are not the trained "
-            f"tensors ({sorted(wanted)[:3]}...): build it with orchard.edge_runtime.lora.apply_lora"
+            f"tensors ({sorted(wanted)[:3]}...): set requires_grad on exactly the trained tensors "
+            "(orchard.edge_runtime.lora.apply_lora does for an adapter)"
         )
 
 

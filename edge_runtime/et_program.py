@@ -3,12 +3,24 @@
 ``orchard client bundle`` (:mod:`orchard.edge_runtime.et_export`) writes two files next
 to ``client.json``::
 
-    train.pte            the LoRA task's training program (ExecuTorch): forward, loss
-                         and backward of the adapter tensors, the frozen base baked in
-    train_program.json   this manifest: the program's digest, its inputs and outputs,
+    train.pte            the task's training program (ExecuTorch): forward, loss and
+                         backward of the trained tensors, everything frozen baked in
+    train_program.json   this manifest: the program's kind, digest, inputs and outputs,
                          and the trained tensors' names and shapes
 
-The program's method ``forward`` takes, for a micro-batch of ``M`` rows of ``T`` tokens,
+The manifest's ``kind`` says what the program computes (a manifest without one, as
+written before kinds existed, is ``next_token``):
+
+- ``next_token``: a next-token text task (below);
+- ``classification``: rows of features to class logits, cross-entropy;
+- ``regression``: rows of features to values, squared error
+  (:mod:`orchard.edge_runtime.et_rows` exports both).
+
+The trained tensors are a LoRA adapter's (``lora_variant``, ``lora_rank`` set) or, for
+a task that trains the model itself, its named parameters (``lora_variant`` None).
+
+A ``next_token`` program's method ``forward`` takes, for a micro-batch of ``M`` rows of
+``T`` tokens,
 
 - ``idx`` (M, T) int64: input token ids,
 - ``targets`` (M, T) int64: next-token targets,
@@ -22,7 +34,17 @@ themselves: those outputs are views of the program's own parameter storage, so w
 them sets the adapter the next run uses. With ``row_weight = 1 / (T * n)`` on the ``n``
 real rows of a batch split into micro-batches, the micro-batch losses and gradients add
 up to the batch's mean token cross-entropy and its gradient exactly (what the torch
-trainer computes), whatever the batch size. The optimizer step is not in the program:
+trainer computes), whatever the batch size.
+
+A ``classification`` or ``regression`` program takes ``features`` (M, *F) float32 or int64,
+``labels`` (M,) int64 class indices or (M, *Y) float32 targets, and ``row_weight``
+(M,) float32, and returns the same list: ``loss = sum_r row_weight[r] * l_r`` with
+``l_r`` the row's cross-entropy, or its summed squared error over the ``K = prod(Y)``
+values; ``correct`` counts argmax hits (always 0 for regression). With
+``row_weight = 1 / (K * n)`` (``K = 1`` for classes) the micro-batches add up to the
+batch's mean cross-entropy or mean squared error, as the torch trainer computes them.
+
+The optimizer step is not in the program:
 the device applies it to plain arrays (:mod:`orchard.edge_runtime.et_trainer`).
 
 Everything here runs without torch: the program is loaded by the ExecuTorch runtime
@@ -35,9 +57,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from .bundle import BundleError, BundleFile, file_sha256, read_json_object
 from .et_native import NativeMethod, NativeProgram, NativeRuntimeError
@@ -51,6 +74,15 @@ METHOD = "forward"
 GRADIENTS_INDEX_METHOD = f"__et_training_gradients_index_{METHOD}"
 PARAMETERS_INDEX_METHOD = f"__et_training_parameters_index_{METHOD}"
 INPUT_NAMES = ("idx", "targets", "row_weight")
+ROW_INPUT_NAMES = ("features", "labels", "row_weight")
+NEXT_TOKEN: Final = "next_token"
+CLASSIFICATION: Final = "classification"
+REGRESSION: Final = "regression"
+# Each kind's inputs, in the program's order.
+KIND_INPUTS: dict[str, tuple[str, ...]] = {
+    NEXT_TOKEN: INPUT_NAMES, CLASSIFICATION: ROW_INPUT_NAMES, REGRESSION: ROW_INPUT_NAMES,
+}
+ProgramKind = Literal["next_token", "classification", "regression"]
 
 
 class TrainingProgramError(BundleError):
@@ -72,14 +104,16 @@ class TrainingManifest(_Strict):
     """``train_program.json``."""
 
     format_version: int = MANIFEST_FORMAT
+    # Absent in manifests written before kinds existed: those are all next-token programs.
+    kind: ProgramKind = NEXT_TOKEN
     program: BundleFile
     method: str = METHOD
     task: str
-    lora_variant: str
-    lora_rank: int = Field(ge=1)
+    lora_variant: str | None  # None: the task trains its model's own parameters
+    lora_rank: int | None = Field(default=None, ge=1)
     micro_batch: int = Field(ge=1)
-    seq_len: int = Field(ge=1)
-    vocab_size: int = Field(ge=1)
+    seq_len: int | None = Field(default=None, ge=1)  # next_token only
+    vocab_size: int | None = Field(default=None, ge=1)  # next_token only
     inputs: tuple[TensorDecl, ...]
     loss_output: int = 0
     correct_output: int = 1
@@ -89,6 +123,21 @@ class TrainingManifest(_Strict):
     loss: str  # the loss, in words (the formula in this module's docstring)
     executorch_version: str
     base_sha256: str  # the frozen base baked into the program (its safetensors)
+
+    @model_validator(mode="after")
+    def _fields_of_the_kind(self) -> TrainingManifest:
+        if self.kind == NEXT_TOKEN and (self.seq_len is None or self.vocab_size is None):
+            raise ValueError("a next_token program declares seq_len and vocab_size")
+        if (self.lora_variant is None) != (self.lora_rank is None):
+            raise ValueError("lora_variant and lora_rank are both set (a LoRA adapter) or both null")
+        return self
+
+    @property
+    def trains(self) -> str:
+        """What the trained tensors are, in words."""
+        if self.lora_variant is None:
+            return "the model's own parameters"
+        return f"{self.lora_variant} LoRA, rank {self.lora_rank}"
 
 
 def read_manifest(bundle_dir: str | os.PathLike[str]) -> TrainingManifest:
@@ -117,6 +166,12 @@ def peft_state_key(param_name: str) -> str:
     return param_name.replace(".default.", ".")
 
 
+def adapter_key(manifest: TrainingManifest, param_name: str) -> str:
+    """The bundle adapter's key of a trained tensor: peft's state-dict key for a LoRA
+    adapter, the parameter's own name for a task that trains its model's parameters."""
+    return param_name if manifest.lora_variant is None else peft_state_key(param_name)
+
+
 @dataclass
 class TrainingProgram:
     """A bundle's program, loaded and checked: ``step`` is one forward/backward run."""
@@ -135,8 +190,21 @@ class TrainingProgram:
         return self.manifest.micro_batch
 
     @property
-    def seq_len(self) -> int:
+    def seq_len(self) -> int | None:
         return self.manifest.seq_len
+
+    @property
+    def example_shapes(self) -> tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]]:
+        """``((row shape, dtype) of an input, (row shape, dtype) of its target)``: the
+        program's first two inputs without their micro-batch axis."""
+        x, y = self.manifest.inputs[0], self.manifest.inputs[1]
+        return (tuple(x.shape[1:]), x.dtype), (tuple(y.shape[1:]), y.dtype)
+
+    @property
+    def targets_per_row(self) -> int:
+        """How many loss terms one row adds (tokens, or a regression row's values): a
+        row of a batch of ``n`` weighs ``1 / (n * targets_per_row)``."""
+        return int(np.prod(self.manifest.inputs[1].shape[1:], dtype=np.int64))
 
     @property
     def planned_bytes(self) -> int:
@@ -150,6 +218,7 @@ class TrainingProgram:
         return {p.name: outs[start + j] for j, p in enumerate(self.manifest.parameters)}  # type: ignore[misc]
 
     def step(self, idx: np.ndarray, targets: np.ndarray, row_weight: np.ndarray) -> tuple[float, int, list[np.ndarray]]:
+        # (idx, targets) are a next_token program's; a row program's are (features, labels).
         """``(loss, correct, gradients)`` of one micro-batch (rows beyond ``len(idx)`` are
         padding of weight 0). The gradients are views, overwritten by the next step."""
         n = len(idx)
@@ -214,9 +283,11 @@ def load_training_program(
                 f"{mpath} was exported for {key} {got!r}, this run needs {want!r}: "
                 "re-create the bundle for this run's task"
             )
-    if [d.name for d in manifest.inputs] != list(INPUT_NAMES):
+    want_inputs = list(KIND_INPUTS[manifest.kind])
+    if [d.name for d in manifest.inputs] != want_inputs:
         raise TrainingProgramError(
-            f"{mpath} declares inputs {[d.name for d in manifest.inputs]}, expected {list(INPUT_NAMES)}"
+            f"{mpath} declares inputs {[d.name for d in manifest.inputs]}, a {manifest.kind} program takes "
+            f"{want_inputs}"
         )
     if adapter is not None:
         _check_adapter(manifest, mpath, adapter)
@@ -246,7 +317,7 @@ def load_training_program(
 def _check_adapter(manifest: TrainingManifest, mpath: Path, adapter: Mapping[str, np.ndarray]) -> None:
     shapes = {k: tuple(np.shape(v)) for k, v in adapter.items()}
     for p in manifest.parameters:
-        key = peft_state_key(p.name)
+        key = adapter_key(manifest, p.name)
         if key not in shapes:
             raise TrainingProgramError(
                 f"{mpath} trains {p.name!r}, which the bundle's adapter does not hold (expected key {key!r}): "

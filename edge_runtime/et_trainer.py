@@ -1,10 +1,13 @@
-"""LoRA training through a bundle's ExecuTorch training program, without torch.
+"""Training through a bundle's ExecuTorch training program, without torch.
 
 The program (:mod:`orchard.edge_runtime.et_program`) computes the loss and the
-gradients of the trained adapter tensors; this trainer does everything else on plain
-numpy arrays, as a phone app would around the native runtime: batches, the split of a
-batch into the program's fixed-size micro-batches (gradients add up exactly: each row
-weighs ``1 / (T * batch rows)``), FedProx's term and the SGD step.
+gradients of the trained tensors (a LoRA adapter's, or the parameters of a task that
+trains its model); this trainer does everything else on plain numpy arrays, as a phone
+app would around the native runtime: batches, the split of a batch into the program's
+fixed-size micro-batches (gradients add up exactly: each row weighs
+``1 / (K * batch rows)``, ``K`` the row's loss terms: its ``T`` tokens for a next-token
+program, 1 for a class label, the values of a regression target), FedProx's term and
+the SGD step. Every kind of program trains through this one loop.
 
 Same contract as the reference torch trainer (:class:`orchard.tasks.torch_trainer.TorchTrainer`):
 a :class:`~orchard.trainer.Trainer` that takes and returns the trained tensors by name,
@@ -42,14 +45,16 @@ from orchard.typing import NDArrays
 
 from .bundle import BundleError, read_bundle
 from .bundle_task import read_tokenizer
-from .et_program import TrainingProgram, load_training_program
+from .et_program import NEXT_TOKEN, REGRESSION, TrainingProgram, load_training_program
 
 RUNTIMES = ("torch", "executorch")
 
 
 @dataclass(frozen=True)
 class DeviceData:
-    """A device's examples: ``x`` (N, T) int64 inputs and ``y`` (N, T) int64 targets."""
+    """A device's examples: ``x`` (N, ...) inputs and ``y`` (N, ...) targets: (N, T)
+    int64 token windows for a next-token program, rows of features and their labels for
+    a classification or regression program."""
 
     x: np.ndarray
     y: np.ndarray
@@ -60,6 +65,15 @@ class DeviceData:
     @staticmethod
     def empty(seq_len: int) -> DeviceData:
         return DeviceData(np.empty((0, seq_len), np.int64), np.empty((0, seq_len), np.int64))
+
+    @staticmethod
+    def empty_for(shapes: RowShapes) -> DeviceData:
+        (xs, xd), (ys, yd) = shapes
+        return DeviceData(np.empty((0, *xs), xd), np.empty((0, *ys), yd))
+
+
+# ((one input row's shape, dtype), (one target row's shape, dtype)): what a program takes.
+RowShapes = tuple[tuple[tuple[int, ...], str], tuple[tuple[int, ...], str]]
 
 
 def text_windows(ids: np.ndarray, seq_len: int) -> DeviceData:
@@ -74,32 +88,42 @@ def text_windows(ids: np.ndarray, seq_len: int) -> DeviceData:
 
 
 def load_device_data(
-    path: str | os.PathLike[str], *, seq_len: int, tokenizer: CharTokenizer | None = None,
-    test_fraction: float = 0.2,
+    path: str | os.PathLike[str], *, seq_len: int | None = None, shapes: RowShapes | None = None,
+    tokenizer: CharTokenizer | None = None, test_fraction: float = 0.2,
 ) -> tuple[DeviceData, DeviceData]:
-    """(train, test) examples of a device from a file.
+    """(train, test) examples of a device from a file, for a program that takes rows of
+    ``shapes`` (``seq_len``: token windows of that length, int64).
 
-    ``.npz``: arrays ``x`` and ``y`` (N, seq_len) int64, and optionally ``test_x`` and
+    ``.npz``: arrays ``x`` and ``y`` of those row shapes, and optionally ``test_x`` and
     ``test_y``. Any other file is the device's own text (UTF-8), encoded with the
     bundle's ``tokenizer``: its first ``1 - test_fraction`` trains, the rest tests.
     """
+    if shapes is None:
+        if seq_len is None:
+            raise ConfigError("load_device_data needs the program's row shapes (or seq_len for token windows)")
+        shapes = (((seq_len,), "int64"), ((seq_len,), "int64"))
+    (xs, xd), (ys, yd) = shapes
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"device data {p} does not exist")
     if p.suffix == ".npz":
+        want = f"x of shape (N, {', '.join(map(str, xs))}) {xd} and y of shape (N{''.join(f', {d}' for d in ys)}) {yd}"
         with np.load(p) as z:
             missing = [k for k in ("x", "y") if k not in z.files]
             if missing:
-                raise ConfigError(f"{p} lacks arrays {missing}: expected x and y of shape (N, {seq_len}), int64")
-            train = DeviceData(np.asarray(z["x"], np.int64), np.asarray(z["y"], np.int64))
-            test = (DeviceData(np.asarray(z["test_x"], np.int64), np.asarray(z["test_y"], np.int64))
-                    if "test_x" in z.files and "test_y" in z.files else DeviceData.empty(seq_len))
+                raise ConfigError(f"{p} lacks arrays {missing}: expected {want}")
+            train = DeviceData(np.asarray(z["x"], xd), np.asarray(z["y"], yd))
+            test = (DeviceData(np.asarray(z["test_x"], xd), np.asarray(z["test_y"], yd))
+                    if "test_x" in z.files and "test_y" in z.files else DeviceData.empty_for(shapes))
         for name, d in (("x/y", train), ("test_x/test_y", test)):
-            if d.x.shape != d.y.shape or d.x.ndim != 2 or (len(d) and d.x.shape[1] != seq_len):
-                raise ConfigError(
-                    f"{p}: {name} have shapes {d.x.shape} and {d.y.shape}, expected both (N, {seq_len})"
-                )
+            if d.x.shape[1:] != xs or d.y.shape[1:] != ys or len(d.x) != len(d.y):
+                raise ConfigError(f"{p}: {name} have shapes {d.x.shape} and {d.y.shape}, expected {want}")
         return train, test
+    if seq_len is None:
+        if xs != ys or len(xs) != 1 or xd != "int64":
+            raise ConfigError(f"{p} is not an .npz: this program trains on rows, pass an .npz of {xs} {xd} "
+                              f"inputs x and {ys} {yd} targets y")
+        seq_len = xs[0]
     if tokenizer is None:
         raise ConfigError(f"{p} is text, and the bundle has no tokenizer to encode it: pass an .npz of token ids")
     ids = np.asarray(tokenizer.encode_array(p.read_text(encoding="utf-8")), np.int64)
@@ -114,15 +138,19 @@ class ExecuTorchTrainer:
                  test_data: DeviceData | None = None, seed: int = 0) -> None:
         self.program = program
         self.train_data = train_data
-        self.test_data = test_data if test_data is not None else DeviceData.empty(program.seq_len)
+        self.test_data = test_data if test_data is not None else DeviceData.empty_for(program.example_shapes)
         self.seed = seed
         self.names = program.names
         self._shapes = {p.name: p.shape for p in program.manifest.parameters}
+        (xs, _), (ys, _) = program.example_shapes
         for what, d in (("train", self.train_data), ("test", self.test_data)):
-            if len(d) and d.x.shape[1] != program.seq_len:
+            if len(d) and (d.x.shape[1:] != xs or d.y.shape[1:] != ys):
                 raise ConfigError(
-                    f"{what} windows have {d.x.shape[1]} tokens, the training program {program.path} takes {program.seq_len}"
+                    f"{what} rows have inputs {list(d.x.shape[1:])} and targets {list(d.y.shape[1:])}, the training "
+                    f"program {program.path} takes {list(xs)} and {list(ys)}"
                 )
+        # A regression program counts no hits: no accuracy to report, as the torch trainer.
+        self._accuracy = program.manifest.kind != REGRESSION
 
     @property
     def trainable(self) -> list[str]:
@@ -134,7 +162,7 @@ class ExecuTorchTrainer:
             extra = sorted(set(arrays) - set(self.names))[:3]
             raise UpdateSchemaError(
                 f"the run's arrays are not the tensors the training program {self.program.path} trains "
-                f"({self.program.manifest.lora_variant} LoRA, rank {self.program.manifest.lora_rank}): missing e.g. "
+                f"({self.program.manifest.trains}): missing e.g. "
                 f"{missing}, unexpected e.g. {extra}; re-create the bundle for this run's task parameters"
             )
         params = self.program.parameters()
@@ -149,10 +177,10 @@ class ExecuTorchTrainer:
         return params
 
     def _batch(self, data: DeviceData, rows: np.ndarray | None) -> tuple[float, int, list[np.ndarray] | None, int]:
-        """Mean token loss, hits and summed gradients of one batch (``rows`` None: all)."""
+        """Mean loss per target, hits and summed gradients of one batch (``rows`` None: all)."""
         x = data.x if rows is None else data.x[rows]
         y = data.y if rows is None else data.y[rows]
-        nb, t = x.shape
+        nb, t = len(x), self.program.targets_per_row
         m = self.program.micro_batch
         w = np.full(m, 1.0 / (nb * t), np.float32)
         loss, hits = 0.0, 0
@@ -182,7 +210,7 @@ class ExecuTorchTrainer:
         n = len(self.train_data)
         if n == 0:
             return TrainResult(arrays={k: v.copy() for k, v in params.items()}, weight=0.0, num_examples=0,
-                               num_steps=0, metrics={"train_loss": float("nan"), "train_accuracy": float("nan")})
+                               num_steps=0, metrics=self._metrics(float("nan"), float("nan")))
         lr = np.float32(config.learning_rate)
         mu, wd, momentum = np.float32(config.proximal_mu), np.float32(config.weight_decay), config.momentum
         anchors = [p.copy() for p in plist] if mu > 0 else []
@@ -222,18 +250,24 @@ class ExecuTorchTrainer:
                 if gate is not None:
                     gate.after_step(float(nb))
         out = {k: params[k].copy() for k in self.names}
-        metrics = {"train_loss": loss_sum / seen if seen else float("nan"),
-                   "train_accuracy": hits_sum / seen if seen else float("nan")}
+        metrics = self._metrics(loss_sum / seen if seen else float("nan"), hits_sum / seen if seen else float("nan"))
         if stopped:
             return TrainResult(arrays=out, weight=float(n) * step / total if total > 0 else 0.0,
                                num_examples=min(n, visited), num_steps=step, metrics=metrics,
                                planned_weight=float(n))
         return TrainResult(arrays=out, weight=float(n), num_examples=n, num_steps=step, metrics=metrics)
 
+    def _metrics(self, loss: float, accuracy: float) -> dict[str, float]:
+        out = {"train_loss": loss}
+        if self._accuracy:
+            out["train_accuracy"] = accuracy
+        return out
+
     def gradients(self, arrays: NDArrays, x: np.ndarray, y: np.ndarray) -> tuple[float, NDArrays]:
-        """Mean token loss and its gradients at ``arrays`` on one batch (for checks)."""
+        """Mean loss per target and its gradients at ``arrays`` on one batch (for checks)."""
         self._load(arrays)
-        loss, _, grads, _ = self._batch(DeviceData(np.asarray(x, np.int64), np.asarray(y, np.int64)), None)
+        (_, xd), (_, yd) = self.program.example_shapes
+        loss, _, grads, _ = self._batch(DeviceData(np.asarray(x, xd), np.asarray(y, yd)), None)
         assert grads is not None
         return loss, dict(zip(self.names, grads, strict=True))
 
@@ -243,7 +277,8 @@ class ExecuTorchTrainer:
         if n == 0:
             return EvalResult(num_examples=0, metrics={})
         loss, hits, _, targets = self._batch(self.test_data, None)
-        return EvalResult(num_examples=n, metrics={"accuracy": hits / targets, "loss": loss})
+        return EvalResult(num_examples=n, metrics={"accuracy": hits / targets, "loss": loss} if self._accuracy
+                          else {"loss": loss})
 
 
 def executorch_trainer_factory(
@@ -263,13 +298,15 @@ def executorch_trainer_factory(
         if data_path is None:
             raise ConfigError(
                 "the ExecuTorch runtime trains on the device's own data: pass --data FILE "
-                "(its text, or an .npz of x and y token windows)"
+                "(its text, or an .npz of x and y: token windows, or rows of features and labels)"
             )
-        try:
-            tok: CharTokenizer | None = read_tokenizer(bundle.path)
-        except BundleError:
-            tok = None
-        train, test = load_device_data(data_path, seq_len=program.seq_len, tokenizer=tok)
+        tok: CharTokenizer | None = None
+        if program.manifest.kind == NEXT_TOKEN:
+            try:
+                tok = read_tokenizer(bundle.path)
+            except BundleError:
+                tok = None
+        train, test = load_device_data(data_path, shapes=program.example_shapes, tokenizer=tok)
     trainer = ExecuTorchTrainer(program, train, test, seed=seed)
 
     def factory(cfg: Any) -> ExecuTorchTrainer:

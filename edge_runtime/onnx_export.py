@@ -11,6 +11,12 @@ of the same name, which makes it optional: ``B = 0`` makes every LoRA branch
 Tensor names everywhere (ONNX inputs, ``.onnx_adapter`` files, safetensors, the
 arrays a LoRA trainer uploads) are peft's state-dict keys, i.e.
 ``get_peft_model_state_dict`` names such as ``base_model.model.fc.lora_A.weight``.
+
+A task that trains its model's own parameters (``trainable="all"`` or a list of names)
+is exported the same way by :func:`export_trained_inputs`: each trained parameter is an
+input under its own name, whose initializer holds the value the model was exported
+with (so without an adapter the graph is that model), and the bundle's "adapter" is
+those parameters.
 """
 
 from __future__ import annotations
@@ -96,7 +102,8 @@ def load_adapter_arrays(
 
 
 class _LoraAsInputs(nn.Module):
-    """``forward(x, lora)`` = the peft model's forward with ``lora`` as its LoRA weights."""
+    """``forward(x, lora)`` = the model's forward with ``lora`` as the named parameters
+    (a peft model's LoRA weights, or a plain model's trained parameters)."""
 
     def __init__(self, model: nn.Module, names: list[str]) -> None:
         super().__init__()
@@ -130,9 +137,58 @@ def export_lora_model(
     ``dynamic_axes`` maps axes of the input to names (default ``{0: "batch"}``); a
     sequence model adds ``{1: "seq"}``. The output's axes follow from the graph.
     """
+    return _export(model, lora_parameter_map(model, adapter_name), example_input, path, zero_defaults=True,
+                   what=type(model.base_model.model).__name__, input_name=input_name, output_name=output_name,
+                   dynamic_axes=dynamic_axes, opset_version=opset_version)
+
+
+def export_trained_inputs(
+    model: nn.Module,
+    trained: list[str],
+    example_input: torch.Tensor,
+    path: str | os.PathLike[str],
+    *,
+    input_name: str = "input",
+    output_name: str = "logits",
+    dynamic_axes: Mapping[int, str] | None = None,
+    opset_version: int | None = None,
+) -> LoraExportInfo:
+    """Export a plain ``model`` (eval mode) with the parameters named in ``trained`` as
+    optional inputs under their own names, defaulting to their current values."""
+    params = dict(model.named_parameters())
+    unknown = [n for n in trained if n not in params]
+    if unknown or not trained:
+        raise ExportError(f"trained tensors {unknown or 'none'} are not parameters of the model; "
+                          f"its parameters: {sorted(params)[:10]}")
+    return _export(model, {n: n for n in trained}, example_input, path, zero_defaults=False,
+                   what=type(model).__name__, input_name=input_name, output_name=output_name,
+                   dynamic_axes=dynamic_axes, opset_version=opset_version)
+
+
+def trained_arrays(model: nn.Module, trained: list[str]) -> NDArrays:
+    """The named parameters of a plain model as numpy arrays (copies): the inputs of
+    :func:`export_trained_inputs`."""
+    params = dict(model.named_parameters())
+    return {n: params[n].detach().cpu().numpy().copy() for n in trained}
+
+
+def _export(
+    model: nn.Module,
+    pmap: Mapping[str, str],
+    example_input: torch.Tensor,
+    path: str | os.PathLike[str],
+    *,
+    zero_defaults: bool,
+    what: str,
+    input_name: str,
+    output_name: str,
+    dynamic_axes: Mapping[int, str] | None,
+    opset_version: int | None,
+) -> LoraExportInfo:
+    """Export with the parameters ``pmap`` names (input name -> parameter name) as
+    graph inputs, each with an initializer of zeros or of the parameter's value."""
     if dynamic_axes is None:
         dynamic_axes = {0: "batch"}
-    pmap = lora_parameter_map(model, adapter_name)
     keys, pnames = list(pmap), list(pmap.values())
     params = dict(model.named_parameters())
     was_training = model.training
@@ -157,9 +213,7 @@ def export_lora_model(
                 verbose=False,
             )
     except Exception as err:  # the exporter raises many unrelated types
-        raise ExportError(
-            f"torch.onnx.export failed for {type(model.base_model.model).__name__}: {err}"
-        ) from err
+        raise ExportError(f"torch.onnx.export failed for {what}: {err}") from err
     finally:
         model.train(was_training)
     if program is None:  # pragma: no cover - dynamo=True always returns a program
@@ -171,7 +225,7 @@ def export_lora_model(
     for key, pname in pmap.items():
         if key not in graph_inputs:
             raise ExportError(
-                f"LoRA tensor {key} did not become a graph input; inputs are {sorted(graph_inputs)}"
+                f"trained tensor {key} did not become a graph input; inputs are {sorted(graph_inputs)}"
             )
         p = params[pname]
         shape = tuple(int(d.dim_value) for d in graph_inputs[key].type.tensor_type.shape.dim)
@@ -179,9 +233,10 @@ def export_lora_model(
             raise ExportError(
                 f"graph input {key} has shape {shape}, the parameter has {tuple(p.shape)}"
             )
-        zeros = np.zeros(tuple(p.shape), dtype=p.detach().cpu().numpy().dtype)
-        proto.graph.initializer.append(numpy_helper.from_array(zeros, key))
-        specs.append(TensorSpec(key, tuple(p.shape), str(zeros.dtype)))
+        value = p.detach().cpu().numpy()
+        default = np.zeros(tuple(p.shape), dtype=value.dtype) if zero_defaults else value.copy()
+        proto.graph.initializer.append(numpy_helper.from_array(default, key))
+        specs.append(TensorSpec(key, tuple(p.shape), str(default.dtype)))
     out = Path(path)
     onnx.save(proto, str(out))
     return LoraExportInfo(out, input_name, output_name, tuple(specs))

@@ -92,6 +92,7 @@ def seeded_model(build: Callable[[], nn.Module], seed: int) -> nn.Module:
 class SupervisedTask:
     """A task over in-memory (x, y) pools. See :class:`Task` for the contract.
 
+    ``loss`` names what its trainers minimise (see :func:`orchard.tasks.make_task`).
     ``model_seed_for_trainers`` fixes the parts of the model that are *not* global
     state (a frozen base, a LoRA ``A``); clients must agree on them, so they come from a
     task parameter, never from the per-client seed.
@@ -114,6 +115,7 @@ class SupervisedTask:
         central_test: TensorData | None = None,
         info: dict[str, Any] | None = None,
         evaluator: Evaluator = evaluate_model,
+        loss: str | Callable[..., Any] = "cross_entropy",
     ) -> None:
         self.name = name
         self.train_data = train
@@ -130,6 +132,9 @@ class SupervisedTask:
         self._trainer_factory = trainer_factory
         self._central_test = central_test if central_test is not None else test
         self._evaluator = evaluator
+        # What the trainer minimises: "cross_entropy" (the reference trainer's), "mse", or
+        # the task's own function. A bundle's training program computes the named ones.
+        self.loss = loss
         probe = model(fixed_seed)
         self.trainable: list[str] = (
             list(trainable) if trainable is not None else [n for n, _ in probe.named_parameters()]

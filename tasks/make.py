@@ -301,4 +301,5 @@ def make_task(
         trainer_factory=trainer_factory,
         info=task_info,
         evaluator=evaluator,
+        loss=loss,
     )

@@ -53,7 +53,8 @@ typedef enum orchard_status {
   ORCHARD_ERR_SECAGG = 10,     /* a secure-aggregation message was malformed, or the session aborted */
   ORCHARD_ERR_UNAVAILABLE = 11, /* the server cannot be reached, or stopped answering */
   ORCHARD_ERR_TLS = 12,        /* the TLS handshake failed (the server's certificate is not the bundle CA's) */
-  ORCHARD_ERR_REFUSED = 13,    /* the server refused a request or an update; the message says why */
+  ORCHARD_ERR_REFUSED = 13,    /* the server refused a request or an update, or the bundle's program is of a
+                                  kind this client does not train; the message says why */
   ORCHARD_ERR_PROTOCOL = 14,   /* the server's answer breaks the contract (a model that fails its sha256, ...) */
   ORCHARD_ERR_CANCELLED = 15,  /* orchard_device_cancel was called */
   ORCHARD_ERR_NO_TASK = 16,    /* no task came within the time the caller allowed */

@@ -93,6 +93,13 @@ Manifest read_manifest(const std::string& dir, const std::string& path, const st
     throw Failure(ORCHARD_ERR_PROGRAM, path + " has format_version " + (v == m.raw.end() ? "(none)" : v->dump()) +
                                            "; this client reads " + std::to_string(kManifestFormatVersion) + ": " +
                                            kRecreate);
+  // A manifest without a kind predates kinds: a next-token program, the one kind this
+  // client's trainer (train.cpp) feeds. Another kind is refused before it is misread.
+  const auto kind = m.raw.find("kind");
+  if (kind != m.raw.end() && *kind != "next_token")
+    throw Failure(ORCHARD_ERR_REFUSED, path + " holds a training program of kind " + kind->dump() +
+                                           "; this client trains \"next_token\" programs only: train this task "
+                                           "with orchard client start --runtime executorch, or with torch");
   const std::string file = path.substr(path.rfind('/') + 1);
   m.program_path = checked_file(dir, m.raw.value("program", nlohmann::json()), file, ORCHARD_ERR_PROGRAM,
                                 "the program was swapped or truncated; re-create the bundle");

@@ -52,6 +52,7 @@ struct Bundle {
 // Read and check the bundle in `dir`. Throws Failure: ORCHARD_ERR_BUNDLE (not a bundle,
 // a file missing, malformed JSON, another format), ORCHARD_ERR_INTEGRITY (a digest
 // differs), ORCHARD_ERR_PROGRAM (the manifest does not match the program or adapter),
+// ORCHARD_ERR_REFUSED (the manifest's program is of a kind other than "next_token"),
 // ORCHARD_ERR_AUTH (the token file is readable by others).
 Bundle read_bundle(const std::string& dir);
 

@@ -121,8 +121,8 @@ def client_health(
 def client_bundle(
     server: Annotated[str, typer.Option("--server", help="HOST:PORT the device will dial.")],
     out_dir: Annotated[Path, typer.Option("--out", help="Bundle dir to write.")],
-    task: Annotated[str, typer.Option("--task", help="A task that trains a LoRA adapter: a registered name "
-                                      "(orchard tasks list) or an import path package.module:build.")] = "shakespeare",
+    task: Annotated[str, typer.Option("--task", help="The task: a registered name (orchard tasks list) "
+                                      "or an import path package.module:build.")] = "shakespeare",
     task_params: Annotated[str | None, typer.Option("--task-params", help="Task parameters as JSON, e.g. '{\"lora_rank\": 4}'.")] = None,
     token: Token = None,
     ca_cert: CaCert = None,

@@ -190,10 +190,22 @@ def test_systemd_unit_of_a_bundle(bundled: Bundled) -> None:
     assert f"--bundle {bundled.path.resolve()}" in res.output and "client start" in res.output
 
 
-def test_bundle_refuses_a_task_without_lora(tmp_path: Path) -> None:
+def test_a_task_without_lora_bundles_its_parameters(tmp_path: Path) -> None:
+    """digits trains its whole MLP: the bundle's ONNX model takes every parameter as an
+    input, and its adapter is the initial model's parameters, by name."""
     res = CliRunner().invoke(cli.app, ["client", "bundle", "--server", "h:1", "--out", str(tmp_path / "b"),
-                                       "--task", "digits"])
-    assert res.exit_code == 2 and "not a LoRA adapter" in res.output
+                                       "--task", "digits", "--no-training-program"])
+    assert res.exit_code == 0, res.output
+    task = get_task("digits")
+    b = read_bundle(tmp_path / "b")
+    want = task.initial_arrays(0)
+    got = b.adapter_arrays()
+    assert sorted(got) == sorted(task.trainable) and all(np.array_equal(got[k], want[k]) for k in want)
+    x = task.test_data.x[:8].numpy()
+    with torch.no_grad():
+        model = task.build_model(0).eval()
+        expected = model(torch.from_numpy(x)).numpy()
+    assert np.abs(run_inference(b.path, x) - expected).max() <= 1e-5
 
 
 def test_unreachable_root_means_the_initial_adapter() -> None:

@@ -244,3 +244,24 @@ def test_a_bundle_of_another_schema_version_is_refused(command: Path, lora: Lora
     res = subprocess.run([str(command), str(b)], capture_output=True, text=True, timeout=60)
     assert res.returncode in (4, ERR_PROGRAM), res.stderr
     assert f"{file} has format_version 99; this client reads 1" in res.stderr, res.stderr
+
+
+def test_a_program_of_another_kind_is_refused_naming_the_kind(command: Path, lora: LoraBundle, tmp_path: Path) -> None:
+    """A classification program (a task over rows of features) is not misread as a text
+    one: the native trainer feeds token windows only, so the bundle is refused at open."""
+    import shutil
+
+    from orchard.edge_runtime.bundle import file_sha256
+
+    b = tmp_path / "other-kind"
+    shutil.copytree(lora.path, b)
+    data = json.loads((b / "train_program.json").read_text())
+    data["kind"] = "classification"
+    (b / "train_program.json").write_text(json.dumps(data))
+    cfg = json.loads((b / "client.json").read_text())
+    cfg["training_program"]["sha256"] = file_sha256(b / "train_program.json")
+    (b / "client.json").write_text(json.dumps(cfg))
+    res = subprocess.run([str(command), str(b)], capture_output=True, text=True, timeout=60)
+    assert res.returncode == ERR_REFUSED, res.stderr
+    assert 'holds a training program of kind "classification"; this client trains "next_token" programs only' \
+        in res.stderr, res.stderr

@@ -1,7 +1,7 @@
 """examples/greenhouse, a user's own task in its own installed package, through every
 path: registered by its entry point, simulated on worker processes, trained by a gRPC
 federation (root, aggregator, 3 clients), and bundled for a device whose ONNX model
-agrees with torch."""
+agrees with torch and whose ExecuTorch training program trains as torch does."""
 
 from __future__ import annotations
 
@@ -133,15 +133,9 @@ def test_a_grpc_federation_of_root_aggregator_and_three_clients(installed, tmp_p
 
 def test_a_bundle_of_the_task_matches_torch(installed, tmp_path: Path) -> None:
     from orchard.edge_runtime.bundle import run_inference
-    from orchard.edge_runtime.bundle_task import read_bundle_task
     from orchard.edge_runtime.lora import set_arrays
     from orchard.edge_runtime.task_bundle import write_task_bundle
     from orchard.tasks import get_task
-
-    res = orchard(installed, "client", "bundle", "--server", "greenhouse.example:7070", "--out", str(tmp_path / "b0"),
-                  "--task", "greenhouse", "--no-training-program", cwd=tmp_path)
-    assert res.returncode == 0, res.stdout + res.stderr
-    assert read_bundle_task(tmp_path / "b0").task == "greenhouse"  # what a client from it builds
 
     task = get_task("greenhouse")
     rng = np.random.default_rng(5)  # a trained adapter, not B = 0: the parity check has teeth
@@ -158,6 +152,45 @@ def test_a_bundle_of_the_task_matches_torch(installed, tmp_path: Path) -> None:
     assert got.shape == want.shape == (64, 4)
     assert np.abs(got - want).max() <= 1e-5
     assert np.abs(bare - want).max() > 1e-2
+
+
+@pytest.mark.slow  # two ExecuTorch exports, tens of seconds each on a shared host
+@pytest.mark.parametrize("lora", [True, False])
+def test_the_example_bundles_with_its_training_program(installed, tmp_path: Path, lora: bool) -> None:
+    """`orchard client bundle` as docs/your-task.md runs it writes the task's classification
+    program; a device's step through it (the Python ExecuTorch trainer) updates the model
+    as the task's torch trainer does on the same batch: its LoRA adapter, or with
+    lora=false all of its parameters."""
+    pytest.importorskip("executorch")
+    from orchard.edge_runtime.bundle import read_bundle
+    from orchard.edge_runtime.bundle_task import read_bundle_task
+    from orchard.edge_runtime.et_program import load_training_program, read_manifest
+    from orchard.edge_runtime.et_trainer import DeviceData, ExecuTorchTrainer
+    from orchard.tasks import get_task
+    from orchard.trainer import TrainConfig
+
+    out = tmp_path / "b"
+    res = orchard(installed, "client", "bundle", "--server", "greenhouse.example:7070", "--out", str(out),
+                  "--task", "greenhouse", "--task-params", json.dumps({"lora": lora}), cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert read_bundle_task(out).task == "greenhouse"  # what a client from it builds
+    m = read_manifest(out)
+    task = get_task("greenhouse", lora=lora)
+    assert (m.kind, m.lora_variant, m.inputs[0].shape) == ("classification", "full" if lora else None, (8, 7))
+    assert sorted(p.name for p in m.parameters) == sorted(task.trainable)
+
+    rng = np.random.default_rng(5)
+    arrays = {k: (v + 0.1 * rng.standard_normal(v.shape)).astype(np.float32) for k, v in task.initial_arrays(0).items()}
+    torch_trainer = task.client_trainer(2, 6, 0)
+    inner = getattr(torch_trainer, "inner", torch_trainer)  # a LoRA task's trainer wraps the torch one
+    data = DeviceData(inner.train_data.x.numpy(), inner.train_data.y.numpy())
+    program = load_training_program(out, adapter=read_bundle(out).adapter_arrays())
+    cfg = TrainConfig(steps=3, batch_size=len(data), learning_rate=0.1, momentum=0.9)  # one batch: the same rows
+    got = ExecuTorchTrainer(program, data).train(arrays, cfg)
+    want = torch_trainer.train(arrays, cfg)
+    assert max(float(np.abs(got.arrays[k] - want.arrays[k]).max()) for k in want.arrays) <= 1e-5
+    assert max(float(np.abs(want.arrays[k] - arrays[k]).max()) for k in want.arrays) > 1e-3
+    assert got.metrics["train_accuracy"] == pytest.approx(want.metrics["train_accuracy"])
 
 
 UNEXPORTABLE = '''
@@ -192,7 +225,7 @@ def build():
 def test_a_model_that_does_not_export_is_refused_naming_the_operator(tmp_path: Path) -> None:
     (tmp_path / "wobbly.py").write_text(UNEXPORTABLE)
     res = orchard(dict(os.environ), "client", "bundle", "--server", "h:1", "--out", str(tmp_path / "b"),
-                  "--task", "wobbly:build", "--no-training-program", cwd=tmp_path)
+                  "--task", "wobbly:build", cwd=tmp_path)
     assert res.returncode == 2, res.stdout + res.stderr
     text = " ".join((res.stdout + res.stderr).split())
     assert "operator greenlab.wobble has no ONNX translation" in text, text[-2000:]
