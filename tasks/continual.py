@@ -37,6 +37,7 @@ from orchard.tasks.torch_trainer import (
     evaluate_model,
     load_arrays,
     make_optimizer,
+    train_step,
 )
 from orchard.trainer import EvalResult, StepGate, TrainConfig, TrainResult
 from orchard.typing import NDArrays
@@ -147,15 +148,7 @@ class ContinualTrainer:
                 parts_x.append(torch.from_numpy(rx))
                 parts_y.append(torch.from_numpy(ry))
             x, y = torch.cat(parts_x), torch.cat(parts_y)
-            opt.zero_grad(set_to_none=True)
-            loss, hits = _loss_and_correct(model(x), y)
-            loss.backward()
-            if mu > 0:  # FedProx (Li et al., 2020, eq. 2)
-                with torch.no_grad():
-                    for p, a in zip(params, anchors, strict=True):
-                        if p.grad is not None:
-                            p.grad.add_(p - a, alpha=mu)
-            opt.step()
+            loss, hits = train_step(model, opt, _loss_and_correct, x, y, params, anchors, mu)
             with torch.no_grad():
                 loss_sum += loss.detach().double() * y.numel()
                 correct += hits

@@ -125,6 +125,25 @@ def stack_rows(datas: Sequence[TensorData | TensorRows]) -> tuple[torch.Tensor, 
     return torch.stack([d.x for d in datas]), torch.stack([d.y for d in datas])
 
 
+def train_step(model: nn.Module, opt: torch.optim.Optimizer,
+               loss_and_correct: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+               x: torch.Tensor, y: torch.Tensor, params: Sequence[torch.Tensor],
+               anchors: Sequence[torch.Tensor], mu: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on ``(x, y)``: the loss and its gradient, FedProx's pull when
+    ``mu > 0`` (Li et al., 2020, eq. 2: the gradient of mu/2 ||w - w_global||^2 towards
+    ``anchors``), the step. Returns (loss, correct)."""
+    opt.zero_grad(set_to_none=True)
+    loss, hits = loss_and_correct(model(x), y)
+    loss.backward()
+    if mu > 0:
+        with torch.no_grad():
+            for p, a in zip(params, anchors, strict=True):
+                if p.grad is not None:
+                    p.grad.add_(p - a, alpha=mu)
+    opt.step()
+    return loss, hits
+
+
 def _loss_and_correct(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy over all targets, and the number of argmax hits."""
     flat = logits.reshape(-1, logits.shape[-1])
@@ -327,16 +346,7 @@ class TorchTrainer:
                 else:
                     idx = perm[start : start + config.batch_size]
                     x, y = x_all[idx], y_all[idx]
-                opt.zero_grad(set_to_none=True)
-                loss, hits = self._loss_and_correct(model(x), y)
-                loss.backward()
-                if mu > 0:
-                    # FedProx (Li et al., 2020, eq. 2): grad of mu/2 ||w - w_global||^2.
-                    with torch.no_grad():
-                        for p, a in zip(params, anchors, strict=True):
-                            if p.grad is not None:
-                                p.grad.add_(p - a, alpha=mu)
-                opt.step()
+                loss, hits = train_step(model, opt, self._loss_and_correct, x, y, params, anchors, mu)
                 with torch.no_grad():
                     loss_sum += loss.detach().double() * y.numel()
                     correct += hits
