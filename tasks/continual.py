@@ -34,6 +34,7 @@ from orchard.tasks.torch_trainer import (
     TensorData,
     _loss_and_correct,
     arrays_of,
+    build_trainable,
     evaluate_model,
     load_arrays,
     make_optimizer,
@@ -87,15 +88,7 @@ class ContinualTrainer:
 
     def _built(self) -> tuple[nn.Module, list[str], dict[str, torch.Tensor]]:
         if self._state is None:
-            model = self._factory()
-            params = dict(model.named_parameters())
-            names = self._requested if self._requested is not None else list(params)
-            unknown = [n for n in names if n not in params]
-            if unknown:
-                raise ConfigError(f"trainable tensors {unknown[:5]} are not parameters of the model")
-            for n, p in params.items():
-                p.requires_grad_(n in set(names))
-            self._state = (model, names, model.state_dict(keep_vars=True))
+            self._state = build_trainable(self._factory, self._requested)
         return self._state
 
     @property

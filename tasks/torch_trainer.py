@@ -125,6 +125,23 @@ def stack_rows(datas: Sequence[TensorData | TensorRows]) -> tuple[torch.Tensor, 
     return torch.stack([d.x for d in datas]), torch.stack([d.y for d in datas])
 
 
+def build_trainable(factory: Callable[[], nn.Module], requested: Sequence[str] | None
+                    ) -> tuple[nn.Module, list[str], dict[str, torch.Tensor]]:
+    """A fresh model from ``factory`` whose parameters require grad exactly when named in
+    ``requested`` (all of them when None); returns (model, trained names, its state dict
+    holding the live tensors)."""
+    model = factory()
+    params = dict(model.named_parameters())
+    names = list(requested) if requested is not None else list(params)
+    unknown = [n for n in names if n not in params]
+    if unknown:
+        raise ConfigError(f"trainable tensors {unknown[:5]} are not parameters of the model")
+    keep = set(names)
+    for n, p in params.items():
+        p.requires_grad_(n in keep)
+    return model, names, model.state_dict(keep_vars=True)
+
+
 def train_step(model: nn.Module, opt: torch.optim.Optimizer,
                loss_and_correct: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                x: torch.Tensor, y: torch.Tensor, params: Sequence[torch.Tensor],
@@ -267,18 +284,7 @@ class TorchTrainer:
 
     def _built(self) -> tuple[nn.Module, list[str], dict[str, torch.Tensor]]:
         if self._state is None:
-            model = self._factory()
-            params = dict(model.named_parameters())
-            names = self._requested if self._requested is not None else list(params)
-            unknown = [n for n in names if n not in params]
-            if unknown:
-                raise ConfigError(
-                    f"trainable tensors {unknown[:5]} are not parameters of the model"
-                )
-            keep = set(names)
-            for n, p in params.items():
-                p.requires_grad_(n in keep)
-            self._state = (model, names, model.state_dict(keep_vars=True))
+            self._state = build_trainable(self._factory, self._requested)
         return self._state
 
     @property

@@ -45,14 +45,8 @@ std::vector<uint8_t> sha256_bytes(const uint8_t* data, size_t n) {
 }
 
 std::string sha256_hex(const uint8_t* data, size_t n) {
-  MdCtx ctx;
-  if (ctx.p == nullptr) throw std::bad_alloc();
-  unsigned char md[EVP_MAX_MD_SIZE];
-  unsigned len = 0;
-  check(EVP_DigestInit_ex(ctx.p, EVP_sha256(), nullptr));
-  check(EVP_DigestUpdate(ctx.p, data, n));
-  check(EVP_DigestFinal_ex(ctx.p, md, &len));
-  return hex(md, len);
+  const std::vector<uint8_t> md = sha256_bytes(data, n);
+  return hex(md.data(), static_cast<unsigned>(md.size()));
 }
 
 std::string file_sha256_hex(const std::string& path) {
