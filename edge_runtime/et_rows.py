@@ -33,14 +33,18 @@ LOSS_DESCRIPTIONS = {
 }
 
 
-class _ClassificationLoss(nn.Module):
-    """``forward(features, labels, row_weight) -> (loss, correct)``:
-    ``loss = sum_r row_weight[r] * CE(logits[r], labels[r])``, ``correct`` the argmax
-    hits of rows with positive weight."""
+class _RowsLoss(nn.Module):
+    """A loss program over rows: the wrapped model is its ``model`` attribute."""
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
         self.model = model
+
+
+class _ClassificationLoss(_RowsLoss):
+    """``forward(features, labels, row_weight) -> (loss, correct)``:
+    ``loss = sum_r row_weight[r] * CE(logits[r], labels[r])``, ``correct`` the argmax
+    hits of rows with positive weight."""
 
     def forward(
         self, features: torch.Tensor, labels: torch.Tensor, row_weight: torch.Tensor
@@ -51,13 +55,9 @@ class _ClassificationLoss(nn.Module):
         return loss, hits.sum()
 
 
-class _RegressionLoss(nn.Module):
+class _RegressionLoss(_RowsLoss):
     """``forward(features, labels, row_weight) -> (loss, correct)``:
     ``loss = sum_r row_weight[r] * sum_k (outputs[r, k] - labels[r, k])^2``, ``correct`` 0."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
 
     def forward(
         self, features: torch.Tensor, labels: torch.Tensor, row_weight: torch.Tensor
