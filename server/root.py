@@ -256,6 +256,14 @@ class RootRunner:
             self.store.set_run_status(run.run_id, "failed", f"{type(err).__name__}: {err}")
         finally:
             run.current = None
+            # An asynchronous run leaves the continuation of its last buffer open (it refuses
+            # what comes). Closed, this tier answers "no round open", which is how an
+            # aggregator learns the run is over: it then closes its own continuation and
+            # reports what that took as dropped. Left open, it would hear "not selected" and
+            # hold those acknowledged uploads, unreported, until the next run.
+            cur = self.coord.current
+            if cur is not None and cur.task.run_id == run.run_id:
+                self.coord.close_round(cur, f"run {run.status}")
 
     async def _wait_capacity(self, run: ActiveRun) -> None:
         cfg = run.config
