@@ -39,7 +39,7 @@ from orchard.server.cohort import Assignment, CheckedUpload, CohortRound
 from orchard.server.round import RoundTask, round_seed
 from orchard.server.secagg import SecureUpstream
 from orchard.server.selection import pick
-from orchard.server.tier.policy import new_round
+from orchard.server.tier.policy import new_round, supersede
 from orchard.typing import NDArrays, Role
 
 if TYPE_CHECKING:
@@ -65,11 +65,8 @@ class BufferedPolicy:
              upstream: SecureUpstream | None) -> CohortRound:
         tier = self.tier
         carry = prev is not None and prev.task.config.mode.is_async and prev.task.run_id == task.run_id
-        if prev is not None and not prev.closed and not carry:
-            tier.close_round(prev, "superseded by a new round")
-            if prev.continuation and tier.acks is not None:  # no partial will carry what it took
-                tier.acks.dropped(prev, "round over before applied: its continuation was superseded by "
-                                        f"a round of run {task.run_id!r}")
+        if not carry:
+            supersede(tier, prev, task)
         if carry and prev is not None and prev.task.model_hash != task.model_hash:
             self._prev_model = (prev.task.model_hash, prev.task.model_blob)
         cr = new_round(tier, task, self._compressed(task), upstream)

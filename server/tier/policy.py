@@ -102,3 +102,16 @@ def new_round(tier: Coordinator, task: RoundTask, compressed: bool, upstream: Se
     """A round of ``task`` at ``tier``'s clock, with the tier's noise generator."""
     return CohortRound(task, tier.now(), tier.noise_rng if rng is None else rng, compressed=compressed,
                        upstream=upstream, continuation=continuation)
+
+
+def supersede(tier: Coordinator, prev: CohortRound | None, task: RoundTask) -> None:
+    """Close ``prev``, which ``task``'s round replaces without taking its sums (whatever the
+    new round's mode: this rule is the tier's, not one policy's). A buffer's continuation is
+    pushed by no one but the round it moves into: what it acknowledged reaches no partial,
+    and the tier's journal records it as dropped, with the reason."""
+    if prev is None or prev.closed:
+        return
+    tier.close_round(prev, "superseded by a new round")
+    if prev.continuation and tier.acks is not None:
+        tier.acks.dropped(prev, "round over before applied: its continuation was superseded by "
+                                f"a round of run {task.run_id!r}")

@@ -19,7 +19,7 @@ from orchard.server.cohort import Assignment, CheckedUpload, CohortRound
 from orchard.server.round import RoundTask
 from orchard.server.secagg import SecureUpstream
 from orchard.server.selection import over_select
-from orchard.server.tier.policy import new_round
+from orchard.server.tier.policy import new_round, supersede
 from orchard.typing import NDArrays
 
 if TYPE_CHECKING:
@@ -34,8 +34,7 @@ class SyncPolicy:
 
     def open(self, prev: CohortRound | None, task: RoundTask, restore: BufferState | None,
              upstream: SecureUpstream | None) -> CohortRound:
-        if prev is not None and not prev.closed:
-            self.tier.close_round(prev, "superseded by a new round")
+        supersede(self.tier, prev, task)
         cr = new_round(self.tier, task, sums_compressed(task.config), upstream)
         self.tier.current = cr
         return cr

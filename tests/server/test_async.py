@@ -21,6 +21,7 @@ from orchard.errors import (
     StaleUpdateError,
     UnknownModelVersionError,
 )
+from orchard.server.ackjournal import AckJournal
 from orchard.server.buffer import BufferState
 from orchard.server.coordinator import Coordinator
 from orchard.server.decoding import ClientUpdateDecoder
@@ -298,3 +299,40 @@ def test_asynchronous_mode_takes_clipping_and_central_dp_but_no_robust_statistic
     with pytest.raises(ValueError, match="'distributed' is not supported in asynchronous mode"):
         RunConfig(cohort=uniform, mode=mode, secure_aggregation={"enabled": True},
                   privacy=PrivacyConfig(mode="distributed", target_epsilon=5.0, clip_norm=1.0))
+
+
+class JournalAcks:
+    """An aggregator's AckLog (as ``orchard.server.aggregator.UpstreamLink`` keeps it)."""
+
+    def __init__(self, journal: AckJournal) -> None:
+        self.journal = journal
+
+    def acked(self, cr, up) -> None:
+        self.journal.acked(cr, cr.task.run_id, cr.task.round, cr.task.attempt, up)
+
+    def moved(self, prev, cr) -> None:
+        self.journal.moved(prev, cr, cr.task.run_id, cr.task.round, cr.task.attempt)
+
+    def dropped(self, cr, reason: str) -> None:
+        self.journal.drop(cr, reason)
+
+
+@pytest.mark.parametrize("next_mode", ["sync", "async"])
+def test_what_a_continuation_took_is_journaled_dropped_when_another_runs_round_supersedes_it(
+        tmp_path, next_mode: str) -> None:
+    cfg = _cfg(k=2, s=1)
+    coord = _tier(cfg)
+    journal = AckJournal(tmp_path / "acks")
+    coord.acks = JournalAcks(journal)
+    cr1 = coord.open_round(_task(cfg, 1))
+    tasks = {n: coord.assign(n) for n in NODES}
+    for n in ("a", "b"):
+        coord.upload_now(n, *_upload(coord, tasks[n], n, 1.0))
+    assert cr1.closed
+    journal.forwarded(cr1)  # the full buffer went up (the aggregator's push)
+    coord.upload_now("c", *_upload(coord, tasks["c"], "c", 1.0))  # into the continuation
+    assert coord.current.continuation and journal.pending(10) == []
+    nxt = RunConfig(cohort=CohortConfig(target=2), mode=ModeConfig(kind=next_mode))
+    coord.open_round(replace(_task(nxt, 1), run_id="next-run"))
+    assert [(d.node_id, d.task_id) for d in journal.pending(10)] == [("c", tasks["c"].task_id)]
+    assert journal.pending(10)[0].reason.startswith("round over before applied: its continuation was superseded")
