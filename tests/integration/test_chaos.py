@@ -29,9 +29,10 @@ def _holds(out: dict, kills: int, modes: set[str]) -> None:
     assert out["rounds_finished"] >= 2 and out["updates_counted"] > 0
 
 
-# Out of the default suite until a known fault is fixed: in 2 of 4 runs, 1-2 uploads an
-# aggregator acknowledged near a run's end were in no aggregate and in no drop record
-# (the 242-kill benchmark run, with its longer settle, held every invariant).
+# Out of the default suite for its length only: fifteen processes, a 15 s kill window and
+# the last run's end take about 3 minutes on a loaded 2-core host. (The fault it once
+# showed, uploads an aggregator's FedBuff continuation acknowledged and never reported, is
+# covered in the default suite by test_aggregator_run_over.py and test_async.py.)
 @pytest.mark.slow
 def test_twenty_kills_across_process_kinds_break_no_invariant(tmp_path: Path) -> None:
     # FedBuff first: a short window on a loaded host may see one run only; the slow
