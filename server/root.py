@@ -263,7 +263,7 @@ class RootRunner:
             # hold those acknowledged uploads, unreported, until the next run.
             cur = self.coord.current
             if cur is not None and cur.task.run_id == run.run_id:
-                self.coord.close_round(cur, f"run {run.status}")
+                self.coord.close_round(cur, "run over")
 
     async def _wait_capacity(self, run: ActiveRun) -> None:
         cfg = run.config
