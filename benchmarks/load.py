@@ -4,7 +4,7 @@ For each device count N (doubling, from ``--sizes``), on loopback, in a fresh fe
 
 - a root (``orchard server start``) and one aggregator (``orchard aggregator start``)
   below it, each its own process, with the servers' default timings (long poll 20 s,
-  heartbeat 10 s, node timeout 60 s), plaintext (``--insecure``: the transport benchmark
+  heartbeat 4 s, node timeout 12 s), plaintext (``--insecure``: the transport benchmark
   measures TLS; here every device would otherwise enroll a key at the root first);
 - ``--generators`` device generators (``benchmarks/load_gen.py``), each playing its share
   of the N devices with the real client link, many device sessions multiplexed over a
