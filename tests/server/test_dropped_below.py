@@ -20,16 +20,9 @@ from orchard.server.tier.relay import ParentUpstream
 from orchard.server.upstream import ChildRound
 from orchard.trainer import TrainResult
 from orchard.typing import DeviceState, Role, TensorSpec
+from tests.server.clock import Clock
 
 SCHEMA = (TensorSpec("w", (4,), "float32"),)
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def _coord(name: str, clock: Clock) -> Coordinator:
@@ -47,7 +40,7 @@ def _update(coord: Coordinator, cfg: RunConfig, node: str) -> tuple:
 
 
 def test_a_client_dropped_below_an_aggregator_is_counted_in_the_roots_record() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     root, agg = _coord("root", clock), _coord("agg", clock)
     cfg = RunConfig(cohort=CohortConfig(target=3, over_selection=1.0))
     root.join("agg", Role.AGGREGATOR, "tok", DeviceState())
@@ -84,7 +77,7 @@ def test_a_client_dropped_below_an_aggregator_is_counted_in_the_roots_record() -
 
 
 def test_a_client_update_that_claims_drops_below_it_is_refused() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     tier = _coord("tier", clock)
     cfg = RunConfig(cohort=CohortConfig(target=1, over_selection=1.0))
     tier.join("a", Role.CLIENT, "tok", DeviceState())

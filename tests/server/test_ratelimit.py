@@ -8,14 +8,7 @@ import pytest
 
 from orchard.errors import RateLimitedError
 from orchard.server.ratelimit import Buckets, JoinLimiter, TokenBucket, peer_host
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 50.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.server.clock import Clock
 
 
 def test_a_bucket_gives_its_burst_then_its_rate() -> None:
@@ -34,7 +27,7 @@ def test_a_bucket_gives_its_burst_then_its_rate() -> None:
 
 
 def test_buckets_keep_the_most_recent_keys_only() -> None:
-    clock = Clock()
+    clock = Clock(50.0)
     bs = Buckets(rate=0.1, burst=1, monotonic=clock, max_keys=2)
     for k in ("a", "b", "c"):
         bs.take(k)
@@ -49,7 +42,7 @@ def test_peer_host_drops_the_port(peer: str, host: str) -> None:
 
 
 def test_failed_joins_from_one_address_are_limited_and_say_when_to_retry() -> None:
-    clock = Clock()
+    clock = Clock(50.0)
     lim = JoinLimiter(clock, failures_burst=3, failures_per_s=0.5)
     for k in range(3):
         lim.check("10.0.0.9", f"bad-{k}")
@@ -63,7 +56,7 @@ def test_failed_joins_from_one_address_are_limited_and_say_when_to_retry() -> No
 
 
 def test_one_bad_credential_is_limited_from_any_address() -> None:
-    clock = Clock()
+    clock = Clock(50.0)
     lim = JoinLimiter(clock, failures_burst=2, failures_per_s=0.1)
     for k in range(2):
         lim.failed(f"10.0.1.{k}", "revoked")
@@ -72,7 +65,7 @@ def test_one_bad_credential_is_limited_from_any_address() -> None:
 
 
 def test_joins_that_never_poll_spend_the_bucket_and_a_poll_gives_the_token_back() -> None:
-    clock = Clock()
+    clock = Clock(50.0)
     lim = JoinLimiter(clock, unpolled_burst=3, unpolled_per_s=0.5)
     for k in range(100):  # a device that joins and polls costs nothing
         lim.check("10.0.0.1", "shared")

@@ -13,20 +13,13 @@ from orchard.config import CohortConfig, RunConfig, ServerConfig
 from orchard.server.coordinator import Coordinator
 from orchard.server.decoding import ClientUpdateDecoder
 from orchard.server.round import RoundTask
-from orchard.server.tier.registry import Registry
+from orchard.server.tier.registry import Child, Registry
 from orchard.typing import DeviceState, Role, TensorSpec
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.server.clock import Clock
 
 
 def test_a_node_that_joined_and_never_polled_is_live_but_never_selectable() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     reg = Registry(node_timeout_s=10.0, monotonic=clock, ready_s=2.0)
     reg.join("ghost", Role.CLIENT, "tok", DeviceState(), waiting=False)
     ghost = reg.children["ghost"]
@@ -37,12 +30,18 @@ def test_a_node_that_joined_and_never_polled_is_live_but_never_selectable() -> N
     assert reg.expire(lambda n: False) == ["ghost"] and "ghost" not in reg.children
 
 
-def test_a_node_waits_for_work_while_it_polls_and_a_moment_after() -> None:
-    clock = Clock()
+def _polling(clock: Clock) -> tuple[Registry, Child]:
+    """A registry (10 s timeout, 2 s ready) with one client "c" that has a long poll outstanding."""
     reg = Registry(node_timeout_s=10.0, monotonic=clock, ready_s=2.0)
     reg.join("c", Role.CLIENT, "tok", DeviceState(), waiting=False)
     c = reg.children["c"]
     reg.poll_started(c)
+    return reg, c
+
+
+def test_a_node_waits_for_work_while_it_polls_and_a_moment_after() -> None:
+    clock = Clock(1000.0)
+    reg, c = _polling(clock)
     clock.t += 30.0  # a long poll outstanding: live and waiting however long it lasts
     assert reg.live(c) and reg.waiting(c) and reg.capacity() == (1, 1)
     reg.poll_ended(c, cancelled=False)
@@ -61,11 +60,8 @@ def test_a_node_waits_for_work_while_it_polls_and_a_moment_after() -> None:
 
 
 def test_a_cancelled_poll_is_a_node_gone_now_until_it_calls_again() -> None:
-    clock = Clock()
-    reg = Registry(node_timeout_s=10.0, monotonic=clock, ready_s=2.0)
-    reg.join("c", Role.CLIENT, "tok", DeviceState(), waiting=False)
-    c = reg.children["c"]
-    reg.poll_started(c)
+    clock = Clock(1000.0)
+    reg, c = _polling(clock)
     reg.poll_ended(c, cancelled=True)
     assert not reg.live(c) and not reg.waiting(c) and reg.capacity() == (0, 0)
     reg.touch("c")
@@ -73,7 +69,7 @@ def test_a_cancelled_poll_is_a_node_gone_now_until_it_calls_again() -> None:
 
 
 def test_an_aggregator_offers_its_eligible_pool_only_while_it_waits_for_work() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     reg = Registry(node_timeout_s=10.0, monotonic=clock, ready_s=2.0)
     reg.join("agg", Role.AGGREGATOR, "tok", DeviceState(), waiting=False)
     reg.touch("agg", pool_size=50, pool_eligible=40)
@@ -84,7 +80,7 @@ def test_an_aggregator_offers_its_eligible_pool_only_while_it_waits_for_work() -
 
 
 def test_an_in_process_check_in_waits_for_work_from_its_join() -> None:
-    reg = Registry(node_timeout_s=10.0, monotonic=Clock(), ready_s=2.0)
+    reg = Registry(node_timeout_s=10.0, monotonic=Clock(1000.0), ready_s=2.0)
     reg.join("sim", Role.CLIENT, "tok", DeviceState())
     assert reg.waiting(reg.children["sim"])
 
@@ -98,7 +94,7 @@ def _task(target: int) -> RoundTask:
 
 def test_a_round_selects_pollers_not_ghosts_and_drops_a_poller_that_vanished() -> None:
     async def main() -> None:
-        clock = Clock()
+        clock = Clock(1000.0)
         coord = Coordinator("tier", ServerConfig(node_timeout_s=10.0, heartbeat_s=2.0),
                             np.random.default_rng(0), ClientUpdateDecoder(), monotonic=clock)
         for n in ("a", "b", "gone"):
@@ -120,7 +116,7 @@ def test_a_round_selects_pollers_not_ghosts_and_drops_a_poller_that_vanished() -
 
 
 def test_a_selected_node_that_stops_waiting_before_it_takes_its_task_is_dropped_within_seconds() -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     coord = Coordinator("tier", ServerConfig(node_timeout_s=60.0, heartbeat_s=2.0), np.random.default_rng(0),
                         ClientUpdateDecoder(), monotonic=clock, inline=True)
     coord.join("a", Role.CLIENT, "tok", DeviceState(), waiting=False)
