@@ -82,6 +82,16 @@ def build(variant: str = "default", *, sanitize: bool = False, build_type: str =
     return Build(directory)
 
 
+def build_or_fail(variant: str = "default", *, sanitize: bool = False, build_type: str = "RelWithDebInfo") -> Build:
+    """:func:`build` for a test: a failed build fails the calling test with the compiler's output."""
+    import pytest
+
+    try:
+        return build(variant, sanitize=sanitize, build_type=build_type)
+    except subprocess.CalledProcessError as err:
+        pytest.fail(f"building device/ ({variant}) failed:\n{err.stdout}\n{err.stderr}")
+
+
 def ctest(b: Build, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ctest", "--test-dir", str(b.directory), "--output-on-failure", "-j", JOBS],
                           capture_output=True, text=True, env={**os.environ, **(env or {})})

@@ -9,7 +9,6 @@ pytest's default timeout: these tests allow 20 minutes.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
 import device_native
@@ -20,16 +19,9 @@ REASON = device_native.skip_reason()
 pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.timeout(1200)]
 
 
-def _build(variant: str, **kw: object) -> device_native.Build:
-    try:
-        return device_native.build(variant, **kw)  # type: ignore[arg-type]
-    except subprocess.CalledProcessError as err:
-        pytest.fail(f"building device/ ({variant}) failed:\n{err.stdout}\n{err.stderr}")
-
-
 @pytest.fixture(scope="module")
 def native() -> device_native.Build:
-    return _build("default")
+    return device_native.build_or_fail("default")
 
 
 @pytest.fixture(scope="module")
@@ -50,4 +42,4 @@ def test_ctest(native: device_native.Build, vectors: Path) -> None:
 
 @pytest.mark.slow
 def test_ctest_under_sanitizers(vectors: Path) -> None:
-    _ctest(_build("sanitize", sanitize=True, build_type="Debug"), vectors)
+    _ctest(device_native.build_or_fail("sanitize", sanitize=True, build_type="Debug"), vectors)

@@ -39,10 +39,7 @@ CHUNK = 512
 
 @pytest.fixture(scope="module")
 def command() -> Path:
-    try:
-        return device_native.build("default").path("orchard-device")
-    except subprocess.CalledProcessError as err:
-        pytest.fail(f"building device/ failed:\n{err.stdout}\n{err.stderr}")
+    return device_native.build_or_fail().path("orchard-device")
 
 
 @dataclass

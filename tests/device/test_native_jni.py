@@ -28,10 +28,7 @@ def test_java_drives_a_bundle_check_and_a_training_step(tmp_path: Path) -> None:
     from orchard.edge_runtime.task_bundle import write_task_bundle
     from orchard.tasks import get_task
 
-    try:
-        build = device_native.build("default")
-    except subprocess.CalledProcessError as err:
-        pytest.fail(f"building device/ failed:\n{err.stdout}\n{err.stderr}")
+    build = device_native.build_or_fail()
     if not build.path("liborchard_device_jni.so").is_file():
         pytest.fail("javac is here but CMake built no liborchard_device_jni.so (JDK headers not found?)")
     task = get_task("shakespeare", **{**device_vectors.SMALL_TASK, "lora_variant": "full"})

@@ -38,12 +38,9 @@ VARIANT = os.environ.get("ORCHARD_DEVICE_VARIANT", "default")
 
 @pytest.fixture(scope="module")
 def command() -> Path:
-    try:
-        if VARIANT == "sanitize":
-            return device_native.build("sanitize", sanitize=True, build_type="Debug").path("orchard-device")
-        return device_native.build("default").path("orchard-device")
-    except subprocess.CalledProcessError as err:
-        pytest.fail(f"building device/ failed:\n{err.stdout}\n{err.stderr}")
+    if VARIANT == "sanitize":
+        return device_native.build_or_fail("sanitize", sanitize=True, build_type="Debug").path("orchard-device")
+    return device_native.build_or_fail().path("orchard-device")
 
 
 def _serve_root(data: Path) -> Iterator[tuple[TierHandle, Path]]:

@@ -55,12 +55,7 @@ TOLERANCE = 0.05
 
 @pytest.fixture(scope="module")
 def command() -> Path:
-    import subprocess
-
-    try:
-        return device_native.build("default").path("orchard-device")
-    except subprocess.CalledProcessError as err:
-        pytest.fail(f"building device/ failed:\n{err.stdout}\n{err.stderr}")
+    return device_native.build_or_fail().path("orchard-device")
 
 
 @pytest.fixture(scope="module")
