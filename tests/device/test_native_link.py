@@ -6,11 +6,10 @@ bundle."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import subprocess
-import threading
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,15 +17,16 @@ import device_native
 import device_vectors
 import pytest
 
-from orchard.config import ServerConfig
-from orchard.server.app import TierHandle, start_root
-from orchard.server.store import SQLiteStore, hash_token
-from orchard.server.tls import init_certs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
+from fed_harness import BackgroundRoot  # noqa: E402
+
+from orchard.server.app import TierHandle  # noqa: E402
+from orchard.server.store import SQLiteStore, hash_token  # noqa: E402
+from orchard.server.tls import init_certs  # noqa: E402
 
 REASON = device_native.skip_reason()
 pytestmark = [pytest.mark.skipif(REASON is not None, reason=REASON or ""), pytest.mark.timeout(1200)]
 
-FAST = ServerConfig(heartbeat_s=1.0, node_timeout_s=5.0, long_poll_s=2.0)
 # Status codes of include/orchard_device.h (the command exits with them).
 STATUS = {"ORCHARD_OK": 0, "ORCHARD_ERR_BUNDLE": 4, "ORCHARD_ERR_INTEGRITY": 5, "ORCHARD_ERR_AUTH": 8,
           "ORCHARD_ERR_UNAVAILABLE": 11, "ORCHARD_ERR_TLS": 12}
@@ -44,14 +44,9 @@ def command() -> Path:
 
 
 def _serve_root(data: Path) -> Iterator[tuple[TierHandle, Path]]:
-    loop = asyncio.new_event_loop()
-    handle = loop.run_until_complete(start_root(data / "root", server_cfg=FAST))
-    t = threading.Thread(target=loop.run_forever, daemon=True)
-    t.start()
-    yield handle, data / "root"
-    asyncio.run_coroutine_threadsafe(handle.stop(0.1), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    t.join(5)
+    srv = BackgroundRoot(data / "root", start_grace_s=5.0, insecure=False)
+    yield srv.root, data / "root"
+    srv.stop()
 
 
 @pytest.fixture(scope="module")

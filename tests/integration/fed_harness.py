@@ -122,16 +122,16 @@ async def wait_joined(tier: TierHandle, n: int, timeout: float = 30.0) -> None:
 
 class BackgroundRoot:
     """A root serving from its own event loop in a thread, for tests that speak to it
-    synchronously (raw gRPC stubs, subprocess clients)."""
+    synchronously (raw gRPC stubs, subprocess clients); ``insecure=False`` serves TLS."""
 
     def __init__(self, data_dir: Path, cfg: ServerConfig = FAST, start_grace_s: float = 0.1,
-                 **root_kw: Any) -> None:
+                 insecure: bool = True, **root_kw: Any) -> None:
         import threading
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.root: TierHandle = self.call(start_root(data_dir, insecure=True, server_cfg=cfg,
+        self.root: TierHandle = self.call(start_root(data_dir, insecure=insecure, server_cfg=cfg,
                                                      start_grace_s=start_grace_s, **root_kw))
 
     def call(self, coro: Any, timeout: float = 60.0) -> Any:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from fed_harness import FAST, Federation, add_clients, start_run, wait_status
+from fed_harness import FAST, BackgroundRoot, Federation, add_clients, start_run, wait_status
 
 from orchard.client.secure import DeviceTrust
 from orchard.config import CohortConfig, RunConfig, SecureAggregationConfig
@@ -81,16 +81,9 @@ def test_enrolled_clients_run_the_active_secure_session(tmp_path: Path) -> None:
 
 @pytest.fixture()
 def tls_root(tmp_path: Path):
-    loop = asyncio.new_event_loop()
-    root = loop.run_until_complete(start_root(tmp_path / "root", server_cfg=FAST))
-    import threading
-
-    t = threading.Thread(target=loop.run_forever, daemon=True)
-    t.start()
-    yield root, tmp_path / "root"
-    asyncio.run_coroutine_threadsafe(root.stop(0.1), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    t.join(5)
+    srv = BackgroundRoot(tmp_path / "root", start_grace_s=5.0, insecure=False)
+    yield srv.root, tmp_path / "root"
+    srv.stop()
 
 
 def _fleet(root, token: str | None) -> tuple[grpc.Channel, pbg.FleetStub, tuple]:
