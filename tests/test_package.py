@@ -47,9 +47,8 @@ def test_validate_accepts_the_shipped_config() -> None:
     assert "OK" in r.output
 
 
-def test_validate_reports_every_problem_at_once(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.toml"
-    bad.write_text("""
+@pytest.mark.parametrize(("config", "expected"), [
+    pytest.param("""
 [run]
 task = "no-such-task"
 rounds = 0
@@ -59,26 +58,22 @@ target = 0
 name = "topk"
 [run.secure_aggregation]
 enabled = true
-""")
-    r = CliRunner().invoke(app, ["validate", str(bad)])
-    assert r.exit_code == 1
-    assert "rounds" in r.output and "cohort.target" in r.output
-
-
-def test_validate_reports_codec_and_secure_aggregation_together(tmp_path: Path) -> None:
-    bad = tmp_path / "bad.toml"
-    bad.write_text("""
+""", ("rounds", "cohort.target"), id="every-problem-at-once"),
+    pytest.param("""
 [run]
 task = "no-such-task"
 [run.codec]
 name = "topk"
 [run.secure_aggregation]
 enabled = true
-""")
+""", ("secure_aggregation", "topk", "no-such-task", "available"), id="codec-and-secure-aggregation-together"),
+])
+def test_validate_reports_every_problem(tmp_path: Path, config: str, expected: tuple[str, ...]) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(config)
     r = CliRunner().invoke(app, ["validate", str(bad)])
     assert r.exit_code == 1
-    assert "secure_aggregation" in r.output and "topk" in r.output
-    assert "no-such-task" in r.output and "available" in r.output
+    assert all(word in r.output for word in expected), r.output
 
 
 @pytest.mark.parametrize("cmd", [["--help"], ["server", "start", "--help"], ["aggregator", "start", "--help"],
