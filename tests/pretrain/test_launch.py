@@ -15,25 +15,16 @@ from pathlib import Path
 import pytest
 
 from orchard.pretrain import checkpoint
+from tests.pretrain.flags import cli_flags
 
 pytestmark = pytest.mark.slow
-
-
-def _flags(data: dict, prefix: str = "") -> list[str]:
-    out = []
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out += _flags(value, f"{prefix}{key}.")
-        elif value is not None:
-            out += [f"--{prefix}{key}", value if isinstance(value, str) else json.dumps(value)]
-    return out
 
 
 def _torchrun(cfg, **popen) -> subprocess.Popen:
     exe = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or "torchrun"
     args = [exe, "--standalone", "--nproc-per-node", "2", "-m", "orchard.pretrain"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(args + _flags(cfg.model_dump(mode="json")), env=env, **popen)
+    return subprocess.Popen(args + cli_flags(cfg.model_dump(mode="json")), env=env, **popen)
 
 
 def _run_to_end(cfg) -> list[float]:

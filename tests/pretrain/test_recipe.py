@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from orchard.pretrain import checkpoint
 from orchard.pretrain.export import BaseModelError, load_base_model
 from orchard.pretrain.recipe import run
+from tests.pretrain.flags import cli_flags
 
 
 def test_stopped_and_resumed_run_repeats_the_uninterrupted_losses(tmp_path, tiny_config) -> None:
@@ -42,17 +43,6 @@ def _wait_for(condition, timeout_s: float, proc: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
-def _flags(data: dict, prefix: str = "") -> list[str]:
-    """A config as command-line overrides: ``--model.n_layer 2 ...``."""
-    out = []
-    for key, value in data.items():
-        if isinstance(value, dict):
-            out += _flags(value, f"{prefix}{key}.")
-        elif value is not None:
-            out += [f"--{prefix}{key}", json.dumps(value) if not isinstance(value, str) else value]
-    return out
-
-
 def test_sigterm_stops_at_the_next_step_and_resumes_exactly(tmp_path, tiny_config) -> None:
     """SIGTERM mid-interval (log_every far away): the run stops after the step it was in,
     logs that step's losses, checkpoints it and exits 0; resuming repeats the
@@ -60,7 +50,7 @@ def test_sigterm_stops_at_the_next_step_and_resumes_exactly(tmp_path, tiny_confi
     tiny = tiny_config
     out = tmp_path / "run"
     base = {"steps": 100000, "checkpoint_every": 3, "log_every": 100000, "eval_batches": 0}
-    args = [sys.executable, "-m", "orchard.pretrain"] + _flags(
+    args = [sys.executable, "-m", "orchard.pretrain"] + cli_flags(
         tiny(out, **base).model_dump(mode="json")
     )
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
