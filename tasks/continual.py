@@ -31,10 +31,10 @@ from orchard.client.replay import ReplayBuffer
 from orchard.errors import ConfigError
 from orchard.seeds import derive_seed
 from orchard.tasks.torch_trainer import (
+    LazyTrainable,
     TensorData,
     _loss_and_correct,
     arrays_of,
-    build_trainable,
     evaluate_model,
     load_arrays,
     make_optimizer,
@@ -63,7 +63,6 @@ class ContinualTrainer:
                  trainable: Sequence[str] | None = None, seed: int = 0) -> None:
         if not 0.0 <= replay_ratio <= 1.0:
             raise ConfigError(f"continual.replay_ratio must be in [0, 1], got {replay_ratio}")
-        self._factory = model_factory
         self.stream = stream
         self.directory = Path(directory)
         self.budget_bytes = int(budget_bytes)
@@ -71,9 +70,8 @@ class ContinualTrainer:
         self.sampling = sampling
         self.hot_samples = hot_samples
         self._test = test_data
-        self._requested = list(trainable) if trainable is not None else None
         self.seed = seed
-        self._state: tuple[nn.Module, list[str], dict[str, torch.Tensor]] | None = None
+        self._model = LazyTrainable(model_factory, trainable)
 
     def arrive(self, now_s: float) -> None:
         """The stream's clock (the simulator's virtual time); a file the device appends to needs none."""
@@ -86,17 +84,12 @@ class ContinualTrainer:
         return ReplayBuffer(self.directory, self.stream.sample_shape, self.budget_bytes, sampling=self.sampling,
                             hot_samples=self.hot_samples)
 
-    def _built(self) -> tuple[nn.Module, list[str], dict[str, torch.Tensor]]:
-        if self._state is None:
-            self._state = build_trainable(self._factory, self._requested)
-        return self._state
-
     @property
     def trainable(self) -> list[str]:
-        return list(self._built()[1])
+        return self._model.names
 
     def train(self, arrays: NDArrays, config: TrainConfig, *, gate: StepGate | None = None) -> TrainResult:
-        model, names, tensors = self._built()
+        model, names, tensors = self._model.get()
         load_arrays(tensors, arrays, names)
         if config.batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {config.batch_size}")
@@ -164,7 +157,7 @@ class ContinualTrainer:
                            metrics=metrics)
 
     def evaluate(self, arrays: NDArrays, config: TrainConfig) -> EvalResult:
-        model, names, tensors = self._built()
+        model, names, tensors = self._model.get()
         load_arrays(tensors, arrays, names)
         if self._test is None:
             return EvalResult(num_examples=0, metrics={})

@@ -142,6 +142,26 @@ def build_trainable(factory: Callable[[], nn.Module], requested: Sequence[str] |
     return model, names, model.state_dict(keep_vars=True)
 
 
+class LazyTrainable:
+    """:func:`build_trainable` on first use, kept after: rounds reuse the module, only the
+    arrays change. Shared by the trainers that own one model."""
+
+    def __init__(self, factory: Callable[[], nn.Module], requested: Sequence[str] | None) -> None:
+        self._factory = factory
+        self._requested = list(requested) if requested is not None else None
+        self._state: tuple[nn.Module, list[str], dict[str, torch.Tensor]] | None = None
+
+    def get(self) -> tuple[nn.Module, list[str], dict[str, torch.Tensor]]:
+        """(model, trained names, its state dict holding the live tensors)."""
+        if self._state is None:
+            self._state = build_trainable(self._factory, self._requested)
+        return self._state
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.get()[1])
+
+
 def train_step(model: nn.Module, opt: torch.optim.Optimizer,
                loss_and_correct: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
                x: torch.Tensor, y: torch.Tensor, params: Sequence[torch.Tensor],
@@ -266,15 +286,12 @@ class TorchTrainer:
         trainable: Sequence[str] | None = None,
         seed: int = 0,
     ) -> None:
-        self._factory = model_factory
         self.train_data = train_data
         # A callable is called on first use: a client that only trains (every simulated
         # client in a round) never gathers its local test split.
         self._test: TensorData | Callable[[], TensorData] = test_data
-        self._requested = list(trainable) if trainable is not None else None
         self.seed = seed
-        # Built on first use and kept: rounds reuse the module, only the arrays change.
-        self._state: tuple[nn.Module, list[str], dict[str, torch.Tensor]] | None = None
+        self._model = LazyTrainable(model_factory, trainable)
 
     @property
     def test_data(self) -> TensorData:
@@ -282,19 +299,14 @@ class TorchTrainer:
             self._test = self._test()
         return self._test
 
-    def _built(self) -> tuple[nn.Module, list[str], dict[str, torch.Tensor]]:
-        if self._state is None:
-            self._state = build_trainable(self._factory, self._requested)
-        return self._state
-
     @property
     def trainable(self) -> list[str]:
-        return list(self._built()[1])
+        return self._model.names
 
     @property
     def model(self) -> nn.Module:
         """The trainer's model (with whatever arrays were last loaded)."""
-        return self._built()[0]
+        return self._model.get()[0]
 
     def train(
         self, arrays: NDArrays, config: TrainConfig, *, gate: StepGate | None = None,
@@ -303,7 +315,7 @@ class TorchTrainer:
         """Train from ``arrays``. ``anchor``: where ``proximal_mu``'s pull points (default:
         ``arrays``, FedProx); a personal adapter trained towards the global one (Ditto,
         ``orchard.client.personal``) starts elsewhere than its anchor."""
-        model, names, tensors = self._built()
+        model, names, tensors = self._model.get()
         load_arrays(tensors, arrays, names)
         n = len(self.train_data)
         if n == 0:
@@ -416,7 +428,7 @@ class TorchTrainer:
         return evaluate_model(model, data)
 
     def evaluate(self, arrays: NDArrays, config: TrainConfig) -> EvalResult:
-        model, names, tensors = self._built()
+        model, names, tensors = self._model.get()
         load_arrays(tensors, arrays, names)
         if len(self.test_data) == 0:
             return EvalResult(num_examples=0, metrics={})
