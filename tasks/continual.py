@@ -32,6 +32,7 @@ from orchard.errors import ConfigError
 from orchard.seeds import derive_seed
 from orchard.tasks.torch_trainer import (
     LazyTrainable,
+    StepTotals,
     TensorData,
     _loss_and_correct,
     arrays_of,
@@ -111,9 +112,8 @@ class ContinualTrainer:
         anchors = [p.detach().clone() for p in params] if mu > 0 else []
         gen = torch.Generator().manual_seed(derive_seed(self.seed, config.seed, bits=63))
         x_new, y_new = torch.from_numpy(new_x), torch.from_numpy(new_y)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        correct = torch.zeros((), dtype=torch.int64)
-        seen_targets, step, stopped = 0, 0, False
+        totals = StepTotals()
+        step, stopped = 0, False
         model.train()
         perm = torch.randperm(n, generator=gen)
         pos = 0
@@ -134,11 +134,7 @@ class ContinualTrainer:
                 parts_x.append(torch.from_numpy(rx))
                 parts_y.append(torch.from_numpy(ry))
             x, y = torch.cat(parts_x), torch.cat(parts_y)
-            loss, hits = train_step(model, opt, _loss_and_correct, x, y, params, anchors, mu)
-            with torch.no_grad():
-                loss_sum += loss.detach().double() * y.numel()
-                correct += hits
-            seen_targets += y.numel()
+            totals.add(*train_step(model, opt, _loss_and_correct, x, y, params, anchors, mu), y)
             step += 1
             if gate is not None:
                 gate.after_step(float(y.shape[0]))
@@ -147,8 +143,7 @@ class ContinualTrainer:
             buf.offer(new_x[i], int(new_y[i]), rng)
         buf.cursor += n
         buf.flush()
-        metrics = {"train_loss": float(loss_sum) / seen_targets if seen_targets else float("nan"),
-                   "train_accuracy": float(correct) / seen_targets if seen_targets else float("nan")}
+        metrics = totals.metrics()
         if stopped:
             return TrainResult(arrays=arrays_of(tensors, names), weight=float(n) * step / total if total else 0.0,
                                num_examples=min(n, step * max(fresh, 1)), num_steps=step, metrics=metrics,

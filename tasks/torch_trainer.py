@@ -181,6 +181,30 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer,
     return loss, hits
 
 
+class StepTotals:
+    """A training run's running sums: the loss summed per target, the hits, the targets
+    seen. Kept as tensors, read once at the end (no device sync per step)."""
+
+    def __init__(self) -> None:
+        self.loss_sum = torch.zeros((), dtype=torch.float64)
+        self.correct = torch.zeros((), dtype=torch.int64)
+        self.targets = 0
+
+    def add(self, loss: torch.Tensor, hits: torch.Tensor, y: torch.Tensor) -> None:
+        """One step's mean ``loss`` and ``hits`` over the targets ``y``."""
+        with torch.no_grad():
+            self.loss_sum += loss.detach().double() * y.numel()
+            self.correct += hits
+        self.targets += y.numel()
+
+    def metrics(self, none_seen: float = float("nan")) -> dict[str, float]:
+        """``train_loss`` and ``train_accuracy`` per target (``none_seen`` for both when no step ran)."""
+        if not self.targets:
+            return {"train_loss": none_seen, "train_accuracy": none_seen}
+        return {"train_loss": float(self.loss_sum) / self.targets,
+                "train_accuracy": float(self.correct) / self.targets}
+
+
 def _loss_and_correct(logits: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean cross-entropy over all targets, and the number of argmax hits."""
     flat = logits.reshape(-1, logits.shape[-1])
@@ -341,9 +365,7 @@ class TorchTrainer:
         total_steps = config.steps if config.steps is not None else config.epochs * steps_per_epoch
         gen = torch.Generator().manual_seed(_seed_from(self.seed, config.seed))
         x_all, y_all = self.train_data.x, self.train_data.y
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        correct = torch.zeros((), dtype=torch.int64)
-        seen_targets = 0
+        totals = StepTotals()
         model.train()
         step = 0
         visited = 0  # examples drawn, with repeats across epochs
@@ -364,27 +386,19 @@ class TorchTrainer:
                 else:
                     idx = perm[start : start + config.batch_size]
                     x, y = x_all[idx], y_all[idx]
-                loss, hits = train_step(model, opt, self._loss_and_correct, x, y, params, anchors, mu)
-                with torch.no_grad():
-                    loss_sum += loss.detach().double() * y.numel()
-                    correct += hits
-                seen_targets += y.numel()
+                totals.add(*train_step(model, opt, self._loss_and_correct, x, y, params, anchors, mu), y)
                 step += 1
                 if gate is not None:
                     visited += int(y.shape[0])
                     gate.after_step(float(y.shape[0]))
         if stopped:
-            return self._partial(tensors, names, n, step, total_steps, visited, loss_sum,
-                                 correct, seen_targets)
+            return self._partial(tensors, names, n, step, total_steps, visited, totals)
         return TrainResult(
             arrays=arrays_of(tensors, names),
             weight=float(n),
             num_examples=n,
             num_steps=step,
-            metrics={
-                "train_loss": float(loss_sum) / max(seen_targets, 1),
-                "train_accuracy": float(correct) / max(seen_targets, 1),
-            },
+            metrics=totals.metrics(none_seen=0.0),
         )
 
     @staticmethod
@@ -395,9 +409,7 @@ class TorchTrainer:
         steps: int,
         planned: int,
         visited: int,
-        loss_sum: torch.Tensor,
-        correct: torch.Tensor,
-        seen_targets: int,
+        totals: StepTotals,
     ) -> TrainResult:
         """The result of a run a gate stopped after ``steps`` of ``planned`` steps.
 
@@ -406,16 +418,12 @@ class TorchTrainer:
         weights a client by its data, and a client that did a fraction of its planned
         work contributes that fraction of its data's gradient signal.
         """
-        nan = float("nan")
         return TrainResult(
             arrays=arrays_of(tensors, names),
             weight=float(n) * steps / planned if planned > 0 else 0.0,
             num_examples=min(n, visited),
             num_steps=steps,
-            metrics={
-                "train_loss": float(loss_sum) / seen_targets if seen_targets else nan,
-                "train_accuracy": float(correct) / seen_targets if seen_targets else nan,
-            },
+            metrics=totals.metrics(),
             planned_weight=float(n),
         )
 
