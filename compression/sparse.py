@@ -187,14 +187,19 @@ class SparsifiedCodec(BaseCodec):
         nested = Field(np.frombuffer(values, dtype=np.uint8))
         return self.header(x.shape, [*index_fields, nested]), None
 
-    def _split(self, enc: EncodedTensor, shared_seed: int) -> tuple[np.ndarray, EncodedTensor]:
+    def _index_fields(self, enc: EncodedTensor) -> tuple[Field, ...]:
+        """The payload's index fields (all but the last, the nested values), refusing a
+        payload with another number of fields."""
         want = self.selector.n_index_fields + 1
         if len(enc.fields) != want:
             raise MalformedPayloadError(
                 f"{self.name} payload: expected {want} fields (indices, values), "
                 f"got {len(enc.fields)}"
             )
-        idx = self.selector.indices(enc, enc.fields[:-1], shared_seed)
+        return enc.fields[:-1]
+
+    def _split(self, enc: EncodedTensor, shared_seed: int) -> tuple[np.ndarray, EncodedTensor]:
+        idx = self.selector.indices(enc, self._index_fields(enc), shared_seed)
         return idx, self._values(enc, idx.size)
 
     def _values(self, enc: EncodedTensor, kept: int) -> EncodedTensor:
@@ -218,13 +223,7 @@ class SparsifiedCodec(BaseCodec):
     def _checked_values(self, enc: EncodedTensor, shared_seed: int) -> tuple[int, EncodedTensor]:
         """How many values are kept and their nested payload, checking the index fields
         (randk: its seed, without drawing the coordinates)."""
-        want = self.selector.n_index_fields + 1
-        if len(enc.fields) != want:
-            raise MalformedPayloadError(
-                f"{self.name} payload: expected {want} fields (indices, values), "
-                f"got {len(enc.fields)}"
-            )
-        kept = self.selector.kept(enc, enc.fields[:-1], shared_seed)
+        kept = self.selector.kept(enc, self._index_fields(enc), shared_seed)
         return kept, self._values(enc, kept)
 
     def bound(self, enc: EncodedTensor, num_summands: int = 1, shared_seed: int = 0) -> float:
