@@ -36,7 +36,8 @@ from orchard.secure_agg.errors import MalformedMessage
 from orchard.secure_agg.messages import (
     ACTIVE_VERSION,
     SIGNATURE_BYTES,
-    Message,
+    Broadcast,
+    ClientMessage,
     SessionConfig,
     Stage,
 )
@@ -86,24 +87,13 @@ def consistency_message(cfg: SessionConfig, view: bytes) -> bytes:
 
 
 @dataclass(frozen=True)
-class ConsistencyRequest(Message):
+class ConsistencyRequest(Broadcast):
     """Server -> client, stage CONSISTENCY: the view (U2, U3) to sign."""
 
     TAG: ClassVar[int] = 9
     STAGE: ClassVar[Stage] = Stage.CONSISTENCY
     VERSIONS: ClassVar[tuple[int, ...]] = (ACTIVE_VERSION,)
-    session_id: bytes
-    round_number: int
-    recipient: str
     view: bytes
-
-    @property
-    def node(self) -> str:
-        return self.recipient
-
-    @property
-    def version(self) -> int:
-        return ACTIVE_VERSION
 
     def _write(self, w: _Writer) -> None:
         w.u32(len(self.view))
@@ -115,28 +105,17 @@ class ConsistencyRequest(Message):
 
 
 @dataclass(frozen=True)
-class ConsistencySignature(Message):
+class ConsistencySignature(ClientMessage):
     """Client -> server, stage CONSISTENCY: the sender's signature over the view it was shown."""
 
     TAG: ClassVar[int] = 10
     STAGE: ClassVar[Stage] = Stage.CONSISTENCY
     VERSIONS: ClassVar[tuple[int, ...]] = (ACTIVE_VERSION,)
-    session_id: bytes
-    round_number: int
-    sender: str
     signature: bytes
 
     def __post_init__(self) -> None:
         if len(self.signature) != SIGNATURE_BYTES:
             raise MalformedMessage(f"a signature is {SIGNATURE_BYTES} bytes, got {len(self.signature)}")
-
-    @property
-    def node(self) -> str:
-        return self.sender
-
-    @property
-    def version(self) -> int:
-        return ACTIVE_VERSION
 
     def _write(self, w: _Writer) -> None:
         w.raw(self.signature)

@@ -34,7 +34,7 @@ import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
@@ -125,8 +125,9 @@ class Message(ABC):
 
     @property
     def version(self) -> int:
-        """The header version this message is written with (2: its active-session form)."""
-        return VERSION
+        """The header version this message is written with (2: its active-session form);
+        a message with one form is written in it, one with two says which."""
+        return self.VERSIONS[0]
 
     def to_bytes(self) -> bytes:
         w = _header(self.TAG, self.session_id, self.round_number, self.node, self.version)
@@ -139,6 +140,47 @@ class Message(ABC):
         if not isinstance(msg, cls):
             raise MalformedMessage(f"expected a {cls.__name__}, got a {type(msg).__name__}")
         return msg
+
+
+@dataclass(frozen=True)
+class ClientMessage(Message):
+    """A client -> server message: the common header with its sender."""
+
+    session_id: bytes
+    round_number: int
+    sender: str
+
+    @property
+    def node(self) -> str:
+        return self.sender
+
+
+@dataclass(frozen=True)
+class Broadcast(Message):
+    """A server -> client message: the common header with its recipient."""
+
+    session_id: bytes
+    round_number: int
+    recipient: str
+
+    @property
+    def node(self) -> str:
+        return self.recipient
+
+
+class _OnePairList:
+    """The body of a message that is one (node, blob) list, ``ciphertexts``: ShareKeys and
+    SharesBroadcast, whose bodies have one layout (listed before the header base, so its
+    ``_write``/``_read`` are the ones a subclass gets)."""
+
+    ciphertexts: tuple[tuple[str, bytes], ...]
+
+    def _write(self, w: _Writer) -> None:
+        _write_pairs(w, self.ciphertexts)
+
+    @classmethod
+    def _read(cls, r: _Reader, session_id: bytes, round_number: int, node: str) -> Any:
+        return cls(session_id, round_number, node, _read_pairs(r))  # type: ignore[call-arg]
 
 
 def _header(tag: int, session_id: bytes, round_number: int, node: str, version: int = VERSION) -> _Writer:
@@ -240,7 +282,11 @@ COMMITMENT_BYTES = 32  # H(b_u), SHA-256
 SIGNATURE_BYTES = 64  # Ed25519
 
 
-def _check_signed(k: AdvertiseKeys | PeerKeys) -> None:
+def _check_keys(k: AdvertiseKeys | PeerKeys) -> None:
+    """The two public keys and, when signed, the commitment, credential and signature:
+    what AdvertiseKeys and the PeerKeys relaying it both carry."""
+    _check_key("channel_pk", k.channel_pk)
+    _check_key("mask_pk", k.mask_pk)
     if not (k.signature or k.credential or k.seed_commitment):
         return
     if len(k.seed_commitment) != COMMITMENT_BYTES or len(k.signature) != SIGNATURE_BYTES:
@@ -250,7 +296,11 @@ def _check_signed(k: AdvertiseKeys | PeerKeys) -> None:
         raise MalformedMessage("signed keys carry their owner's credential (certificate or key)")
 
 
-def _write_signed(w: _Writer, k: AdvertiseKeys | PeerKeys) -> None:
+def _write_keys(w: _Writer, k: AdvertiseKeys | PeerKeys) -> None:
+    w.raw(k.channel_pk)
+    w.raw(k.mask_pk)
+    if not k.signature:
+        return
     w.raw(k.seed_commitment)
     w.u16(len(k.credential))
     w.raw(k.credential)
@@ -264,7 +314,7 @@ def _read_signed(r: _Reader) -> tuple[bytes, bytes, bytes]:
 
 
 @dataclass(frozen=True)
-class AdvertiseKeys(Message):
+class AdvertiseKeys(ClientMessage):
     """Client -> server, stage ADVERTISE_KEYS: the two public keys (§4, round 0). In an
     active session (§6) also H(b_u), the sender's identity credential (the root's
     certificate of its Ed25519 key) and its signature over all of it
@@ -273,9 +323,6 @@ class AdvertiseKeys(Message):
     TAG: ClassVar[int] = 2
     STAGE: ClassVar[Stage] = Stage.ADVERTISE_KEYS
     VERSIONS: ClassVar[tuple[int, ...]] = (VERSION, ACTIVE_VERSION)
-    session_id: bytes
-    round_number: int
-    sender: str
     channel_pk: bytes
     mask_pk: bytes
     seed_commitment: bytes = b""
@@ -283,23 +330,14 @@ class AdvertiseKeys(Message):
     signature: bytes = b""
 
     def __post_init__(self) -> None:
-        _check_key("channel_pk", self.channel_pk)
-        _check_key("mask_pk", self.mask_pk)
-        _check_signed(self)
-
-    @property
-    def node(self) -> str:
-        return self.sender
+        _check_keys(self)
 
     @property
     def version(self) -> int:
         return ACTIVE_VERSION if self.signature else VERSION
 
     def _write(self, w: _Writer) -> None:
-        w.raw(self.channel_pk)
-        w.raw(self.mask_pk)
-        if self.signature:
-            _write_signed(w, self)
+        _write_keys(w, self)
 
     @classmethod
     def _read(cls, r: _Reader, session_id: bytes, round_number: int, node: str) -> AdvertiseKeys:
@@ -323,9 +361,7 @@ class PeerKeys:
 
     def __post_init__(self) -> None:
         # Checked here, once per peer: a server sends the same PeerKeys to k neighbours.
-        _check_key("channel_pk", self.channel_pk)
-        _check_key("mask_pk", self.mask_pk)
-        _check_signed(self)
+        _check_keys(self)
 
     @functools.cached_property
     def encoded(self) -> bytes:
@@ -333,33 +369,23 @@ class PeerKeys:
         broadcasts (n k entries a session, each otherwise three writes)."""
         w = _Writer()
         w.string(self.node)
-        w.raw(self.channel_pk)
-        w.raw(self.mask_pk)
-        if self.signature:
-            _write_signed(w, self)
+        _write_keys(w, self)
         return w.getvalue()
 
 
 @dataclass(frozen=True)
-class KeysBroadcast(Message):
+class KeysBroadcast(Broadcast):
     """Server -> client, stage SHARE_KEYS: public keys of the neighbours that advertised."""
 
     TAG: ClassVar[int] = 3
     STAGE: ClassVar[Stage] = Stage.SHARE_KEYS
     VERSIONS: ClassVar[tuple[int, ...]] = (VERSION, ACTIVE_VERSION)
-    session_id: bytes
-    round_number: int
-    recipient: str
     keys: tuple[PeerKeys, ...]  # each checked when it was made (frozen since)
     active: bool = False  # the signed form: every entry carries commitment, credential, signature
 
     def __post_init__(self) -> None:
         if any(bool(k.signature) != self.active for k in self.keys):
             raise MalformedMessage("a keys broadcast mixes signed and unsigned keys")
-
-    @property
-    def node(self) -> str:
-        return self.recipient
 
     @property
     def version(self) -> int:
@@ -380,60 +406,29 @@ class KeysBroadcast(Message):
 
 
 @dataclass(frozen=True)
-class ShareKeys(Message):
+class ShareKeys(_OnePairList, ClientMessage):
     """Client -> server, stage SHARE_KEYS: (recipient, AES-GCM ciphertext of the shares)."""
 
     TAG: ClassVar[int] = 4
     STAGE: ClassVar[Stage] = Stage.SHARE_KEYS
-    session_id: bytes
-    round_number: int
-    sender: str
     ciphertexts: tuple[tuple[str, bytes], ...]
-
-    @property
-    def node(self) -> str:
-        return self.sender
-
-    def _write(self, w: _Writer) -> None:
-        _write_pairs(w, self.ciphertexts)
-
-    @classmethod
-    def _read(cls, r: _Reader, session_id: bytes, round_number: int, node: str) -> ShareKeys:
-        return cls(session_id, round_number, node, _read_pairs(r))
 
 
 @dataclass(frozen=True)
-class SharesBroadcast(Message):
+class SharesBroadcast(_OnePairList, Broadcast):
     """Server -> client, stage MASKED_INPUT: (sender, ciphertext) addressed to the recipient."""
 
     TAG: ClassVar[int] = 5
     STAGE: ClassVar[Stage] = Stage.MASKED_INPUT
-    session_id: bytes
-    round_number: int
-    recipient: str
     ciphertexts: tuple[tuple[str, bytes], ...]
-
-    @property
-    def node(self) -> str:
-        return self.recipient
-
-    def _write(self, w: _Writer) -> None:
-        _write_pairs(w, self.ciphertexts)
-
-    @classmethod
-    def _read(cls, r: _Reader, session_id: bytes, round_number: int, node: str) -> SharesBroadcast:
-        return cls(session_id, round_number, node, _read_pairs(r))
 
 
 @dataclass(frozen=True, eq=False)
-class MaskedInput(Message):
+class MaskedInput(ClientMessage):
     """Client -> server, stage MASKED_INPUT: y_u = x_u + PRG(b_u) + sum_v +-PRG(s_uv) mod 2^b."""
 
     TAG: ClassVar[int] = 6
     STAGE: ClassVar[Stage] = Stage.MASKED_INPUT
-    session_id: bytes
-    round_number: int
-    sender: str
     vector: np.ndarray
 
     def __post_init__(self) -> None:
@@ -441,10 +436,6 @@ class MaskedInput(Message):
         if v.ndim != 1 or v.dtype.kind != "u" or v.dtype.itemsize not in (4, 8):
             raise MalformedMessage(f"a masked input is a 1-d uint32/uint64 vector, got "
                                    f"{v.dtype} with shape {v.shape}")
-
-    @property
-    def node(self) -> str:
-        return self.sender
 
     def _write(self, w: _Writer) -> None:
         v = np.ascontiguousarray(self.vector, dtype=self.vector.dtype.newbyteorder("<"))
@@ -466,7 +457,7 @@ class MaskedInput(Message):
 
 
 @dataclass(frozen=True)
-class UnmaskRequest(Message):
+class UnmaskRequest(Broadcast):
     """Server -> client, stage UNMASKING: which neighbours survived and which dropped.
 
     The client reveals its share of b_u for each survivor u and its share of s_sk_u for
@@ -476,19 +467,12 @@ class UnmaskRequest(Message):
     TAG: ClassVar[int] = 7
     STAGE: ClassVar[Stage] = Stage.UNMASKING
     VERSIONS: ClassVar[tuple[int, ...]] = (VERSION, ACTIVE_VERSION)
-    session_id: bytes
-    round_number: int
-    recipient: str
     survivors: tuple[str, ...]
     dropped: tuple[str, ...]
     # Active sessions: no lists (the client derives them), but the survivor view it
     # signed (``consistency.View`` bytes) and its neighbours' signatures over that view.
     view: bytes = b""
     signatures: tuple[tuple[str, bytes], ...] = ()
-
-    @property
-    def node(self) -> str:
-        return self.recipient
 
     @property
     def version(self) -> int:
@@ -517,20 +501,13 @@ class UnmaskRequest(Message):
 
 
 @dataclass(frozen=True)
-class UnmaskShares(Message):
+class UnmaskShares(ClientMessage):
     """Client -> server, stage UNMASKING: (owner, share) of self-mask seeds and mask keys."""
 
     TAG: ClassVar[int] = 8
     STAGE: ClassVar[Stage] = Stage.UNMASKING
-    session_id: bytes
-    round_number: int
-    sender: str
     self_mask_shares: tuple[tuple[str, bytes], ...]
     mask_key_shares: tuple[tuple[str, bytes], ...]
-
-    @property
-    def node(self) -> str:
-        return self.sender
 
     def _write(self, w: _Writer) -> None:
         _write_pairs(w, self.self_mask_shares)
