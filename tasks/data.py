@@ -44,10 +44,10 @@ class Arrays:
 
 
 @dataclass(frozen=True)
-class Csv:
-    """A CSV file (``.csv`` or ``.csv.gz``) with a header row. ``label`` is the target
-    column; ``features`` the input columns (default: every numeric column but the label
-    and ``columns``); ``columns`` are kept per row (for a natural partition)."""
+class Table:
+    """A table file's columns, as :class:`Csv` and :class:`Parquet` name them. ``label`` is
+    the target column; ``features`` the input columns (default: every numeric column but
+    the label and ``columns``); ``columns`` are kept per row (for a natural partition)."""
 
     path: str | Path
     label: str
@@ -56,14 +56,14 @@ class Csv:
 
 
 @dataclass(frozen=True)
-class Parquet:
-    """A Parquet file, read with pandas (which needs pyarrow or fastparquet); the same
-    fields as :class:`Csv`."""
+class Csv(Table):
+    """A CSV file (``.csv`` or ``.csv.gz``) with a header row (fields: :class:`Table`)."""
 
-    path: str | Path
-    label: str
-    features: Sequence[str] | None = None
-    columns: Sequence[str] = ()
+
+@dataclass(frozen=True)
+class Parquet(Table):
+    """A Parquet file, read with pandas (which needs pyarrow or fastparquet); the same
+    fields as :class:`Csv` (:class:`Table`)."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def _labels(values: Sequence[str], where: str) -> tuple[np.ndarray, tuple[str, .
     return nums.astype(np.float32), None
 
 
-def _table(header: list[str], rows: dict[str, list[str]], spec: Csv | Parquet, where: str) -> Arrays:
+def _table(header: list[str], rows: dict[str, list[str]], spec: Table, where: str) -> Arrays:
     missing = [c for c in [spec.label, *(spec.features or ()), *spec.columns] if c not in header]
     if missing:
         raise DataError(f"{where}: no column {missing[0]!r}; the columns are {', '.join(header)}")
