@@ -143,6 +143,15 @@ class SupervisedTask:
         # instance because client_trainer asks for the same one once per client.
         self._partitions: dict[tuple[int, int], Partition] = {}
 
+    @classmethod
+    def from_labelled(cls, name: str, x_train: np.ndarray, y_train: np.ndarray, x_test: np.ndarray,
+                      y_test: np.ndarray, num_classes: int, **kw: Any) -> SupervisedTask:
+        """A classification task over numpy pools: the labels ``y_*`` are both the targets
+        and what the label partitioners read. ``kw``: the other arguments of the class."""
+        return cls(name=name, train=TensorData.from_numpy(x_train, y_train),
+                   test=TensorData.from_numpy(x_test, y_test), train_labels=y_train,
+                   test_labels=y_test, num_classes=num_classes, **kw)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name!r}, {self.params})"
 

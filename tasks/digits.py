@@ -20,7 +20,6 @@ from torch import nn
 from orchard.tasks.core import SupervisedTask, seeded_model
 from orchard.tasks.partition import stratified_split, task_label_partitioner
 from orchard.tasks.registry import trains_with
-from orchard.tasks.torch_trainer import TensorData
 
 DATA_DIR = Path(__file__).parent / "data" / "digits"
 NUM_CLASSES = 10
@@ -68,13 +67,8 @@ def build(
     params = dict(locals())  # exactly the keyword arguments: the task's parameters
     x, y = load_digits()
     train_idx, test_idx = stratified_split(y, test_fraction, split_seed)
-    return SupervisedTask(
-        name="digits",
-        train=TensorData.from_numpy(x[train_idx], y[train_idx]),
-        test=TensorData.from_numpy(x[test_idx], y[test_idx]),
-        train_labels=y[train_idx],
-        test_labels=y[test_idx],
-        num_classes=NUM_CLASSES,
+    return SupervisedTask.from_labelled(
+        "digits", x[train_idx], y[train_idx], x[test_idx], y[test_idx], NUM_CLASSES,
         model=lambda seed: seeded_model(lambda: mlp(hidden), seed),
         partitioner=task_label_partitioner(y[train_idx], y[test_idx], NUM_CLASSES, params),
         params=params,

@@ -31,7 +31,6 @@ from torch import nn
 from orchard.errors import ConfigError
 from orchard.tasks.core import SupervisedTask, seeded_model
 from orchard.tasks.partition import Partition, group_by_owner, label_skew, stratified_split
-from orchard.tasks.torch_trainer import TensorData
 
 DATA_DIR = Path(__file__).parent / "data" / "heart"
 HOSPITALS = ("cleveland", "hungarian", "switzerland", "va")
@@ -150,13 +149,8 @@ def build(
             scheme="natural(hospital)",
         )
 
-    return SupervisedTask(
-        name="heart",
-        train=TensorData.from_numpy(x_train, y_train),
-        test=TensorData.from_numpy(x_test, y_test),
-        train_labels=y_train,
-        test_labels=y_test,
-        num_classes=NUM_CLASSES,
+    return SupervisedTask.from_labelled(
+        "heart", x_train, y_train, x_test, y_test, NUM_CLASSES,
         model=lambda seed: seeded_model(lambda: model_for(model, n_features, hidden), seed),
         partitioner=partition,
         params=dict(model=model, hidden=hidden, test_fraction=test_fraction, split_seed=split_seed),

@@ -17,7 +17,6 @@ from torch import nn
 from orchard.errors import ConfigError
 from orchard.tasks.core import SupervisedTask, seeded_model
 from orchard.tasks.partition import task_label_partitioner
-from orchard.tasks.torch_trainer import TensorData
 
 DATA_DIR = Path(__file__).parent / "data" / "mnist"
 NUM_CLASSES = 10
@@ -81,13 +80,8 @@ def build(
     ``with_replacement``: uneven training sizes (as for digits)."""
     params = dict(locals())  # exactly the keyword arguments: the task's parameters
     x_train, y_train, x_test, y_test = load_mnist()
-    return SupervisedTask(
-        name="mnist",
-        train=TensorData.from_numpy(x_train, y_train),
-        test=TensorData.from_numpy(x_test, y_test),
-        train_labels=y_train,
-        test_labels=y_test,
-        num_classes=NUM_CLASSES,
+    return SupervisedTask.from_labelled(
+        "mnist", x_train, y_train, x_test, y_test, NUM_CLASSES,
         model=lambda seed: seeded_model(lambda: cnn(channels, hidden), seed),
         partitioner=task_label_partitioner(y_train, y_test, NUM_CLASSES, params),
         params=params,
