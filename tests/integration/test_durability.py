@@ -43,6 +43,28 @@ def start_root_process(data: Path, port: int) -> subprocess.Popen:
     raise AssertionError("root did not start")
 
 
+class RootProcess:
+    """``orchard server start`` as a process on a port of its own (insecure), which a test
+    kills (-9) and starts again on the same data directory and port."""
+
+    def __init__(self, data: Path) -> None:
+        self.data = data
+        self.port = free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        self.proc = start_root_process(data, self.port)
+        self.ctl = ControlClient(self.addr, insecure=True)
+
+    def kill_and_restart(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        self.proc = start_root_process(self.data, self.port)
+
+    def stop(self) -> None:
+        self.ctl.close()
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(20)
+
+
 class SlowTrainer:
     def __init__(self, inner, seconds: float) -> None:
         self.inner, self.seconds = inner, seconds
@@ -57,14 +79,11 @@ class SlowTrainer:
 
 def test_kill_minus_9_mid_round_then_resume(tmp_path: Path) -> None:
     data = tmp_path / "root"
-    port = free_port()
-    addr = f"127.0.0.1:{port}"
-    proc = start_root_process(data, port)
-    ctl = ControlClient(addr, insecure=True)
+    root = RootProcess(data)
+    addr, ctl = root.addr, root.ctl
     task = get_task("digits")
 
     async def main() -> dict:
-        nonlocal proc
         fed = Federation()
         await add_clients(fed, addr, [0, 1], 2, wrap=lambda t: SlowTrainer(t, 0.6), max_backoff_s=1.0)
         cfg = RunConfig(task="digits", rounds=4, cohort=CohortConfig(target=2, over_selection=1.0, deadline_s=30))
@@ -76,9 +95,7 @@ def test_kill_minus_9_mid_round_then_resume(tmp_path: Path) -> None:
                 break
             await asyncio.sleep(0.05)
         ck1 = (data / "checkpoints" / st["run_id"] / "round-000001.safetensors").read_bytes()
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        proc = start_root_process(data, port)
+        root.kill_and_restart()
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             try:
@@ -98,9 +115,7 @@ def test_kill_minus_9_mid_round_then_resume(tmp_path: Path) -> None:
     try:
         st = asyncio.run(main())
     finally:
-        ctl.close()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(20)
+        root.stop()
     assert st["status"] == "completed" and st["completed_rounds"] == 4, st
     completed = [r["round"] for r in st["rounds"] if r["status"] == "completed"]
     assert completed == [1, 2, 3, 4]

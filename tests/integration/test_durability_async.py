@@ -6,8 +6,6 @@ and applies exactly the buffer the clients sent."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +15,7 @@ import numpy as np
 import pytest
 from fed_harness import poll_together
 from test_bad_input import make_upload
-from test_durability import free_port, start_root_process
+from test_durability import RootProcess
 
 from orchard import wire
 from orchard.config import CohortConfig, ModeConfig, RunConfig
@@ -60,11 +58,9 @@ def _push(fleet: pbg.FleetStub, t: TaskAssignment, node: str) -> pb.UploadReply:
 
 def test_kill_minus_9_with_a_half_full_buffer(tmp_path: Path) -> None:
     data = tmp_path / "root"
-    port = free_port()
-    addr = f"127.0.0.1:{port}"
-    proc = start_root_process(data, port)
-    ctl = ControlClient(addr, insecure=True)
-    ch = grpc.insecure_channel(addr)
+    root = RootProcess(data)
+    ctl = root.ctl
+    ch = grpc.insecure_channel(root.addr)
     try:
         fleet = pbg.FleetStub(ch)
         for n in NODES:
@@ -82,10 +78,7 @@ def test_kill_minus_9_with_a_half_full_buffer(tmp_path: Path) -> None:
         assert _push(fleet, tasks["b"], "b").accepted
         st = _status(ctl, lambda s: (s.get("buffer") or {}).get("fill") == 2)
         assert st["model_version"] == 0
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-
-        proc = start_root_process(data, port)
+        root.kill_and_restart()
         for n in NODES:  # the clients reconnect; those that delivered poll for work again
             fleet.Join(pb.JoinRequest(node_id=n, role="client"), wait_for_ready=True, timeout=30)
         for n in ("a", "b"):
@@ -114,6 +107,4 @@ def test_kill_minus_9_with_a_half_full_buffer(tmp_path: Path) -> None:
         assert st["staleness_histogram"] == {"0": 3, "1": 1}
     finally:
         ch.close()
-        ctl.close()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(20)
+        root.stop()
