@@ -150,81 +150,35 @@ survivor and one per (dropped, surviving neighbour) pair.
 
 from __future__ import annotations
 
+from orchard.secure_agg import errors, messages
 from orchard.secure_agg.active import ClientPolicy, SessionIdentity
 from orchard.secure_agg.client import SecAggClient
 from orchard.secure_agg.consistency import ConsistencyRequest, ConsistencySignature, View
-from orchard.secure_agg.errors import (
-    DuplicateMessage,
-    ExcludedNode,
-    MalformedMessage,
-    NotEnoughShares,
-    SecAggAbort,
-    SecAggConfigError,
-    SecAggError,
-    TamperedCiphertext,
-    UnknownPeer,
-    WrongSession,
-    WrongStage,
-)
+from orchard.secure_agg.errors import *  # noqa: F403
 from orchard.secure_agg.graph import NeighbourGraph
-from orchard.secure_agg.messages import (
-    AdvertiseKeys,
-    KeysBroadcast,
-    MaskedInput,
-    Message,
-    PeerKeys,
-    SessionConfig,
-    SessionSetup,
-    ShareKeys,
-    SharesBroadcast,
-    Stage,
-    UnmaskRequest,
-    UnmaskShares,
-    decode,
-)
+from orchard.secure_agg.messages import *  # noqa: F403
 from orchard.secure_agg.params import SecAggParameters, choose_parameters, parameters_from_config
 from orchard.secure_agg.prg import expand_mask
 from orchard.secure_agg.quantize import check_headroom, dequantize, quantize
 from orchard.secure_agg.server import SecAggResult, SecAggServer, StageReport
 
+# The errors and the messages are exported whole: their modules' __all__ is the one list.
 __all__ = [
-    "AdvertiseKeys",
+    *errors.__all__,
+    *messages.__all__,
     "ClientPolicy",
     "ConsistencyRequest",
     "ConsistencySignature",
     "SessionIdentity",
     "View",
-    "DuplicateMessage",
-    "ExcludedNode",
-    "KeysBroadcast",
-    "MalformedMessage",
-    "MaskedInput",
-    "Message",
     "NeighbourGraph",
-    "NotEnoughShares",
-    "PeerKeys",
-    "SecAggAbort",
     "SecAggClient",
-    "SecAggConfigError",
-    "SecAggError",
     "SecAggParameters",
     "SecAggResult",
     "SecAggServer",
-    "SessionConfig",
-    "SessionSetup",
-    "ShareKeys",
-    "SharesBroadcast",
-    "Stage",
     "StageReport",
-    "TamperedCiphertext",
-    "UnknownPeer",
-    "UnmaskRequest",
-    "UnmaskShares",
-    "WrongSession",
-    "WrongStage",
     "check_headroom",
     "choose_parameters",
-    "decode",
     "dequantize",
     "expand_mask",
     "parameters_from_config",
