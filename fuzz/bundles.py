@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from orchard.edge_runtime import bundle as b
@@ -45,38 +46,38 @@ def _inside(root: Path, p: Path | None) -> None:
         raise FuzzBug(f"the bundle names {p}, outside its directory {root}")
 
 
-def client_json():
+def _one_file(name: str, check: Callable[[Path], None]) -> Callable[[bytes], None]:
+    """A target whose input is the bundle file ``name``: ``check(root)`` reads the bundle
+    and asserts what its reader promises; a refusal (OrchardError) is a pass."""
     root = scratch_bundle()
 
     def one_input(data: bytes) -> None:
-        (root / b.CONFIG_FILE).write_bytes(data)
+        (root / name).write_bytes(data)
         try:
-            bundle = b.read_bundle(root)
-            cfg = bundle.config
-            for f in (cfg.model, cfg.adapter_onnx, cfg.adapter_safetensors, cfg.training_program):
-                _inside(root, None if f is None else root / f.name)
-            _inside(root, bundle.ca_cert_path)
-            _inside(root, None if cfg.enrollment_token is None else root / cfg.enrollment_token)
-            bundle.enrollment_token()
-            _ = bundle.root_public_key
+            check(root)
         except OrchardError:
             return
 
     return one_input
+
+
+def _check_client_json(root: Path) -> None:
+    bundle = b.read_bundle(root)
+    cfg = bundle.config
+    for f in (cfg.model, cfg.adapter_onnx, cfg.adapter_safetensors, cfg.training_program):
+        _inside(root, None if f is None else root / f.name)
+    _inside(root, bundle.ca_cert_path)
+    _inside(root, None if cfg.enrollment_token is None else root / cfg.enrollment_token)
+    bundle.enrollment_token()
+    _ = bundle.root_public_key
+
+
+def client_json():
+    return _one_file(b.CONFIG_FILE, _check_client_json)
 
 
 def training_manifest():
-    root = scratch_bundle()
-
-    def one_input(data: bytes) -> None:
-        (root / ep.MANIFEST_FILE).write_bytes(data)
-        try:
-            manifest = ep.read_manifest(root)
-        except OrchardError:
-            return
-        _inside(root, root / manifest.program.name)
-
-    return one_input
+    return _one_file(ep.MANIFEST_FILE, lambda root: _inside(root, root / ep.read_manifest(root).program.name))
 
 
 def task_json():

@@ -6,6 +6,9 @@ are in a round: a peer controls the bytes, never the tier's schema.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 from google.protobuf.message import DecodeError
 
@@ -138,20 +141,32 @@ def partial_sum():
     return one_input
 
 
+def _both_or_neither(data: bytes, reference: Callable[[bytes], Any], candidate: Callable[[bytes], Any],
+                     refused: type[Exception], what: str) -> tuple[Any, Any] | None:
+    """``(reference(data), candidate(data))``, or None when both refuse ``data`` (raise
+    ``refused``); a FuzzBug when only one of them does."""
+    try:
+        want = reference(data)
+    except refused:
+        want = None
+    try:
+        got = candidate(data)
+    except refused:
+        if want is not None:
+            raise FuzzBug(f"{what} refused what its reference accepts") from None
+        return None
+    if want is None:
+        raise FuzzBug(f"{what} accepted what its reference refuses")
+    return want, got
+
+
 def upload_part():
     def one_input(data: bytes) -> None:
-        try:
-            reference = pb.UploadPart.FromString(data)
-        except DecodeError:
-            reference = None
-        try:
-            got = wire.parse_upload_part(data)
-        except DecodeError:
-            if reference is not None:
-                raise FuzzBug("parse_upload_part refused what protobuf parses") from None
+        both = _both_or_neither(data, pb.UploadPart.FromString, wire.parse_upload_part, DecodeError,
+                                "parse_upload_part")
+        if both is None:
             return
-        if reference is None:
-            raise FuzzBug("parse_upload_part accepted what protobuf refuses")
+        reference, got = both
         if isinstance(got, memoryview):
             if reference.WhichOneof("part") != "data" or bytes(got) != reference.data:
                 raise FuzzBug("the data-part fast path disagrees with protobuf")
@@ -169,18 +184,10 @@ def _columns(msg: m.Message | m.PairColumns) -> object:
 
 def secagg_message():
     def one_input(data: bytes) -> None:
-        try:
-            msg = m.decode(data)
-        except MalformedMessage:
-            msg = None
-        try:
-            cols = m.decode_columns(data)
-        except MalformedMessage:
-            if msg is not None:
-                raise FuzzBug("decode_columns refused a message decode accepts") from None
+        both = _both_or_neither(data, m.decode, m.decode_columns, MalformedMessage, "decode_columns")
+        if both is None:
             return
-        if msg is None:
-            raise FuzzBug("decode_columns accepted a message decode refuses")
+        msg, cols = both
         want = _columns(m.as_columns(msg))
         if isinstance(msg, m.MaskedInput):
             if not (isinstance(cols, m.MaskedInput) and np.array_equal(cols.vector, msg.vector)):
