@@ -63,6 +63,13 @@ class Session:
         if close:
             self.server.close_stage()
 
+    def run_to(self, stage: Stage) -> Session:
+        """Every client through every stage before ``stage``; the server is then in it."""
+        while self.server.stage is not stage:
+            assert self.server.stage not in (Stage.DONE, Stage.ABORTED), f"ended {self.server.stage} before {stage}"
+            self.step()
+        return self
+
     def finish(self) -> np.ndarray:
         while self.server.stage is not Stage.DONE:
             self.step()
@@ -103,8 +110,7 @@ def test_message_from_a_previous_round_or_session() -> None:
 
 
 def test_message_from_the_wrong_stage() -> None:
-    s = Session()
-    s.step()  # keys advertised; now SHARE_KEYS
+    s = Session().run_to(Stage.SHARE_KEYS)
     node = s.cfg.participants[1]
     with pytest.raises(WrongStage):
         s.server.receive(Stage.SHARE_KEYS, node, s.replies[Stage.ADVERTISE_KEYS][node])
@@ -144,9 +150,7 @@ def test_public_key_reuse_is_refused() -> None:
 
 
 def test_tampered_ciphertext_is_refused_by_its_recipient() -> None:
-    s = Session()
-    s.step()
-    s.step()  # shares sent; now MASKED_INPUT
+    s = Session().run_to(Stage.MASKED_INPUT)
     victim = s.cfg.participants[2]
     bcast = s.server.broadcast_for(victim)
     sender, ct = bcast.ciphertexts[0]
@@ -182,8 +186,7 @@ def test_ciphertext_replayed_from_another_session_fails_authentication() -> None
 
 
 def test_shares_for_or_from_unknown_peers() -> None:
-    s = Session()
-    s.step()
+    s = Session().run_to(Stage.SHARE_KEYS)
     a = s.cfg.participants[0]
     msg = decode(s.reply(a))
     non_neighbour = next(p for p in s.cfg.participants
@@ -211,9 +214,7 @@ def test_shares_for_or_from_unknown_peers() -> None:
 
 
 def test_unmasking_refusals() -> None:
-    s = Session()
-    s.step()
-    s.step()
+    s = Session().run_to(Stage.MASKED_INPUT)
     dropped = s.cfg.participants[5]
     s.step(skip=(dropped,))  # masked inputs; `dropped` goes silent
     node = next(p for p in s.cfg.participants if p != dropped and
@@ -247,9 +248,7 @@ def test_unmasking_refusals() -> None:
 
 
 def test_masked_input_of_the_wrong_shape_or_range() -> None:
-    s = Session()
-    s.step()
-    s.step()
+    s = Session().run_to(Stage.MASKED_INPUT)
     a = s.cfg.participants[0]
     with pytest.raises(SecAggError) as err:
         s.server.receive(Stage.MASKED_INPUT, a, decode(s.replies[Stage.SHARE_KEYS][a]))
@@ -285,10 +284,7 @@ def test_abort_below_threshold_at_every_stage(stage_index: int) -> None:
 
 def test_unmasking_aborts_when_too_few_shares_arrive() -> None:
     # Every masked input arrives, then almost nobody answers the unmask request.
-    s = Session()
-    s.step()
-    s.step()
-    s.step()
+    s = Session().run_to(Stage.UNMASKING)
     talkers = s.cfg.participants[:2]
     with pytest.raises(SecAggAbort, match="fewer than t=3"):
         s.step(skip=tuple(p for p in s.cfg.participants if p not in talkers))
@@ -296,8 +292,7 @@ def test_unmasking_aborts_when_too_few_shares_arrive() -> None:
 
 
 def test_client_aborts_when_too_few_neighbours_remain() -> None:
-    s = Session()
-    s.step()
+    s = Session().run_to(Stage.SHARE_KEYS)
     a = s.cfg.participants[0]
     bcast = s.server.broadcast_for(a)
     starved = dataclasses.replace(bcast, keys=bcast.keys[: T - 1])
