@@ -1,6 +1,6 @@
 """Malformed payloads are refused with a CodecError that says what was expected and what came.
 
-One test per case, then a fuzz test: no mutation of a valid payload may escape as
+One test (or one row of a table) per case, then a fuzz test: no mutation of a valid payload may escape as
 anything but a CodecError (in particular never a numpy IndexError/ValueError).
 """
 
@@ -44,67 +44,42 @@ def topk_payload(gaps: list[int], width: int, size: int = 10) -> bytes:
     return enc.to_bytes()
 
 
-def test_truncated_header() -> None:
-    with pytest.raises(
-        MalformedPayloadError, match="truncated header: expected at least 6 bytes, got 4"
-    ):
-        decode("float32", payload_of("float32")[:4])
+def _replace(name: str, at: int, byte: bytes) -> bytes:
+    """A valid ``name`` payload with the byte at ``at`` replaced."""
+    p = payload_of(name)
+    return p[:at] + byte + p[at + 1:]
 
 
-def test_header_truncated_inside_the_shape() -> None:
-    with pytest.raises(
-        MalformedPayloadError, match="truncated header: a 2-d shape needs 15 header bytes, got 9"
-    ):
-        decode("float32", payload_of("float32")[:9])
+# (decoder, payload, shape asked for, error, message): the framing every codec shares.
+FRAMING = [
+    pytest.param("float32", lambda: payload_of("float32")[:4], X.shape, MalformedPayloadError,
+                 "truncated header: expected at least 6 bytes, got 4", id="truncated-header"),
+    pytest.param("float32", lambda: payload_of("float32")[:9], X.shape, MalformedPayloadError,
+                 "truncated header: a 2-d shape needs 15 header bytes, got 9", id="truncated-inside-the-shape"),
+    pytest.param("float32", lambda: b"PK" + payload_of("float32")[2:], X.shape, MalformedPayloadError,
+                 r"expected magic b'OZ', got b'PK'", id="bad-magic"),
+    pytest.param("float32", lambda: _replace("float32", 2, b"\x09"), X.shape, CodecMismatchError,
+                 "wire-format version: expected 1, got 9", id="unsupported-wire-version"),
+    pytest.param("qsgd8", lambda: payload_of("float32"), X.shape, CodecMismatchError,
+                 r"this decoder is 'qsgd' \(id 4\), the payload was made by 'float32' \(id 1\)", id="wrong-codec-id"),
+    pytest.param("sign", lambda: _replace("sign", 4, b"\x02"), X.shape, CodecMismatchError,
+                 "payload version 2, this decoder reads version 1", id="wrong-codec-version"),
+    pytest.param("float32", lambda: payload_of("float32"), (10, 6), MalformedPayloadError,
+                 r"payload is for shape \(6, 10\), decode was asked for \(10, 6\)", id="wrong-shape"),
+    pytest.param("qsgd8", lambda: payload_of("qsgd8") + b"abc", X.shape, MalformedPayloadError,
+                 r"wrong payload length: the header describes \d+ bytes, got \d+ \(3 trailing bytes\)",
+                 id="trailing-bytes"),
+    pytest.param("qsgd8", lambda: payload_of("qsgd8")[:-1], X.shape, MalformedPayloadError,
+                 r"truncated payload: field 1 declares 60 elements \(60 bytes\), only 59 bytes remain",
+                 id="truncated-body"),
+]
 
 
-def test_bad_magic() -> None:
-    with pytest.raises(MalformedPayloadError, match=r"expected magic b'OZ', got b'PK'"):
-        decode("float32", b"PK" + payload_of("float32")[2:])
-
-
-def test_unsupported_wire_version() -> None:
-    p = payload_of("float32")
-    with pytest.raises(CodecMismatchError, match="wire-format version: expected 1, got 9"):
-        decode("float32", p[:2] + b"\x09" + p[3:])
-
-
-def test_wrong_codec_id() -> None:
-    with pytest.raises(
-        CodecMismatchError,
-        match=r"this decoder is 'qsgd' \(id 4\), the payload was made by 'float32' \(id 1\)",
-    ):
-        decode("qsgd8", payload_of("float32"))
-
-
-def test_wrong_codec_version() -> None:
-    p = payload_of("sign")
-    with pytest.raises(CodecMismatchError, match="payload version 2, this decoder reads version 1"):
-        decode("sign", p[:4] + b"\x02" + p[5:])
-
-
-def test_wrong_shape() -> None:
-    with pytest.raises(
-        MalformedPayloadError,
-        match=r"payload is for shape \(6, 10\), decode was asked for \(10, 6\)",
-    ):
-        decode("float32", payload_of("float32"), (10, 6))
-
-
-def test_trailing_bytes() -> None:
-    with pytest.raises(
-        MalformedPayloadError,
-        match=r"wrong payload length: the header describes \d+ bytes, got \d+ \(3 trailing bytes\)",
-    ):
-        decode("qsgd8", payload_of("qsgd8") + b"abc")
-
-
-def test_truncated_body() -> None:
-    with pytest.raises(
-        MalformedPayloadError,
-        match=r"truncated payload: field 1 declares 60 elements \(60 bytes\), only 59 bytes remain",
-    ):
-        decode("qsgd8", payload_of("qsgd8")[:-1])
+@pytest.mark.parametrize(("decoder", "payload", "shape", "error", "match"), FRAMING)
+def test_framing_refusals(decoder: str, payload, shape: tuple[int, ...], error: type[CodecError],
+                          match: str) -> None:
+    with pytest.raises(error, match=match):
+        decode(decoder, payload(), shape)
 
 
 def test_wrong_element_count() -> None:
