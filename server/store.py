@@ -106,6 +106,12 @@ class CheckpointRow:
     optimizer_path: str
 
 
+# What a revocation covers, as (tokens, devices) conditions on its one key: a token (by id)
+# and every credential it enrolled, or a node's credential and its device token.
+_REVOKE_BY_TOKEN = ("substr(hash, 1, 12)=?", "token_id=?")
+_REVOKE_BY_NODE = ("node_id=? AND kind='device'", "node_id=?")
+
+
 class Store(Protocol):
     """What the root keeps. Rounds are kept as their records (``RoundRecord.as_dict()``)."""
 
@@ -237,20 +243,14 @@ class SQLiteStore:
         and the device token bound to it: in one transaction."""
         try:
             self._db.execute("BEGIN IMMEDIATE")
-            if token_id:
-                toks = [str(r[0]) for r in self._db.execute(
-                    "SELECT hash FROM tokens WHERE substr(hash, 1, 12)=? AND revoked=0", (token_id,))]
-                nodes = [str(r[0]) for r in self._db.execute(
-                    "SELECT node_id FROM devices WHERE token_id=? AND revoked=0", (token_id,))]
-                self._db.execute("UPDATE tokens SET revoked=1 WHERE substr(hash, 1, 12)=?", (token_id,))
-                self._db.execute("UPDATE devices SET revoked=1 WHERE token_id=?", (token_id,))
-            else:
-                toks = [str(r[0]) for r in self._db.execute(
-                    "SELECT hash FROM tokens WHERE node_id=? AND kind='device' AND revoked=0", (node_id,))]
-                nodes = [str(r[0]) for r in self._db.execute(
-                    "SELECT node_id FROM devices WHERE node_id=? AND revoked=0", (node_id,))]
-                self._db.execute("UPDATE tokens SET revoked=1 WHERE node_id=? AND kind='device'", (node_id,))
-                self._db.execute("UPDATE devices SET revoked=1 WHERE node_id=?", (node_id,))
+            # The tokens and the device credentials it covers: constant conditions on one key.
+            tokens, devices = _REVOKE_BY_TOKEN if token_id else _REVOKE_BY_NODE
+            key = (token_id or node_id,)
+            toks = [str(r[0]) for r in self._db.execute(f"SELECT hash FROM tokens WHERE {tokens} AND revoked=0", key)]
+            nodes = [str(r[0]) for r in self._db.execute(
+                f"SELECT node_id FROM devices WHERE {devices} AND revoked=0", key)]
+            self._db.execute(f"UPDATE tokens SET revoked=1 WHERE {tokens}", key)
+            self._db.execute(f"UPDATE devices SET revoked=1 WHERE {devices}", key)
             self._db.execute("COMMIT")
         except BaseException:
             self._db.execute("ROLLBACK")
