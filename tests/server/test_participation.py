@@ -24,6 +24,7 @@ from orchard.server.round import RoundTask
 from orchard.server.store import SQLiteStore, atomic_write
 from orchard.typing import DeviceState, Role, TensorSpec
 from orchard.validation import data_problems
+from tests.server.restart import resume_root
 
 PRIVACY = {"mode": "dpftrl", "noise_multiplier": 2.0, "population": 16, "delta": 1e-3, "max_participations": 2,
            "min_separation": 3}
@@ -138,14 +139,7 @@ def test_a_restarted_root_continues_the_tree_and_the_bound(tmp_path: Path) -> No
             store.complete_round("run-x", 1, 0, time.time(), {"privacy": charge}, str(path), wire.sha256_hex(blob), "")
     pending = ledger.mechanism.state.carry  # type: ignore[attr-defined]
     charges.close()
-    coord = Coordinator("root", ServerConfig(), np.random.default_rng(0), ClientUpdateDecoder())
-    runner = RootRunner(coord, store, tmp_path, ServerConfig())
-
-    async def go() -> None:
-        await runner.resume()
-        await runner.close()
-
-    asyncio.run(go())
+    coord, runner = resume_root(store, tmp_path)
     assert runner.run is not None and runner.run.privacy is not None
     back = runner.run.privacy
     assert back.rounds == 2 and back.epsilon == pytest.approx(ledger.epsilon, rel=1e-12)
