@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import psutil
 
@@ -49,35 +50,49 @@ class Series:
         return before[-1] if before else 0
 
 
-class RssSampler:
-    """Samples the RSS of named processes every ``period_s`` seconds in a daemon thread."""
+class PeriodicSampler:
+    """Calls :meth:`sample` every ``period_s`` seconds in a daemon thread for as long as
+    its ``with`` block runs; a subclass says what one sample is."""
 
-    def __init__(self, pids: dict[str, int], period_s: float = 0.05) -> None:
-        self.series = {name: Series(pid) for name, pid in pids.items()}
-        self._procs = {name: psutil.Process(pid) for name, pid in pids.items()}
-        self._period = period_s
+    def __init__(self, period_s: float, name: str) -> None:
+        self.period_s = period_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
-    def add(self, name: str, pid: int) -> None:
-        self._procs[name] = psutil.Process(pid)
-        self.series[name] = Series(pid)
+    def sample(self) -> None:
+        raise NotImplementedError
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            now = time.time()
-            for name, p in list(self._procs.items()):
-                with contextlib.suppress(psutil.Error):
-                    self.series[name].samples.append((now, p.memory_info().rss))
-            self._stop.wait(self._period)
+            self.sample()
+            self._stop.wait(self.period_s)
 
-    def __enter__(self) -> RssSampler:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
+
+
+class RssSampler(PeriodicSampler):
+    """Samples the RSS of named processes every ``period_s`` seconds in a daemon thread."""
+
+    def __init__(self, pids: dict[str, int], period_s: float = 0.05) -> None:
+        super().__init__(period_s, "rss-sampler")
+        self.series = {name: Series(pid) for name, pid in pids.items()}
+        self._procs = {name: psutil.Process(pid) for name, pid in pids.items()}
+
+    def add(self, name: str, pid: int) -> None:
+        self._procs[name] = psutil.Process(pid)
+        self.series[name] = Series(pid)
+
+    def sample(self) -> None:
+        now = time.time()
+        for name, p in list(self._procs.items()):
+            with contextlib.suppress(psutil.Error):
+                self.series[name].samples.append((now, p.memory_info().rss))
 
 
 def _write_server_toml(path: Path, settings: dict[str, float | int]) -> Path:

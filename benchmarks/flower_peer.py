@@ -44,7 +44,6 @@ import contextlib
 import json
 import os
 import sys
-import threading
 import time
 from typing import Any
 
@@ -61,6 +60,9 @@ from flwr.clientapp import ClientApp  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 from flwr.serverapp.strategy import FedAvg  # noqa: E402
 from torch import nn  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _procs  # noqa: E402  (a sibling helper module, not a package)
 
 LEARNING_RATE = 0.1
 BATCH_SIZE = 10
@@ -146,54 +148,42 @@ def tree_cpu_seconds() -> float:
     return total
 
 
-class TreeMemorySampler:
+class TreeMemorySampler(_procs.PeriodicSampler):
     """Samples the summed RSS (and, every ``pss_every`` samples, the summed PSS) of this
     process and all its descendants in a daemon thread; keeps the peaks."""
 
     def __init__(self, period_s: float = 0.25, pss_every: int = 8) -> None:
-        self.period_s = period_s
+        super().__init__(period_s, "tree-rss-sampler")
         self.pss_every = pss_every
         self.peak_rss = 0
         self.peak_pss: int | None = None
         self.peak_processes = 0
         self.peak_names: dict[str, int] = {}
         self.samples = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tree-rss-sampler", daemon=True)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            procs = _tree()
-            rss = 0
+    def sample(self) -> None:
+        procs = _tree()
+        rss = 0
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                rss += p.memory_info().rss
+        if self.samples % self.pss_every == 0:
+            pss = 0
+            try:
+                for p in procs:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        pss += p.memory_full_info().pss
+                self.peak_pss = max(self.peak_pss or 0, pss)
+            except (psutil.Error, AttributeError):
+                pass  # no PSS here (not Linux, or /proc/PID/smaps unreadable)
+        self.samples += 1
+        if rss > self.peak_rss:
+            self.peak_rss, self.peak_processes = rss, len(procs)
+            names: dict[str, int] = {}
             for p in procs:
                 with contextlib.suppress(psutil.Error):
-                    rss += p.memory_info().rss
-            if self.samples % self.pss_every == 0:
-                pss = 0
-                try:
-                    for p in procs:
-                        with contextlib.suppress(psutil.NoSuchProcess):
-                            pss += p.memory_full_info().pss
-                    self.peak_pss = max(self.peak_pss or 0, pss)
-                except (psutil.Error, AttributeError):
-                    pass  # no PSS here (not Linux, or /proc/PID/smaps unreadable)
-            self.samples += 1
-            if rss > self.peak_rss:
-                self.peak_rss, self.peak_processes = rss, len(procs)
-                names: dict[str, int] = {}
-                for p in procs:
-                    with contextlib.suppress(psutil.Error):
-                        names[p.name()] = names.get(p.name(), 0) + 1
-                self.peak_names = names
-            self._stop.wait(self.period_s)
-
-    def __enter__(self) -> TreeMemorySampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
+                    names[p.name()] = names.get(p.name(), 0) + 1
+            self.peak_names = names
 
 
 class TimedFedAvg(FedAvg):
