@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Self
+from typing import Any, Self
 
 import psutil
 
@@ -48,6 +48,15 @@ class Series:
     def last_before(self, t: float) -> int:
         before = [r for s, r in self.samples if s <= t]
         return before[-1] if before else 0
+
+
+def throughput(measured: list[Any], trained: int, secs: float) -> dict[str, Any]:
+    """The figures a simulation row states over its measured rounds, written once so the
+    Orchard engine's rows and the Flower peer's compare: ``trained`` clients in ``secs``
+    wall seconds."""
+    n = len(measured)
+    return {"rounds": n, "trained_per_round": trained / n, "clients_per_second": round(trained / secs, 1),
+            "seconds_per_round": round(secs / n, 3)}
 
 
 class PeriodicSampler:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _procs import throughput
 from simulation_profile import _is_worker, _start_sampling, _stop_sampling
 
 
@@ -103,12 +104,9 @@ def _case(clients_per_round: int, population: int, aggregators: int, rounds: int
         "governor": governor,
         "workers": workers,
         "backend": backend,
-        "rounds": len(measured),
-        "trained_per_round": trained / len(measured),
+        **throughput(measured, trained, secs),
         "participants_per_round": sum(r["participants"] for r in measured) / len(measured),
-        "clients_per_second": round(trained / secs, 1),
         "cpu_clients_per_second": round(trained / cpu, 1) if cpu > 0 else None,
-        "seconds_per_round": round(secs / len(measured), 3),
         "tree_cpu_seconds_per_round": round(tree_cpu / len(measured), 3),
         "tree_cpu_us_per_client": round(1e6 * tree_cpu / trained, 1) if trained else None,
         "cores": cores,
