@@ -35,6 +35,8 @@ import numpy as np
 from orchard.errors import OrchardError
 
 SOURCE = Path(__file__).parent / "native" / "orchard_et.cpp"
+# What SOURCE includes from its own directory (shared with device/src/et_program.cpp).
+HEADERS = (Path(__file__).parent / "native" / "et_loader.h",)
 CACHE_ENV = "ORCHARD_NATIVE_DIR"
 # ExecuTorch ScalarType codes (runtime/core/portable_type/scalar_type.h).
 _DTYPES: dict[int, np.dtype] = {
@@ -89,7 +91,7 @@ def build_native_library(cache_dir: str | os.PathLike[str] | None = None) -> Pat
     ]
     st = runtime.stat()
     key = hashlib.sha256(
-        SOURCE.read_bytes() + f"{runtime.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()
+        SOURCE.read_bytes() + b"".join(h.read_bytes() for h in HEADERS) + f"{runtime.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()
         + " ".join(flags).encode()
     ).hexdigest()[:16]
     out_dir = Path(cache_dir) if cache_dir is not None else _cache_dir()

@@ -2,62 +2,28 @@
 
 #include <cstring>
 
-#include <executorch/extension/data_loader/file_data_loader.h>
-#include <executorch/extension/memory_allocator/malloc_memory_allocator.h>
-#include <executorch/runtime/executor/method.h>
-#include <executorch/runtime/executor/program.h>
-#include <executorch/runtime/platform/runtime.h>
-
+// Shared with the edge runtime's C ABI (edge_runtime/native/, on this target's include path).
+#include "et_loader.h"
 #include "failure.h"
 
-using executorch::extension::FileDataLoader;
-using executorch::extension::MallocMemoryAllocator;
 using executorch::runtime::EValue;
 using executorch::runtime::Error;
-using executorch::runtime::HierarchicalAllocator;
-using executorch::runtime::MemoryManager;
 using executorch::runtime::Method;
 using executorch::runtime::Program;
-using executorch::runtime::Span;
+using orchard_et::PlannedMethod;
 
 namespace orchard {
 
 namespace {
 
-// A loaded method with its own planned buffers and malloc-backed allocators.
-struct LoadedMethod {
-  std::vector<std::vector<uint8_t>> planned;
-  std::vector<Span<uint8_t>> spans;
-  std::unique_ptr<HierarchicalAllocator> planned_allocator;
-  MallocMemoryAllocator method_allocator;
-  MallocMemoryAllocator temp_allocator;
-  std::unique_ptr<MemoryManager> memory;
-  std::unique_ptr<Method> method;
-  uint64_t planned_bytes = 0;
-};
-
 [[noreturn]] void refuse(const std::string& path, const std::string& what) {
   throw Failure(ORCHARD_ERR_PROGRAM, path + ": " + what);
 }
 
-std::unique_ptr<LoadedMethod> load_method(Program& program, const std::string& path, const char* name) {
-  auto meta = program.method_meta(name);
-  if (!meta.ok()) refuse(path, std::string("the program has no method '") + name + "'");
-  auto m = std::make_unique<LoadedMethod>();
-  for (size_t i = 0; i < meta->num_memory_planned_buffers(); ++i) {
-    auto size = meta->memory_planned_buffer_size(i);
-    if (!size.ok()) refuse(path, "unreadable memory plan");
-    m->planned.emplace_back(static_cast<size_t>(size.get()));
-    m->planned_bytes += static_cast<uint64_t>(size.get());
-  }
-  for (auto& b : m->planned) m->spans.emplace_back(b.data(), b.size());
-  m->planned_allocator = std::make_unique<HierarchicalAllocator>(Span<Span<uint8_t>>(m->spans.data(), m->spans.size()));
-  m->memory = std::make_unique<MemoryManager>(&m->method_allocator, m->planned_allocator.get(), &m->temp_allocator);
-  auto method = program.load_method(name, m->memory.get());
-  if (!method.ok())
-    refuse(path, std::string("cannot load method '") + name + "' (ExecuTorch error " +
-                     std::to_string(static_cast<int>(method.error())) + "; 20 = an operator this runtime does not link)");
-  m->method = std::make_unique<Method>(std::move(method.get()));
+std::unique_ptr<PlannedMethod> load_method(Program& program, const std::string& path, const char* name) {
+  std::string error;
+  auto m = orchard_et::load_method(program, name, &error);
+  if (!m) refuse(path, error);
   return m;
 }
 
@@ -75,9 +41,8 @@ int64_t index_of(Program& program, const std::string& path, const char* name) {
 }  // namespace
 
 struct TrainingProgram::Impl {
-  std::unique_ptr<FileDataLoader> loader;
-  std::unique_ptr<Program> program;
-  std::unique_ptr<LoadedMethod> forward;
+  std::unique_ptr<orchard_et::LoadedProgram> loaded;
+  std::unique_ptr<PlannedMethod> forward;
   std::vector<float*> params;
   std::vector<const float*> grads;
   std::vector<size_t> sizes;
@@ -90,23 +55,19 @@ struct TrainingProgram::Impl {
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 TrainingProgram::TrainingProgram(const Manifest& manifest) : impl_(new Impl), manifest_(manifest) {
   const std::string& path = manifest_.program_path;
-  executorch::runtime::runtime_init();
-  auto loader = FileDataLoader::from(path.c_str());
-  if (!loader.ok()) refuse(path, "cannot read the file");
-  impl_->loader = std::make_unique<FileDataLoader>(std::move(loader.get()));
-  auto program = Program::load(impl_->loader.get(), Program::Verification::InternalConsistency);
-  if (!program.ok())
-    refuse(path, "not a valid ExecuTorch program (error " + std::to_string(static_cast<int>(program.error())) + ")");
-  impl_->program = std::make_unique<Program>(std::move(program.get()));
+  std::string error;
+  impl_->loaded = orchard_et::load_program(path.c_str(), &error);
+  if (!impl_->loaded) refuse(path, error);
+  Program& program = *impl_->loaded->program;
   const std::string g_name = "__et_training_gradients_index_" + manifest_.method;
   const std::string p_name = "__et_training_parameters_index_" + manifest_.method;
-  const int64_t g0 = index_of(*impl_->program, path, g_name.c_str());
-  const int64_t p0 = index_of(*impl_->program, path, p_name.c_str());
+  const int64_t g0 = index_of(program, path, g_name.c_str());
+  const int64_t p0 = index_of(program, path, p_name.c_str());
   if (g0 != manifest_.gradients_start || p0 != manifest_.parameters_start)
     refuse(path, "puts gradients at output " + std::to_string(g0) + " and parameters at " + std::to_string(p0) +
                      "; train_program.json says " + std::to_string(manifest_.gradients_start) + " and " +
                      std::to_string(manifest_.parameters_start) + ": the manifest is not this program's");
-  impl_->forward = load_method(*impl_->program, path, manifest_.method.c_str());
+  impl_->forward = load_method(program, path, manifest_.method.c_str());
   Method& m = *impl_->forward->method;
   if (m.inputs_size() != 3) refuse(path, "takes " + std::to_string(m.inputs_size()) + " inputs, expected 3");
   const size_t mb = static_cast<size_t>(manifest_.micro_batch), t = static_cast<size_t>(manifest_.seq_len);
