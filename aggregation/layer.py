@@ -173,7 +173,33 @@ class Clip:
         return self.inner.count(state.inner)
 
 
-class Noise:
+class Stateless:
+    """A stage with no state of its own: its state is its inner stack's, and every step
+    it does not override passes straight through (:class:`Noise` changes finalize,
+    :class:`Stale` what goes in). What walks a stack's state (:func:`running_sum`,
+    :func:`clip_stage`) steps through such a stage to its inner one."""
+
+    inner: Aggregator
+    linear: bool
+
+    def zero(self) -> Any:
+        return self.inner.zero()
+
+    def accumulate(self, state: Any, update: NDArrays, weight: float, metrics: MetricSums | None = None,
+                   staleness: int = 0) -> Any:
+        return self.inner.accumulate(state, update, weight, metrics, staleness)
+
+    def merge(self, state: Any, partial: Partial, owned: bool = False, staleness: int = 0) -> Any:
+        return self.inner.merge(state, partial, owned, staleness)
+
+    def finalize(self, state: Any) -> tuple[Partial, Measurements]:
+        return self.inner.finalize(state)
+
+    def count(self, state: Any) -> int:
+        return self.inner.count(state)
+
+
+class Noise(Stateless):
     """Gaussian noise of stddev ``stddev`` on every coordinate of the finished sum, drawn
     as a discrete Gaussian on a lattice fine against ``clip``
     (:func:`~orchard.aggregation.privacy.add_gaussian_noise`): the trusted root's step of
@@ -189,16 +215,6 @@ class Noise:
         self.rng = rng
         self.linear = inner.linear
 
-    def zero(self) -> Any:
-        return self.inner.zero()
-
-    def accumulate(self, state: Any, update: NDArrays, weight: float, metrics: MetricSums | None = None,
-                   staleness: int = 0) -> Any:
-        return self.inner.accumulate(state, update, weight, metrics, staleness)
-
-    def merge(self, state: Any, partial: Partial, owned: bool = False, staleness: int = 0) -> Any:
-        return self.inner.merge(state, partial, owned, staleness)
-
     def finalize(self, state: Any) -> tuple[Partial, Measurements]:
         partial, m = self.inner.finalize(state)
         if self.stddev == 0 or partial.count == 0:
@@ -206,9 +222,6 @@ class Noise:
         noised = Partial(sums=add_gaussian_noise(partial.sums, self.stddev, self.clip, self.rng), weight=partial.weight,
                          count=partial.count, metrics=partial.metrics)
         return noised, {**m, "noise_stddev": self.stddev}
-
-    def count(self, state: Any) -> int:
-        return self.inner.count(state)
 
 
 def _median(stack: np.ndarray, trim: float) -> np.ndarray:
@@ -302,7 +315,7 @@ def _unweighted_staleness() -> None:
                       "fold through stale(weighting, inner)")
 
 
-class Stale:
+class Stale(Stateless):
     """FedBuff's staleness weight as a stage (Nguyen et al., 2022, Algorithm 1).
 
     An update ``x_i`` of weight ``w_i`` trained on a model ``s_i`` server steps old joins
@@ -324,9 +337,6 @@ class Stale:
         self.inner = inner
         self.linear = inner.linear
 
-    def zero(self) -> Any:
-        return self.inner.zero()
-
     def accumulate(self, state: Any, update: NDArrays, weight: float, metrics: MetricSums | None = None,
                    staleness: int = 0) -> Any:
         f = self.weight(staleness)
@@ -342,12 +352,6 @@ class Stale:
             owned = True
         return self.inner.merge(state, partial, owned)
 
-    def finalize(self, state: Any) -> tuple[Partial, Measurements]:
-        return self.inner.finalize(state)
-
-    def count(self, state: Any) -> int:
-        return self.inner.count(state)
-
 
 def running_sum(agg: Aggregator, state: Any) -> Accumulator:
     """The weighted sum a stack has folded so far, before finalize (no noise drawn): the
@@ -357,7 +361,7 @@ def running_sum(agg: Aggregator, state: Any) -> Accumulator:
         return state  # type: ignore[no-any-return]
     if isinstance(agg, Clip):
         return running_sum(agg.inner, state.inner)
-    if isinstance(agg, (Noise, Stale)):  # no state of their own
+    if isinstance(agg, Stateless):
         return running_sum(agg.inner, state)
     raise ConfigError(f"{type(agg).__name__} keeps no running weighted sum to journal or move")
 
@@ -368,7 +372,7 @@ def clip_stage(agg: Aggregator, state: Any) -> tuple[Clip, Any] | None:
     client updates from outside)."""
     if isinstance(agg, Clip):
         return agg, state
-    if isinstance(agg, (Noise, Stale)):  # no state of their own
+    if isinstance(agg, Stateless):
         return clip_stage(agg.inner, state)
     return None
 
