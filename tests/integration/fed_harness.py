@@ -143,6 +143,21 @@ class BackgroundRoot:
         self.thread.join(5)
 
 
+def join_all(fleet: Any, ctl: ControlClient, nodes: list[str] | tuple[str, ...], timeout: float = 30.0) -> None:
+    """Join ``nodes`` as clients through ``fleet`` (a raw stub, to any tier) and wait until
+    the root counts every one of them."""
+    import time
+
+    from orchard.v1 import orchard_pb2 as pb
+
+    for n in nodes:
+        fleet.Join(pb.JoinRequest(node_id=n, role="client"))
+    deadline = time.monotonic() + timeout
+    while ctl.status().get("nodes", {}).get("clients_total", 0) < len(nodes):
+        assert time.monotonic() < deadline, ctl.status()
+        time.sleep(0.1)
+
+
 def poll_together(fleet: Any, nodes: list[str] | tuple[str, ...], during: Any = None,
                   timeout: float = 30.0) -> dict[str, Any]:
     """Every node polls at once, on threads, as clients do (again after each Idle, until a

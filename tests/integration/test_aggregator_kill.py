@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from fed_harness import poll_together
+from fed_harness import join_all, poll_together
 from test_bad_input import make_upload
 from test_durability import free_port, start_root_process
 
@@ -65,12 +65,7 @@ def test_a_killed_aggregators_acknowledged_uploads_are_recorded_dropped_at_the_r
     ch = grpc.insecure_channel(f"127.0.0.1:{agg_port}")
     try:
         fleet = pbg.FleetStub(ch)
-        for n in NODES:
-            fleet.Join(pb.JoinRequest(node_id=n, role="client"))
-        deadline = time.monotonic() + 30
-        while ctl.status().get("nodes", {}).get("clients_total", 0) < len(NODES):
-            assert time.monotonic() < deadline, ctl.status()
-            time.sleep(0.2)
+        join_all(fleet, ctl, NODES)
         # Four selected, two deliver: the aggregator holds their sum, acknowledged, waiting.
         cfg = RunConfig(task="digits", rounds=1, cohort=CohortConfig(target=4, over_selection=1.0, deadline_s=600))
         init = wire.arrays_to_blob(get_task("digits").initial_arrays(0))

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import grpc
-from fed_harness import BackgroundRoot, poll_together
+from fed_harness import BackgroundRoot, join_all, poll_together
 from test_aggregator_kill import _push
 
 from orchard import wire
@@ -18,7 +18,6 @@ from orchard.ops import ControlClient
 from orchard.server.app import start_aggregator
 from orchard.server.droplog import DropLog
 from orchard.tasks import get_task
-from orchard.v1 import orchard_pb2 as pb
 from orchard.v1 import orchard_pb2_grpc as pbg
 
 FAST = ServerConfig(heartbeat_s=0.5, node_timeout_s=5.0, long_poll_s=0.5)
@@ -33,12 +32,7 @@ def test_what_the_last_buffers_continuation_took_is_recorded_dropped_once_the_ru
     ch = grpc.insecure_channel(agg.address)
     try:
         fleet = pbg.FleetStub(ch)
-        for n in NODES:
-            fleet.Join(pb.JoinRequest(node_id=n, role="client"))
-        deadline = time.monotonic() + 30
-        while ctl.status().get("nodes", {}).get("clients_total", 0) < len(NODES):
-            assert time.monotonic() < deadline, ctl.status()
-            time.sleep(0.1)
+        join_all(fleet, ctl, NODES)
         # One version, a buffer of 2: the aggregator hands out 3 tasks (over-selection 2),
         # its buffer fills with a's and b's updates and goes up; the root's buffer is full
         # and the run is over. c's update lands in the aggregator's continuation.
