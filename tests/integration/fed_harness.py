@@ -158,6 +158,17 @@ def join_all(fleet: Any, ctl: ControlClient, nodes: list[str] | tuple[str, ...],
         time.sleep(0.1)
 
 
+def start_with_tasks(fleet: Any, ctl: ControlClient, nodes: list[str] | tuple[str, ...], cfg: RunConfig,
+                     init: bytes) -> tuple[str, dict[str, Any]]:
+    """Start a run while every node polls (:func:`poll_together`); the run id and each
+    node's task, asserting that every node got one."""
+    run: list[str] = []
+    got = poll_together(fleet, nodes, lambda: run.append(ctl.start_run(cfg, init)), timeout=60)
+    tasks = {n: wire.task_from_proto(r.task) for n, r in got.items() if r.WhichOneof("kind") == "task"}
+    assert set(tasks) == set(nodes), got
+    return run[0], tasks
+
+
 def poll_together(fleet: Any, nodes: list[str] | tuple[str, ...], during: Any = None,
                   timeout: float = 30.0) -> dict[str, Any]:
     """Every node polls at once, on threads, as clients do (again after each Idle, until a

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from fed_harness import join_all, poll_together
+from fed_harness import join_all, start_with_tasks
 from test_bad_input import make_upload
 from test_durability import free_port, start_root_process
 
@@ -69,10 +69,7 @@ def test_a_killed_aggregators_acknowledged_uploads_are_recorded_dropped_at_the_r
         # Four selected, two deliver: the aggregator holds their sum, acknowledged, waiting.
         cfg = RunConfig(task="digits", rounds=1, cohort=CohortConfig(target=4, over_selection=1.0, deadline_s=600))
         init = wire.arrays_to_blob(get_task("digits").initial_arrays(0))
-        run: list[str] = []
-        got = poll_together(fleet, NODES, lambda: run.append(ctl.start_run(cfg, init)), timeout=60)
-        tasks = {n: wire.task_from_proto(r.task) for n, r in got.items() if r.WhichOneof("kind") == "task"}
-        assert set(tasks) == set(NODES), got
+        run_id, tasks = start_with_tasks(fleet, ctl, NODES, cfg, init)
         for n in ("a", "b"):
             assert _push(fleet, tasks[n], n).accepted
         os.kill(agg.pid, signal.SIGKILL)
@@ -83,7 +80,7 @@ def test_a_killed_aggregators_acknowledged_uploads_are_recorded_dropped_at_the_r
         try:
             deadline, rows = time.monotonic() + 60, []
             while len(rows) < 2 and time.monotonic() < deadline:
-                rows = log.dropped(run[0])
+                rows = log.dropped(run_id)
                 time.sleep(0.2)
         finally:
             log.close()

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import grpc
-from fed_harness import BackgroundRoot, join_all, poll_together
+from fed_harness import BackgroundRoot, join_all, start_with_tasks
 from test_aggregator_kill import _push
 
 from orchard import wire
@@ -39,24 +39,21 @@ def test_what_the_last_buffers_continuation_took_is_recorded_dropped_once_the_ru
         cfg = RunConfig(task="digits", rounds=1, cohort=CohortConfig(target=2, over_selection=2.0, deadline_s=2.0),
                         mode=ModeConfig(kind="async", max_staleness=1))
         init = wire.arrays_to_blob(get_task("digits").initial_arrays(0))
-        run: list[str] = []
-        got = poll_together(fleet, NODES, lambda: run.append(ctl.start_run(cfg, init)), timeout=60)
-        tasks = {n: wire.task_from_proto(r.task) for n, r in got.items() if r.WhichOneof("kind") == "task"}
-        assert set(tasks) == set(NODES), got
+        run_id, tasks = start_with_tasks(fleet, ctl, NODES, cfg, init)
         for n in ("a", "b"):
             assert _push(fleet, tasks[n], n).accepted
         deadline = time.monotonic() + 60
-        while ctl.status(run[0])["status"] == "running":
-            assert time.monotonic() < deadline, ctl.status(run[0])
+        while ctl.status(run_id)["status"] == "running":
+            assert time.monotonic() < deadline, ctl.status(run_id)
             time.sleep(0.1)
-        assert ctl.status(run[0])["completed_rounds"] == 1
+        assert ctl.status(run_id)["completed_rounds"] == 1
         assert _push(fleet, tasks["c"], "c").accepted  # acknowledged: nothing will apply it
 
         log = DropLog(tmp_path / "root" / "orchard.db")
         try:
             deadline, rows = time.monotonic() + 30, []
             while not rows and time.monotonic() < deadline:
-                rows = log.dropped(run[0])
+                rows = log.dropped(run_id)
                 time.sleep(0.2)
         finally:
             log.close()
