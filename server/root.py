@@ -79,6 +79,9 @@ class RootRunner:
         self.data_dir = data_dir
         # Every privacy charge, by population, durable before the round it pays for opens.
         self.charges: ChargeLog = SQLiteChargeLog(data_dir / "privacy-ledger.db")
+        # DP-FTRL's participation counts, journaled there whenever the selection records one.
+        self.coord.registry.participation.journal = \
+            lambda run_id, state: self.charges.save_state(run_id, "participation", state.encode())
         self.server_cfg = server_cfg
         self.start_grace_s = start_grace_s
         self.run: ActiveRun | None = None
@@ -304,7 +307,7 @@ class RootRunner:
         cr = self.coord.open_round(task, restore=restore)
         if plan.config.privacy.bounds_participation:
             # Journaled before any selected device can take its task (no await between).
-            self.charges.save_state(run.run_id, "participation", self.coord.registry.participation.to_json().encode())
+            self.coord.registry.participation.flush()
         run.current = {"round": plan.round, "attempt": plan.attempt, "phase": "training", "cohort": cr}
         self.store.record_round(run.run_id, plan.round, plan.attempt, "running", started, None,
                                 {"selected": len(cr.assignments)})
