@@ -98,6 +98,8 @@ def _case(task: str, rounds: int, population: int, per_round: int, aggregators: 
         "accuracy_by_round": {r["round"]: r["accuracy"] for r in done if r.get("accuracy") is not None},
         "epsilon": rep.privacy["epsilon"] if rep.privacy else None,
         "noise_multiplier": rep.privacy["noise_multiplier"] if rep.privacy else None,
+        # The delta the run reports with its epsilon (distributed DP: clamped noise shares included).
+        "delta": rep.privacy["delta"] if rep.privacy else None,
         # What an independent recomputation of epsilon needs: the attempts charged and the
         # run's privacy table as the ledger read it.
         "rounds_charged": rep.privacy["rounds_charged"] if rep.privacy else None,
