@@ -15,7 +15,7 @@ import numpy as np
 
 from orchard.aggregation.accounting import epsilon_of, update_noise_multiplier
 from orchard.aggregation.mechanisms import GaussianRounds, Mechanism, mechanism_for
-from orchard.aggregation.privacy import adapt_clip
+from orchard.aggregation.privacy import adapt_clip, share_clamp_delta
 from orchard.config import PrivacyConfig, RunConfig
 from orchard.errors import ConfigError
 from orchard.typing import NDArrays
@@ -71,6 +71,10 @@ class PrivacyLedger:
     prior: tuple[tuple[float, int], ...] = ()
     lifetime_epsilon: float | None = None
     rounds: int = 0  # round attempts charged
+    # Distributed DP: noise-share coordinates an attempt's clients may draw in all, at most
+    # one share each of every device of the population, over the model's dimension (their
+    # clamp adds to delta: share_clamp_delta); 0 where no share is clamped.
+    share_draws: int = 0
     epsilon: float = 0.0
     # The accountant's last answer, (rounds, epsilon): check_next and charge ask for the same one.
     _last: tuple[int, float] | None = field(default=None, repr=False, compare=False)
@@ -78,7 +82,7 @@ class PrivacyLedger:
 
     @classmethod
     def plan(cls, cfg: RunConfig, population: int | None = None,
-             prior: tuple[tuple[float, int], ...] = ()) -> PrivacyLedger | None:
+             prior: tuple[tuple[float, int], ...] = (), dimension: int | None = None) -> PrivacyLedger | None:
         """The ledger of a run (None when privacy is off). Derives the noise multiplier from
         the target epsilon for ``cfg.rounds`` rounds; refuses a run whose given noise cannot
         meet its target, and one whose delta exceeds 1 / population.
@@ -87,7 +91,11 @@ class PrivacyLedger:
         simulator's); a gRPC run states ``privacy.population``. Every round is accounted
         as if every device took part in it (see :func:`_round_event`). ``prior``: the
         charges of earlier runs on the same population (``privacy.population_ledger``),
-        which this run's rounds compose with against ``privacy.lifetime_epsilon``."""
+        which this run's rounds compose with against ``privacy.lifetime_epsilon``.
+        ``dimension``: the model's coordinates, which distributed DP needs (each client's
+        noise share is clamped coordinate by coordinate, and the reported delta includes
+        what that adds: :func:`share_clamp_delta`); refused without it, and when the
+        planned rounds' delta, clamp included, would exceed 1 / population."""
         p = cfg.privacy
         if not p.enabled:
             return None
@@ -111,10 +119,23 @@ class PrivacyLedger:
         if p.adaptive is not None:
             count_stddev = p.adaptive.count_stddev or cfg.cohort.target / 20.0
             z_update = update_noise_multiplier(z, count_stddev, p.adjacency)
+        draws = 0
+        if p.mode == "distributed":
+            if dimension is None or dimension < 1:
+                raise ConfigError(f"privacy.mode 'distributed' needs the model's dimension to account for its clamped "
+                                  f"noise shares, got {dimension}; this is a bug in the caller")
+            draws = size * dimension
         ledger = cls(mode=p.mode, noise_multiplier=z, update_noise_multiplier=z_update, adjacency=p.adjacency,
                      population=size, delta=p.delta, target_epsilon=p.target_epsilon, clip_norm=p.clip_norm,
                      count_stddev=count_stddev, prior=tuple(prior), lifetime_epsilon=p.lifetime_epsilon,
-                     mechanism=mech)
+                     mechanism=mech, share_draws=draws)
+        if draws:
+            whole = ledger.delta_after(cfg.rounds, mech.epsilon(z, cfg.rounds, p.delta))
+            if whole > 1.0 / size:
+                raise ConfigError(f"privacy: delta {p.delta:g} plus what clamping the noise shares adds over "
+                                  f"{cfg.rounds} rounds ({whole - p.delta:.3g}) is {whole:.6g} > 1 / population = "
+                                  f"{1.0 / size:.3g}: lower privacy.delta to at most "
+                                  f"{1.0 / size - (whole - p.delta):.6g}, or plan fewer rounds")
         if p.lifetime_epsilon is not None:
             whole = ledger.population_epsilon_after(cfg.rounds)
             if whole > p.lifetime_epsilon * (1 + 1e-9):
@@ -132,6 +153,16 @@ class PrivacyLedger:
         self._last = (rounds, eps)
         return eps
 
+    def delta_after(self, rounds: int, epsilon: float) -> float:
+        """The delta of ``rounds`` charged attempts spending ``epsilon``: the accountant's,
+        plus what clamping distributed DP's noise shares adds (:func:`share_clamp_delta`)."""
+        return self.delta + share_clamp_delta(epsilon, rounds * self.share_draws)
+
+    @property
+    def reported_delta(self) -> float:
+        """The delta the run reports with its epsilon, clamped shares included."""
+        return self.delta_after(self.rounds, self.epsilon)
+
     def population_epsilon_after(self, rounds: int) -> float:
         """Epsilon of the population's ledger: every earlier run's charges and ``rounds``
         of this run, composed."""
@@ -148,6 +179,12 @@ class PrivacyLedger:
             if nxt > self.target_epsilon * (1 + 1e-9):
                 raise PrivacyBudgetExceeded(f"round {self.rounds + 1} would bring epsilon to {nxt:.3f} > the target "
                                             f"{self.target_epsilon} (delta {self.delta}); the run stops here")
+        if self.share_draws:
+            nxt_delta = self.delta_after(self.rounds + 1, self.epsilon_after(self.rounds + 1))
+            if nxt_delta > 1.0 / self.population:
+                raise PrivacyBudgetExceeded(f"round {self.rounds + 1} would bring delta, clamped noise shares "
+                                            f"included, to {nxt_delta:.6g} > 1 / population = "
+                                            f"{1.0 / self.population:.3g}; the run stops here")
         if self.lifetime_epsilon is not None:
             whole = self.population_epsilon_after(self.rounds + 1)
             if whole > self.lifetime_epsilon * (1 + 1e-9):
@@ -201,7 +238,7 @@ class PrivacyLedger:
         clip_norm = self.clip_norm
         self.rounds += 1
         self.epsilon = self.epsilon_after(self.rounds)
-        return {"epsilon": round(self.epsilon, 6), "delta": self.delta, "clip_norm": clip_norm,
+        return {"epsilon": round(self.epsilon, 6), "delta": self.reported_delta, "clip_norm": clip_norm,
                 "noise_multiplier": self.noise_multiplier, "attempts_charged": self.rounds}
 
     def adapt(self, below_fraction: float | None, clients: int, target_quantile: float, learning_rate: float,
@@ -217,7 +254,8 @@ class PrivacyLedger:
         self.clip_norm = adapt_clip(self.clip_norm, noisy, target_quantile, learning_rate)
 
     def as_dict(self) -> dict[str, object]:
-        return {"mode": self.mode, "epsilon": round(self.epsilon, 6), "delta": self.delta,
+        return {"mode": self.mode, "epsilon": round(self.epsilon, 6), "delta": self.reported_delta,
+                "accountant_delta": self.delta, "share_clamp_delta": self.reported_delta - self.delta,
                 "target_epsilon": self.target_epsilon, "noise_multiplier": self.noise_multiplier,
                 "adjacency": self.adjacency, "population": self.population,
                 "participation": self.mechanism.participation, "clip_norm": self.clip_norm,

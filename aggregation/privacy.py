@@ -54,6 +54,25 @@ _THIN_BELOW = 64.0  # expected coin tosses per batch below which the sampler thi
 NOISE_SHARE_BOUND = 10.0  # a client's noise share is clamped at this many standard deviations
 
 
+def share_clamp_delta(epsilon: float, draws: int) -> float:
+    """What clamping noise shares adds to delta: distributed DP's clients clamp each
+    coordinate of their discrete Gaussian share at ``NOISE_SHARE_BOUND`` standard
+    deviations (so that the field cannot wrap), which changes the mechanism only when a
+    draw lands beyond the bound. A discrete Gaussian of parameter sigma is sigma-subgaussian
+    (Canonne, Kamath and Steinke 2020), so one draw lands there with probability at most
+    ``eta_1 = 2 exp(-NOISE_SHARE_BOUND^2 / 2)`` (3.9e-22 at 10), and ``draws`` of them
+    with probability at most ``eta = draws * eta_1``: the clamped mechanism is within total
+    variation ``eta`` of the unclamped one on every input. If the unclamped one is
+    (epsilon, delta)-DP, the clamped one is (epsilon, delta + (1 + e^epsilon) eta)-DP:
+    ``P[M'(D) in S] <= P[M(D) in S] + eta <= e^eps (P[M'(D') in S] + eta) + delta + eta``.
+    Returns ``(1 + e^epsilon) eta``."""
+    if draws < 0 or not epsilon >= 0:
+        raise ConfigError(f"need draws >= 0 and epsilon >= 0, got {draws} and {epsilon}")
+    if draws == 0:
+        return 0.0
+    return (1.0 + math.exp(min(epsilon, 700.0))) * draws * 2.0 * math.exp(-NOISE_SHARE_BOUND ** 2 / 2.0)
+
+
 # ------------------------------------------------------------------------------ clipping
 
 

@@ -13,12 +13,17 @@ round at most (rounds apart are at least as many tree leaves apart). A device is
 id: a root binds a node id to its first credential (``orchard.server.tier.registry``).
 
 Runs other than DP-FTRL record nothing and refuse no one. A root journals the state
-(:meth:`to_json`) with its tree noise before any selected device can take its task.
+(:meth:`to_json`, through :attr:`ParticipationBound.journal`) with its tree noise before
+any selected device can take its task: after selection, and again after each client that
+fills an unused slot once the round is open (``Coordinator.assign``), before it is handed
+its task. A participation the journal missed would be forgotten by a restarted root, and
+the device could be selected past its bound.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from orchard.errors import ConfigError
@@ -31,6 +36,10 @@ class ParticipationBound:
         self.min_separation = 1
         self.round = 0  # the round the last begun attempt belongs to
         self._seen: dict[str, tuple[int, int]] = {}  # node id -> (participations, last round)
+        # Where the counts are kept durably, (run id, state) -> None: a root's charge log;
+        # None (the simulator, an aggregator) keeps them in memory only.
+        self.journal: Callable[[str, str], None] | None = None
+        self._unjournaled = False  # a participation recorded since the journal last wrote
 
     @property
     def active(self) -> bool:
@@ -67,6 +76,15 @@ class ParticipationBound:
                               "selection must not hand it an assignment")
         count = self._seen.get(node_id, (0, 0))[0]
         self._seen[node_id] = (count + 1, self.round)
+        self._unjournaled = True
+
+    def flush(self) -> None:
+        """Journal the counts if a participation was recorded since they were last journaled.
+        Called once selection is done and after each fill-in, before the selected devices can
+        take their tasks; a no-op without a journal."""
+        if self.journal is not None and self._unjournaled:
+            self.journal(self.run_id, self.to_json())
+        self._unjournaled = False
 
     def participations(self, node_id: str) -> int:
         return self._seen.get(node_id, (0, 0))[0]
@@ -83,4 +101,4 @@ class ParticipationBound:
         except (ValueError, KeyError, TypeError, IndexError) as err:
             raise ConfigError(f"the journaled participation bound cannot be read ({err}); it was written by "
                               "this root before a round opened: restore the data dir from a backup") from None
-        self.run_id, self._seen = run_id, seen
+        self.run_id, self._seen, self._unjournaled = run_id, seen, False

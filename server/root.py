@@ -49,6 +49,11 @@ def aggregate_path(checkpoint: Path) -> Path:
     return checkpoint.with_suffix(".aggregate.safetensors")
 
 
+def _dimension(arrays: NDArrays) -> int:
+    """The model's coordinates (a client's noise share draws one each)."""
+    return sum(int(np.size(v)) for v in arrays.values())
+
+
 def warm_up() -> None:
     """Build one optimizer at start: torch imports its compiler stack on first use (seconds),
     which would otherwise land inside the first round."""
@@ -79,6 +84,9 @@ class RootRunner:
         self.data_dir = data_dir
         # Every privacy charge, by population, durable before the round it pays for opens.
         self.charges: ChargeLog = SQLiteChargeLog(data_dir / "privacy-ledger.db")
+        # DP-FTRL's participation counts, journaled there whenever the selection records one.
+        self.coord.registry.participation.journal = \
+            lambda run_id, state: self.charges.save_state(run_id, "participation", state.encode())
         self.server_cfg = server_cfg
         self.start_grace_s = start_grace_s
         self.run: ActiveRun | None = None
@@ -124,7 +132,7 @@ class RootRunner:
         (interrupted ones too: their cohort sums may have been released), the clip norm
         the last completed round left, and its mechanism's journal (DP-FTRL: the tree of
         noise, and the participation bound's counts)."""
-        ledger = PrivacyLedger.plan(cfg, prior=self._prior(cfg, run_id))
+        ledger = PrivacyLedger.plan(cfg, prior=self._prior(cfg, run_id), dimension=_dimension(arrays))
         if ledger is None:
             return None
         rounds = self.store.rounds(run_id)
@@ -202,7 +210,7 @@ class RootRunner:
             if not np.isfinite(v).all():
                 raise UpdateSchemaError(f"initial tensor {k!r} holds NaN or Inf")
         # Refuses a run whose noise cannot meet its target, or its population's lifetime budget.
-        privacy = PrivacyLedger.plan(config, prior=self._prior(config))
+        privacy = PrivacyLedger.plan(config, prior=self._prior(config), dimension=_dimension(arrays))
         run_id = time.strftime("run-%Y%m%d-%H%M%S-") + uuid.uuid4().hex[:6]
         config_json = config.model_dump_json()
         self.store.create_run(run_id, config_json)
@@ -304,7 +312,7 @@ class RootRunner:
         cr = self.coord.open_round(task, restore=restore)
         if plan.config.privacy.bounds_participation:
             # Journaled before any selected device can take its task (no await between).
-            self.charges.save_state(run.run_id, "participation", self.coord.registry.participation.to_json().encode())
+            self.coord.registry.participation.flush()
         run.current = {"round": plan.round, "attempt": plan.attempt, "phase": "training", "cohort": cr}
         self.store.record_round(run.run_id, plan.round, plan.attempt, "running", started, None,
                                 {"selected": len(cr.assignments)})
@@ -385,7 +393,9 @@ class RootRunner:
             out["privacy"] = r.privacy.as_dict()
         elif cfg.get("privacy", {}).get("mode", "off") != "off":
             charged = [x["privacy"] for x in rounds if x.get("privacy")]
-            out["privacy"] = {"mode": cfg["privacy"]["mode"], "delta": cfg["privacy"]["delta"],
+            # The last charge's delta includes what clamped noise shares add (distributed DP).
+            delta = charged[-1].get("delta", cfg["privacy"]["delta"]) if charged else cfg["privacy"]["delta"]
+            out["privacy"] = {"mode": cfg["privacy"]["mode"], "delta": delta,
                               "target_epsilon": cfg["privacy"].get("target_epsilon"),
                               "epsilon": charged[-1]["epsilon"] if charged else 0.0}
         if r is not None and r.run_id == row.run_id and r.current is not None:

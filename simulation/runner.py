@@ -113,11 +113,12 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
                     aggregator_mbps=cfg.aggregator_mbps, wall_origin=_WALL_ORIGIN, num_partitions=cfg.clients,
                     seed=cfg.seed, attack=cfg.attack, sharded=cfg.shard)
     # The same loop and ledger as the root's (orchard.server.runloop): noise from the target
-    # epsilon for the planned rounds at this population's sampling rate; every attempt
-    # charged; the run stops at the budget.
+    # epsilon for the planned rounds, every device in every round (DP-FTRL: under the
+    # participation bound); every attempt charged; the run stops at the budget.
     state = RunState(run_id=engine.run_id, config=run, config_json=run.model_dump_json(), arrays=arrays,
                      optimizer=ServerOptimizer(run.server_optimizer, arrays),
-                     privacy=PrivacyLedger.plan(run, population=cfg.clients))
+                     privacy=PrivacyLedger.plan(run, population=cfg.clients,
+                                                dimension=sum(int(np.size(v)) for v in arrays.values())))
     rounds = _SimulatedRounds(cfg, engine, task, report, progress, stop)
     noise_rng = np.random.default_rng([cfg.seed, 0xADA])  # adaptive clipping's count noise (seeded here)
     try:

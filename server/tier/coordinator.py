@@ -191,6 +191,7 @@ class Coordinator:
             if (c.role is Role.CLIENT and self.secure.takes_fill_ins and cr.clients_selected < cr.client_quota
                     and cr.received < cr.task.target and self.registry.may_select(c, cr.task.config)):
                 a = self.new_assignment(cr, node_id, 1)
+                self.registry.participation.flush()  # durable before the device takes its task
             else:
                 return None
         if a.delivered or a.dropped:

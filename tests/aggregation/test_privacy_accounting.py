@@ -77,3 +77,50 @@ def test_adaptive_clippings_count_is_charged_at_its_real_sensitivity(adjacency: 
     assert math.hypot(k / z_u, s_b / sigma_b) == pytest.approx(k / z, rel=1e-12)
     # An uncentred count under add/remove (sensitivity 1) would leave nothing for the updates.
     assert (1.0 / z) ** 2 - (1.0 / sigma_b) ** 2 < 0
+
+
+def _clamp_delta(epsilon: float, draws: int) -> float:
+    """Reference: a client's discrete Gaussian share is clamped at 10 sigma per coordinate;
+    a sigma-subgaussian draw lands beyond with probability <= 2 exp(-50), so ``draws``
+    draws change the output with probability <= eta = draws * 2 exp(-50), and an
+    (epsilon, delta) guarantee becomes (epsilon, delta + (1 + e^epsilon) eta)."""
+    return (1 + math.exp(epsilon)) * draws * 2 * math.exp(-50)
+
+
+def _distributed(delta: float) -> RunConfig:
+    return RunConfig.model_validate({
+        "rounds": 40, "cohort": {"target": 100, "over_selection": 1.0, "weighting": "uniform"},
+        "secure_aggregation": {"enabled": True},
+        "privacy": {"mode": "distributed", "target_epsilon": 8.0, "delta": delta, "clip_norm": 0.1,
+                    "population": 10_000}})
+
+
+def test_distributed_dp_reports_the_delta_its_clamped_noise_shares_add() -> None:
+    cfg = _distributed(1e-5)
+    dim, population = 114_000, 10_000
+    ledger = PrivacyLedger.plan(cfg, population=population, dimension=dim)
+    assert ledger is not None
+    for t in range(1, 41):
+        ledger.check_next()
+        charge = ledger.charge()
+        # Each attempt: at most one share from each device, each of dimension ``dim``.
+        want = 1e-5 + _clamp_delta(ledger.epsilon, t * population * dim)
+        assert charge["delta"] == pytest.approx(want, rel=1e-9) and charge["delta"] > 1e-5
+    shown = ledger.as_dict()
+    assert shown["delta"] == pytest.approx(1e-5 + _clamp_delta(ledger.epsilon, 40 * population * dim), rel=1e-9)
+    assert shown["accountant_delta"] == 1e-5 and shown["delta"] <= 1 / population
+    # Central DP's noise is not clamped: its delta is the accountant's.
+    central = PrivacyLedger.plan(_config(40, target_epsilon=8.0), population=population, dimension=dim)
+    assert central is not None
+    assert central.charge()["delta"] == 1e-5
+    with pytest.raises(ConfigError, match="dimension"):
+        PrivacyLedger.plan(cfg, population=population)
+
+
+def test_a_clamp_that_lifts_delta_above_one_over_the_population_is_refused() -> None:
+    # delta = 1 / population leaves no room for the clamp: refused, naming the delta that fits.
+    cfg = _distributed(1e-4)
+    with pytest.raises(ConfigError, match=r"clamping the noise shares.*lower privacy.delta"):
+        PrivacyLedger.plan(cfg, population=10_000, dimension=114_000)
+    assert PrivacyLedger.plan(cfg.model_copy(update={"privacy": cfg.privacy.model_copy(update={"delta": 9.9e-5})}),
+                              population=10_000, dimension=114_000) is not None

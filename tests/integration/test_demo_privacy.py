@@ -21,4 +21,6 @@ def test_demo_distributed_dp_runs_one_session_over_the_tree(tmp_path: Path) -> N
     assert [r["participants"] for r in rep["rounds"]] == [4, 4]
     # Every round's clients, each counted at its own aggregator (the relays below the root's session).
     assert all(sum(r["tier_participants"].values()) == 4 and len(r["tier_participants"]) == 2 for r in rep["rounds"])
-    assert 0 < rep["privacy"]["epsilon"] <= 8.0 and rep["privacy"]["delta"] == 1e-5
+    assert 0 < rep["privacy"]["epsilon"] <= 8.0 and rep["privacy"]["accountant_delta"] == 1e-5
+    # The clamped noise shares' part of delta is reported too, and the whole stays <= 1 / population.
+    assert 1e-5 < rep["privacy"]["delta"] <= 1 / rep["privacy"]["population"]

@@ -174,6 +174,35 @@ def test_a_root_with_aggregators_refuses_dpftrl(tmp_path: Path) -> None:
     store.close()
 
 
+def test_a_fill_in_is_journaled_before_it_takes_its_task(tmp_path: Path) -> None:
+    # A client that arrives after selection may fill an unused slot; its participation
+    # must be durable before it is handed its task, or a root restarted mid-round would
+    # forget it and could select the device again past its bound.
+    store = SQLiteStore(tmp_path / "orchard.db")
+    coord = Coordinator("root", ServerConfig(node_timeout_s=600), np.random.default_rng(0), ClientUpdateDecoder(),
+                        inline=True)
+    runner = RootRunner(coord, store, tmp_path, ServerConfig(), start_grace_s=0.0)
+    cfg = _cfg(rounds=8, target=4)
+    cfg = cfg.model_copy(update={"cohort": cfg.cohort.model_copy(update={"over_selection": 1.5})})
+    for i in range(2):
+        coord.join(f"d{i}", Role.CLIENT, "tok", DeviceState())
+    cr = coord.open_round(_task(cfg, 1))
+    assert sorted(cr.assignments) == ["d0", "d1"]  # over-selected for 3: one slot unused
+    coord.join("late", Role.CLIENT, "tok", DeviceState())
+    task = coord.assign("late")
+    assert task is not None
+    journaled = runner.charges.state("run", "participation")
+    assert journaled is not None
+    restarted = ParticipationBound()
+    restarted.restore(journaled.decode())
+    restarted.begin("run", 2, cfg.privacy)
+    assert restarted.participations("late") == 1 and not restarted.allows("late", 3)  # 3 rounds apart: 4
+    assert all(restarted.participations(d) == 1 for d in ("d0", "d1"))
+    coord.close_round(cr, "test")
+    runner.charges.close()
+    store.close()
+
+
 def test_the_simulator_refuses_a_population_the_bound_cannot_fill() -> None:
     from orchard.simulation.config import simulation_problems
 

@@ -106,5 +106,7 @@ def test_the_ledgers_epsilon_is_recomputed_independently(tmp_path: Path) -> None
             assert ref <= run["epsilon"] * (1 + 1e-6) and run["epsilon"] <= ref * 1.01, (name, ref, run["epsilon"])
             assert run["epsilon"] <= 8.0 * (1 + 1e-6)
             assert _exact_delta(mu, run["epsilon"]) <= p["delta"]  # the guarantee, exactly
+            # What the run reports: no clamped noise in either, so delta is the accountant's, <= 1 / population.
+            assert run["delta"] == p["delta"] <= 1 / got["population"]
     # DP-FTRL needs less noise than central DP for the same epsilon over the same rounds.
     assert cases["DP-FTRL eps=8"]["noise_multiplier"] < cases["central DP eps=8"]["noise_multiplier"]
