@@ -18,7 +18,7 @@ import _procs
 # its frames names (py-spy's qualified function name, e.g. "Dispatch.dispatch"). A sample in
 # none of them is "other" (the root's finalize, garbage collection...).
 _COMPONENTS: list[tuple[str, tuple[str, ...]]] = [
-    ("device models (governor)", ("device_training", "run_devices", "DeviceRuns.results", "DeviceRuns._send",
+    ("device models (governor)", ("device_training", "devices_training", "run_devices", "DeviceRuns.results", "DeviceRuns._send",
                                   "DeviceRuns._here", "SimulatedDevice.restore")),
     ("training", ("train_many", "train_group", "client_trainer", "TorchTrainer.fit", "TorchTrainer.train")),
     ("building uploads", ("build_uploads", "build_upload", "deltas_of", "delta_of", "encode_packed_many")),

@@ -1,10 +1,12 @@
 """The device model: how long a simulated device trains, under the edge runtime's governor.
 
 A selected device's local training is the edge runtime's :class:`SimulatedDevice`
-(battery and thermal model) under its governor (``run_governed``): it may pace itself
-or stop early, and then trains only the steps it did. :func:`device_training` is one
-device; :class:`DeviceRuns` runs a dispatch's devices, here or, a batch at a time, on
-an idle worker (``run_devices``).
+(battery and thermal model) under its governor: it may pace itself or stop early, and
+then trains only the steps it did. The devices of a batch are governed together, as
+columns (``edge_runtime.governor_many.govern_many``: the governor's rules, held by a
+property test to one ``Governor`` a device); :func:`device_training` is a batch of one.
+:class:`DeviceRuns` runs a dispatch's devices, here or, a batch at a time, on an idle
+worker (``run_devices``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from orchard.edge_runtime.clock import VirtualClock
 from orchard.edge_runtime.device import SimulatedDevice, SimulatedDeviceParams
-from orchard.edge_runtime.governor import Governor, run_governed
+from orchard.edge_runtime.governor_many import govern_many
 from orchard.edge_runtime.policy import DevicePolicy
 from orchard.simulation.population import LiveDevice
 
@@ -64,9 +66,9 @@ class DeviceRuns:
         self._away.append((lo, hi, self._run_devices(self._kind_params, batch)))
 
     def _here(self, lo: int, hi: int, out: list[tuple[float, int] | None]) -> None:
-        for i in range(lo, hi):
-            dev, policy, planned, per_step = self.plans[i]
-            out[i] = device_training(dev.device, dev.clock, policy, planned, per_step, dev.seconds_per_example)
+        plans = self.plans[lo:hi]
+        out[lo:hi] = devices_training([(dev.device, policy, planned, per_step, dev.seconds_per_example)
+                                       for dev, policy, planned, per_step in plans])
 
     def results(self) -> list[tuple[float, int]]:
         """(seconds, steps done) of every device added, in the order they were added."""
@@ -82,7 +84,7 @@ class DeviceRuns:
                 self._send(lo, back)  # the worker keeps one batch running and one waiting
                 back = lo
                 continue
-            hi = min(front + _DEVICE_BATCH // 4, back)
+            hi = min(front + _DEVICE_BATCH, back)  # columns: a device costs less in a larger batch
             self._here(front, hi, out)
             front = hi
         for lo, hi, fut in self._away:
@@ -97,18 +99,33 @@ class DeviceRuns:
 def device_training(device: SimulatedDevice, clock: VirtualClock, policy: DevicePolicy | None, planned: int,
                     per_step: int, seconds_per_example: float) -> tuple[float, int]:
     """(seconds, steps done) of ``planned`` local steps of ``per_step`` examples on a
-    simulated device: under the edge runtime's governor with ``policy`` (it may pace the
-    device or stop early), or without one (None) every step at once."""
-    if policy is None:
-        return device.work(planned * per_step * seconds_per_example), planned
-    gov = Governor(device, policy, clock)
+    simulated device (on its own ``clock``): under the edge runtime's governor with
+    ``policy`` (it may pace the device or stop early), or without one (None) every step
+    at once. One device of :func:`devices_training`."""
+    if clock is not device.clock:
+        raise ValueError("a simulated device trains on its own clock")
+    (result,) = devices_training([(device, policy, planned, per_step, seconds_per_example)])
+    return result
 
-    def step() -> float:
-        device.work(per_step * seconds_per_example)
-        return float(per_step)
 
-    report = run_governed(gov, step)
-    return report.elapsed_s, report.steps_done
+def devices_training(runs: list[tuple[SimulatedDevice, DevicePolicy | None, int, int, float]]
+                     ) -> list[tuple[float, int]]:
+    """:func:`device_training` for each (device, policy, planned steps, examples a step,
+    seconds an example): the governed ones together, as columns (``govern_many``, which a
+    property test holds to one ``Governor`` a device), each device moved on by its
+    training."""
+    out: list[tuple[float, int]] = [(0.0, 0)] * len(runs)
+    governed = [j for j, r in enumerate(runs) if r[1] is not None]
+    for j, (device, policy, planned, per_step, spe) in enumerate(runs):
+        if policy is None:
+            out[j] = device.work(planned * per_step * spe), planned
+    if governed:
+        batch = [runs[j] for j in governed]
+        secs, steps = govern_many([r[0] for r in batch], [r[1] for r in batch],  # type: ignore[misc]
+                                  [float(r[3]) for r in batch], [r[3] * r[4] for r in batch])
+        for j, s, k in zip(governed, secs, steps, strict=True):
+            out[j] = (s, k)
+    return out
 
 
 def run_devices(params: dict[str, SimulatedDeviceParams],
@@ -117,9 +134,7 @@ def run_devices(params: dict[str, SimulatedDeviceParams],
     """:func:`device_training` for devices sent as (kind, snapshot, policy, planned steps,
     examples per step, seconds per example), each rebuilt from its kind's parameters
     (``params``): (seconds, steps, the device's new snapshot) for each."""
-    out = []
-    for kind, snap, policy, planned, per_step, spe in batch:
-        device = SimulatedDevice.from_snapshot(params[kind], snap)
-        secs, steps = device_training(device, device.clock, policy, planned, per_step, spe)
-        out.append((secs, steps, device.snapshot()))
-    return out
+    devices = [SimulatedDevice.from_snapshot(params[kind], snap) for kind, snap, *_ in batch]
+    done = devices_training([(device, policy, planned, per_step, spe)
+                             for device, (_, _, policy, planned, per_step, spe) in zip(devices, batch, strict=True)])
+    return [(secs, steps, device.snapshot()) for (secs, steps), device in zip(done, devices, strict=True)]
