@@ -88,7 +88,7 @@ def _same(a: float, b: float) -> bool:
     return a == b or (math.isnan(a) and math.isnan(b))
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_runs())
 def test_batch_equals_one_governor_a_device(runs: list[tuple[SimulatedDevice, DevicePolicy, int, float]]) -> None:
     alone = [_copy(d) for d, *_ in runs]
