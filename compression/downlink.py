@@ -18,9 +18,7 @@ from orchard.compression.casts import float32_codec
 from orchard.compression.errors import UpdateMismatchError
 from orchard.compression.registry import build_codec
 from orchard.compression.update import check_names, decode_update, encode_update
-from orchard.config import CodecSpec
-
-DOWNLINK_CODEC = CodecSpec(name="qsgd", params={"bits": 8, "block": 4096})
+from orchard.config import DOWNLINK_CODEC, CodecSpec
 
 
 @dataclass(frozen=True)

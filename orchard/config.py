@@ -336,6 +336,10 @@ class ContinualConfig(_Strict):
     simulated_budget_bytes: int | None = None
 
 
+# The downlink delta's codec unless a run names its own (``RunConfig.downlink_codec``).
+DOWNLINK_CODEC = CodecSpec(name="qsgd", params={"bits": 8, "block": 4096})
+
+
 class RunConfig(_Strict):
     """One federated run: what to train, for how long, and how updates travel."""
 
@@ -347,9 +351,13 @@ class RunConfig(_Strict):
     train: TrainConfig = TrainConfig()
     codec: CodecSpec = CodecSpec()
     # Downlink: a client holding the previous global may receive the next one as a
-    # quantised delta (orchard.compression.DOWNLINK_CODEC) when that is smaller. Off by
-    # default: clients then train from a reconstruction, not the exact global model.
+    # delta through ``downlink_codec`` when that is smaller. Off by default: clients
+    # then train from a reconstruction, not the exact global model.
     downlink_delta: bool = False
+    # Any stateless codec (the delta is taken from what the client holds, so what one
+    # delta leaves out the next re-sends); 8-bit qsgd by default, about a quarter of
+    # the float32 model.
+    downlink_codec: CodecSpec = DOWNLINK_CODEC
     secure_aggregation: SecureAggregationConfig = SecureAggregationConfig()
     # "auto": when the codec is linear and secure aggregation is off, the lowest tier
     # sums its direct clients' payloads without decoding them, weighting each by its

@@ -31,6 +31,7 @@ import numpy as np
 
 from orchard import wire
 from orchard.compression import DOWNLINK_CODEC, encode_model_delta
+from orchard.config import CodecSpec
 from orchard.errors import OrchardError
 
 
@@ -54,10 +55,11 @@ def full_reply(blob: bytes, model_hash: str) -> ModelReply:
     return ModelReply(blob=blob, sha256=model_hash, target_hash=model_hash)
 
 
-def encode_delta_reply(base_blob: bytes, base_hash: str, target_blob: bytes,
-                       target_hash: str) -> tuple[ModelReply, bytes] | None:
-    """The delta reply from base to target and the reconstruction's blob; None when the
-    full model is the better (or only) answer."""
+def encode_delta_reply(base_blob: bytes, base_hash: str, target_blob: bytes, target_hash: str,
+                       spec: CodecSpec = DOWNLINK_CODEC) -> tuple[ModelReply, bytes] | None:
+    """The delta reply from base to target through ``spec`` (the run's
+    ``downlink_codec``) and the reconstruction's blob; None when the full model is the
+    better (or only) answer."""
     # In name order: a loaded blob's dict order varies from load to load, and the codec
     # draws its randomness tensor by tensor.
     base, target = (dict(sorted(wire.blob_to_arrays(b).items())) for b in (base_blob, target_blob))
@@ -68,7 +70,7 @@ def encode_delta_reply(base_blob: bytes, base_hash: str, target_blob: bytes,
     # request always gets the same delta, so a broken transfer resumes consistently.
     rng = np.random.default_rng([seed, wire.downlink_seed(target_hash)])
     try:
-        md = encode_model_delta(base, target, rng, from_version=seed, spec=DOWNLINK_CODEC)
+        md = encode_model_delta(base, target, rng, from_version=seed, spec=spec)
     except OrchardError:  # names or shapes changed between versions
         return None
     blob = wire.payloads_to_blob(md.payloads)
@@ -76,7 +78,7 @@ def encode_delta_reply(base_blob: bytes, base_hash: str, target_blob: bytes,
         return None
     result = wire.arrays_to_blob(md.reconstructed)
     return ModelReply(blob=blob, sha256=wire.sha256_hex(blob), target_hash=target_hash, delta_from=base_hash,
-                      result_sha256=wire.sha256_hex(result), encoding=DOWNLINK_CODEC.model_dump_json()), result
+                      result_sha256=wire.sha256_hex(result), encoding=spec.model_dump_json()), result
 
 
 class DownlinkCache:
@@ -99,7 +101,8 @@ class DownlinkCache:
     def knows(self, blob_hash: str) -> bool:
         return blob_hash in self._bases
 
-    async def reply(self, target_blob: bytes, target_hash: str, have_hash: str, executor: Executor) -> ModelReply:
+    async def reply(self, target_blob: bytes, target_hash: str, have_hash: str, executor: Executor,
+                    spec: CodecSpec = DOWNLINK_CODEC) -> ModelReply:
         full = full_reply(target_blob, target_hash)
         if have_hash == target_hash or have_hash not in self._bases:
             return full
@@ -112,12 +115,13 @@ class DownlinkCache:
                 if base is None:  # evicted while we waited
                     return full
                 got = await asyncio.get_running_loop().run_in_executor(
-                    executor, encode_delta_reply, base, have_hash, target_blob, target_hash)
+                    executor, encode_delta_reply, base, have_hash, target_blob, target_hash, spec)
                 self._store(have_hash, got)
             cached = self._replies[have_hash]
         return cached if cached is not None else full
 
-    def reply_now(self, target_blob: bytes, target_hash: str, have_hash: str) -> ModelReply:
+    def reply_now(self, target_blob: bytes, target_hash: str, have_hash: str,
+                  spec: CodecSpec = DOWNLINK_CODEC) -> ModelReply:
         """:meth:`reply` on the caller's thread, for tiers that run without an event loop
         (the simulator's). Not for use beside :meth:`reply`."""
         full = full_reply(target_blob, target_hash)
@@ -126,7 +130,8 @@ class DownlinkCache:
         if self._target != target_hash:
             self._target, self._replies = target_hash, {}
         if have_hash not in self._replies:
-            self._store(have_hash, encode_delta_reply(self._bases[have_hash], have_hash, target_blob, target_hash))
+            self._store(have_hash, encode_delta_reply(self._bases[have_hash], have_hash, target_blob, target_hash,
+                                                      spec))
         cached = self._replies[have_hash]
         return cached if cached is not None else full
 

@@ -19,6 +19,7 @@ def run_config_problems(cfg: RunConfig) -> list[str]:
         build_codec(cfg.codec)
     except ConfigError as err:
         problems += [f"codec: {p}" for p in err.problems]
+    problems += downlink_problems(cfg)
     if cfg.secure_aggregation.enabled:
         try:
             validate_codec_for_secure_aggregation(cfg.codec)
@@ -26,6 +27,22 @@ def run_config_problems(cfg: RunConfig) -> list[str]:
             problems += [f"secure_aggregation: {p}" for p in err.problems]
     problems += async_problems(cfg)
     return problems + aggregation_problems(cfg)
+
+
+def downlink_problems(cfg: RunConfig) -> list[str]:
+    """The downlink codec must decode a delta on its own: a tier encodes each (base,
+    target) pair once for every node that holds the base, so it keeps no per-node state."""
+    from orchard.compression import build_codec
+
+    try:
+        codec = build_codec(cfg.downlink_codec)
+    except ConfigError as err:
+        return [f"downlink_codec: {p}" for p in err.problems]
+    if codec.algebra.stateful:
+        return [f"downlink_codec {cfg.downlink_codec.name!r} is stateful (its encoder keeps a residual per "
+                "client); a downlink delta is taken from what the node holds, which already re-sends what the "
+                "last delta left out: use a stateless codec such as qsgd or a pipeline of topk and qsgd"]
+    return []
 
 
 def aggregation_problems(cfg: RunConfig) -> list[str]:

@@ -36,7 +36,8 @@ class Downlink:
         if not self._on:
             return len(blob), ""
         have = self.held.get(device, "")
-        reply = leaf.coord.downlink.reply_now(blob, target, have) if have else None
+        spec = leaf.cr.task.config.downlink_codec
+        reply = leaf.coord.downlink.reply_now(blob, target, have, spec) if have else None
         if reply is None or not reply.is_delta:
             self._hold(device, target, blob)
             return len(blob), ""

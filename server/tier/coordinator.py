@@ -224,7 +224,7 @@ class Coordinator:
         cr = self.current
         if cr is None or not cr.task.config.downlink_delta or not have_hash:
             return full_reply(blob, model_hash)
-        return await self.downlink.reply(blob, model_hash, have_hash, self.executor.pool())
+        return await self.downlink.reply(blob, model_hash, have_hash, self.executor.pool(), cr.task.config.downlink_codec)
 
     def count_bytes_down(self, n: int) -> None:
         self.counters["bytes_down"] += n

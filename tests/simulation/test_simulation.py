@@ -14,7 +14,7 @@ import pytest
 from sim_cases import ALWAYS_ON, DIGITS, _deterministic, _run, _sim
 
 from orchard.client.update import train_seed
-from orchard.config import CohortConfig, RunConfig
+from orchard.config import CodecSpec, CohortConfig, RunConfig
 from orchard.errors import OrchardError
 from orchard.messages import TaskAssignment
 from orchard.simulation import DeviceProfile, SimulationConfig, run_simulation, simulation_problems
@@ -307,6 +307,20 @@ def test_downlink_deltas_cut_bytes_down_and_clients_train_from_their_reconstruct
     again = run_simulation(delta_cfg)
     for k, v in delta.final_arrays.items():
         np.testing.assert_array_equal(again.final_arrays[k], v)
+
+
+def test_a_runs_downlink_codec_is_the_one_deltas_are_sent_through() -> None:
+    """``run.downlink_codec`` reaches the tier's delta: 4-bit codes are about half the
+    8-bit default's bytes, and the devices rebuild the model the reply states."""
+    n = 12
+    cfg = _deterministic(n, rounds=3, aggregators=2, vectorize=True)
+    down = {}
+    for bits in (8, 4):
+        run = cfg.run.model_copy(update={"downlink_delta": True, "downlink_codec": CodecSpec(
+            name="qsgd", params={"bits": bits, "block": 4096})})
+        down[bits] = [r["bytes_down"] for r in run_simulation(cfg.model_copy(update={"run": run})).rounds]
+    assert down[4][0] == down[8][0]  # round 1: the full model either way
+    assert down[4][2] < 0.75 * down[8][2], down
 
 
 def test_a_jobs_train_config_is_the_runs_with_its_seed_and_steps() -> None:
