@@ -48,6 +48,7 @@ import numpy as np
 # sibling module, as benchmarks/_procs.py is, because benchmarks/ is not a package.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from edge_executorch import bench_executorch, print_executorch  # noqa: E402
+from edge_stress import bench_stress, print_stress  # noqa: E402
 
 # --------------------------------------------------------------- 1. training worker
 
@@ -277,6 +278,11 @@ def main() -> None:
                     help="executorch: benchmark the ExecuTorch device runtime (section 4) instead")
     ap.add_argument("--variant", choices=["ffa", "full"], default="ffa", help="LoRA variant (--runtime executorch)")
     ap.add_argument("--micro-batch", type=int, default=8, help="rows per program run (--runtime executorch)")
+    ap.add_argument("--stress", action="store_true",
+                    help="only section 5: the governor under each stress model (benchmarks/edge_stress.py)")
+    ap.add_argument("--devices", type=int, default=100, help="devices a stress case (--stress)")
+    ap.add_argument("--steps", type=int, default=300, help="steps a device (--stress)")
+    ap.add_argument("--seed", type=int, default=0, help="the stressed population's seed (--stress)")
     ap.add_argument("--worker", choices=["lora", "full"], help=argparse.SUPPRESS)
     ap.add_argument("--case", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -286,6 +292,14 @@ def main() -> None:
             json.dumps(train_worker(args.worker, TrainCase(**json.loads(args.case)), args.threads))
         )
         return
+
+    if args.stress:
+        res = bench_stress(args.devices, args.steps, args.seed)
+        print_stress(res)
+        if args.json:
+            args.json.write_text(json.dumps(res, indent=2, sort_keys=True) + "\n")
+            print(f"wrote {args.json}")
+        sys.exit(0 if res["met"] else 1)
 
     if args.runtime == "executorch":
         clients, repeat, devices = (2, 2, 4) if args.quick else (8, 5, 20)

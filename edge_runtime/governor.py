@@ -52,6 +52,7 @@ from .device import DeviceStateProvider
 from .pacing import (
     Action,
     Decision,
+    SensorLog,
     StepEstimate,
     StepSample,
     StopReason,
@@ -61,6 +62,7 @@ from .pacing import (
     duty_cycle,
     estimate_next_step,
     pause_for_duty,
+    sensor_margin,
 )
 from .policy import DevicePolicy, EligibilityDecision, evaluate, next_eligible_time
 
@@ -188,6 +190,10 @@ class Governor:
         self._last_units = 1.0
         self._last_state: DeviceState | None = None
         self._last_read_at: float | None = None  # clock.monotonic() of _last_state
+        # A lagging or noisy sensor: what the margin for it reads (see _seen).
+        lag = pacing.sensor_lag_s
+        self._sensor = SensorLog(3.0 * lag + 30.0) if lag > 0 or pacing.sensor_noise_c > 0 else None
+        self._rates: deque[float] = deque(maxlen=n)
 
     # -- I/O helpers
 
@@ -208,7 +214,31 @@ class Governor:
             self._min_b = b
         self._last_state = s
         self._last_read_at = self.clock.monotonic()
+        if self._sensor is not None and t is not None:
+            self._sensor.reading(self._last_read_at, t)
         return s
+
+    def _seen(self, state: DeviceState) -> tuple[DeviceState, float]:
+        """What the sensor's stated lag and noise leave unseen: the state with its
+        temperature raised by the noise bound (the hot spot may be that much above the
+        reading now), and how much more it may rise by the end of the next step from
+        work the lagging sensor does not show yet
+        (:func:`~orchard.edge_runtime.pacing.sensor_margin`, less the noise)."""
+        log, t = self._sensor, state.temperature_c
+        if log is None or t is None:
+            return state, 0.0
+        pacing = self._pacing
+        lag, noise = pacing.sensor_lag_s, pacing.sensor_noise_c
+        ahead = 0.0
+        if lag > 0:
+            now = self.clock.monotonic()
+            rate = log.heating_rate(lag, noise, max(lag, 2.0))
+            if rate is not None:
+                self._rates.append(rate)
+            last = self._history[-1].seconds if self._history else 0.0
+            ahead = sensor_margin(max(self._rates) if self._rates else None, log.work_between(now - lag, now),
+                                  log.steps_after(now - lag), pacing.safety_factor * last, pacing) - noise
+        return replace(state, temperature_c=t + noise), ahead
 
     def _current(self) -> DeviceState:
         """The device now: the last reading if the clock has not moved since it was
@@ -292,8 +322,9 @@ class Governor:
             state = self._current()
 
         if self._history:
+            seen, ahead = self._seen(state)
             duty = duty_cycle(
-                state.temperature_c,
+                None if seen.temperature_c is None else seen.temperature_c + ahead,
                 self._hard_ceiling_c,
                 pacing.throttle_band_c,
                 pacing.min_duty,
@@ -307,8 +338,11 @@ class Governor:
         cooled = 0.0
         while True:
             est = self._estimate(state)
+            seen, ahead = self._seen(state)
+            if ahead:
+                est = est._replace(rise_c=est.rise_c + ahead)
             d = decide(
-                state,
+                seen,
                 policy,
                 est,
                 wall_s=clock.wall(),
@@ -347,6 +381,8 @@ class Governor:
         t_before, s0 = self._before
         self._before = None
         counter_before = self._energy
+        if self._sensor is not None:
+            self._sensor.step(t_before, self.clock.monotonic())
         s1 = self._read()
         seconds = self.clock.monotonic() - t_before
         if seconds < 0.0:  # never negative, as max(seconds, 0.0) (which keeps -0.0)

@@ -10,6 +10,7 @@ sleeps on the clock and keeps the history.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -323,3 +324,98 @@ def check_rest(
 
 
 # ----------------------------------------------------------------------- the object
+
+
+
+class SensorLog:
+    """The times the governor's steps ran and the temperatures it read, kept for
+    ``horizon_s``: what :func:`sensor_margin` needs from the past. Steps are kept with
+    their cumulative work, so the work inside any window is two binary searches."""
+
+    __slots__ = ("horizon_s", "read_t", "read_c", "step_start", "step_end", "step_cum", "_cum")
+
+    def __init__(self, horizon_s: float) -> None:
+        self.horizon_s = horizon_s
+        self.read_t: list[float] = []
+        self.read_c: list[float] = []
+        self.step_start: list[float] = []
+        self.step_end: list[float] = []
+        self.step_cum: list[float] = []  # work up to each step's end, since the log began
+        self._cum = 0.0
+
+    def reading(self, t: float, temperature_c: float) -> None:
+        self.read_t.append(t)
+        self.read_c.append(temperature_c)
+        if self.read_t[0] < t - 2 * self.horizon_s:
+            k = bisect_left(self.read_t, t - self.horizon_s)
+            del self.read_t[:k], self.read_c[:k]
+
+    def step(self, start: float, end: float) -> None:
+        self._cum += end - start
+        self.step_start.append(start)
+        self.step_end.append(end)
+        self.step_cum.append(self._cum)
+        if self.step_end[0] < end - 2 * self.horizon_s:
+            k = bisect_left(self.step_end, end - self.horizon_s)
+            del self.step_start[:k], self.step_end[:k], self.step_cum[:k]
+
+    def _work_until(self, t: float) -> float:
+        i = bisect_right(self.step_end, t)  # steps 0..i-1 ended by t
+        done = self.step_cum[i - 1] if i else (self.step_cum[0] - (self.step_end[0] - self.step_start[0])
+                                               if self.step_cum else 0.0)
+        if i < len(self.step_start) and self.step_start[i] < t:
+            done += t - self.step_start[i]
+        return done
+
+    def work_between(self, start: float, end: float) -> float:
+        """Seconds of work inside ``[start, end]``."""
+        return max(0.0, self._work_until(end) - self._work_until(start)) if self.step_cum else 0.0
+
+    def steps_after(self, t: float) -> int:
+        """Steps that ended after ``t``."""
+        return len(self.step_end) - bisect_right(self.step_end, t)
+
+    def heating_rate(self, lag_s: float, noise_c: float, span_s: float) -> float | None:
+        """An upper bound on how fast the hot spot heats per second of work, from the
+        last reading and the newest one at least ``span_s`` before it; None before there
+        is such a pair, or when no work lies in the window the pair saw.
+
+        Readings at ``t_a`` and ``t_b`` show the hot spot at ``t_a - lag`` and
+        ``t_b - lag``, each within ``noise_c``: the rise between them is at most
+        ``T_b - T_a + 2 noise``, and the work that caused it is what ran in ``[t_a - lag,
+        t_b - lag]``. Pauses in that window only cool, so dividing by the work alone
+        bounds the rate of a step from above (a device heats slower as it gets hotter).
+        """
+        if len(self.read_t) < 2:
+            return None
+        t_b = self.read_t[-1]
+        k = bisect_right(self.read_t, t_b - span_s)
+        if k == 0:
+            return None
+        t_a = self.read_t[k - 1]
+        work = self.work_between(t_a - lag_s, t_b - lag_s)
+        if work <= 0.0:
+            return None
+        return max(0.0, (self.read_c[-1] - self.read_c[k - 1] + 2.0 * noise_c) / work)
+
+
+def sensor_margin(
+    rate_c_per_s: float | None,
+    unseen_work_s: float,
+    unseen_steps: int,
+    next_step_s: float,
+    pacing: PacingConfig,
+) -> float:
+    """How far above its reading the hot spot may be by the end of the next step: the
+    noise bound, plus what the work the sensor has not yet seen (the last
+    ``sensor_lag_s``) and the next step add at ``rate_c_per_s``, times the safety
+    factor. Before a rate is known, each unseen step and the next one count as
+    ``prior_rise_c``: the governor then works blind only as far as the prior allows and
+    waits for the sensor to catch up."""
+    if pacing.sensor_lag_s <= 0.0:
+        return pacing.sensor_noise_c
+    if rate_c_per_s is None:
+        ahead = pacing.prior_rise_c * (unseen_steps + 1)
+    else:
+        ahead = rate_c_per_s * (unseen_work_s + next_step_s)
+    return pacing.sensor_noise_c + pacing.safety_factor * ahead

@@ -160,6 +160,11 @@ class PacingConfig(_Strict):
     safety_factor: float = Field(default=1.25, ge=1.0)
     history: int = Field(default=16, ge=1)  # steps the per-step estimates look back over
     joules_per_unit: float | None = Field(default=None, gt=0.0)  # energy estimate without a counter
+    # The temperature sensor as its maker states it: the reading is the hot spot as it
+    # was up to ``sensor_lag_s`` ago, within ``sensor_noise_c`` either way. The governor
+    # keeps the margin these leave (pacing.sensor_margin).
+    sensor_lag_s: float = Field(default=0.0, ge=0.0, le=600.0)
+    sensor_noise_c: float = Field(default=0.0, ge=0.0, le=10.0)
 
 
 class ReplayPolicy(_Strict):

@@ -149,6 +149,17 @@ DevicePolicy DevicePolicy::from_json(const nlohmann::json& j) {
       pc.history = h->get<int>();
     }
     q.opt_num("joules_per_unit", pc.joules_per_unit, 0.0, true);
+    // PacingConfig.sensor_lag_s / sensor_noise_c: the margin for a lagging or noisy
+    // temperature sensor (edge_runtime/pacing.py, sensor_margin) is not ported yet, so a
+    // policy that states one is refused rather than run without it.
+    for (const char* k : {"sensor_lag_s", "sensor_noise_c"}) {
+      double x = 0.0;
+      q.num(k, x, 0.0);
+      if (x != 0.0)
+        throw Failure(ORCHARD_ERR_BUNDLE, r.where + ".pacing." + k + " is " + std::to_string(x) +
+                                              ": this native client keeps no margin for a lagging or noisy "
+                                              "sensor yet; set it to 0 or run the Python client");
+    }
     q.done();
   }
   // DevicePolicy.replay (a continual run's replay buffer): null, the default, is no buffer.
