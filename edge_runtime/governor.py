@@ -193,7 +193,7 @@ class Governor:
         # A lagging or noisy sensor: what the margin for it reads (see _seen).
         lag = pacing.sensor_lag_s
         self._sensor = SensorLog(3.0 * lag + 30.0) if lag > 0 or pacing.sensor_noise_c > 0 else None
-        self._rates: deque[float] = deque(maxlen=n)
+        self._rate: float | None = None  # the highest heating rate per second of work seen this round
 
     # -- I/O helpers
 
@@ -233,10 +233,13 @@ class Governor:
         if lag > 0:
             now = self.clock.monotonic()
             rate = log.heating_rate(lag, noise, max(lag, 2.0))
-            if rate is not None:
-                self._rates.append(rate)
+            if rate is not None and (self._rate is None or rate > self._rate):
+                # The highest in the round, not a recent one: pauses in a window lower
+                # its estimate, and the round's first windows, worked flat out from
+                # cold, show the device at its fastest.
+                self._rate = rate
             last = self._history[-1].seconds if self._history else 0.0
-            ahead = sensor_margin(max(self._rates) if self._rates else None, log.work_between(now - lag, now),
+            ahead = sensor_margin(self._rate, log.work_between(now - lag, now),
                                   log.steps_after(now - lag), pacing.safety_factor * last, pacing) - noise
         return replace(state, temperature_c=t + noise), ahead
 

@@ -376,16 +376,17 @@ class SensorLog:
         return len(self.step_end) - bisect_right(self.step_end, t)
 
     def heating_rate(self, lag_s: float, noise_c: float, span_s: float) -> float | None:
-        """An upper bound on how fast the hot spot heats per second of work, from the
-        last reading and the newest one at least ``span_s`` before it; None before there
-        is such a pair, or when no work lies in the window the pair saw.
+        """How fast the hot spot heated per second of work, from the last reading and
+        the newest one at least ``span_s`` before it; None before there is such a pair,
+        or when no work lies in the window the pair saw.
 
         Readings at ``t_a`` and ``t_b`` show the hot spot at ``t_a - lag`` and
         ``t_b - lag``, each within ``noise_c``: the rise between them is at most
-        ``T_b - T_a + 2 noise``, and the work that caused it is what ran in ``[t_a - lag,
-        t_b - lag]``. Pauses in that window only cool, so dividing by the work alone
-        bounds the rate of a step from above (a device heats slower as it gets hotter).
-        """
+        ``T_b - T_a + 2 noise``, caused by the work that ran in ``[t_a - lag, t_b -
+        lag]``. Pauses in that window cooled it, so this understates the rate of work
+        alone; the governor keeps the highest value of the round (its first windows,
+        worked flat out from cold, come closest, and a device heats slower as it gets
+        hotter)."""
         if len(self.read_t) < 2:
             return None
         t_b = self.read_t[-1]
