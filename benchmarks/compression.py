@@ -48,6 +48,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TypeVar
 
 import numpy as np
@@ -231,7 +232,7 @@ def _federated_run(compressed: bool, seed: int, clients: int, rounds: int, steps
         "cohort": {"over_selection": 1.0, "min_fraction": 1.0, "deadline_s": 3600.0}}
     if compressed:
         run.update(codec=FEDERATED_CODEC, downlink_delta=True, downlink_codec=FEDERATED_DOWNLINK)
-    cfg = SimulationConfig(clients=clients, clients_per_round=clients, rounds=rounds, aggregators=0,
+    cfg = SimulationConfig(clients=clients, clients_per_round=clients, rounds=rounds, aggregators=0, seed=seed,
                            progress=False, evaluate_every=0, profiles={"box": always_on}, devices={"box": 1.0},
                            governor=False, run=RunConfig.model_validate(run))
     t0 = time.perf_counter()
@@ -266,6 +267,27 @@ def federated(seeds: list[int], clients: int, rounds: int, steps: int) -> dict[s
             runs[name].append(r)
             print(f"  seed {seed} {name:<13} accuracy {r['final_accuracy']:.4f} up {r['upload_bytes']:,.0f} B "
                   f"down {r['download_bytes']:,.0f} B ({r['seconds']} s)", flush=True)
+    return summarize(runs, seeds, clients, rounds, steps)
+
+
+def merge_federated(paths: list[str]) -> dict[str, object]:
+    """One summary of several ``--federated`` outputs with the same settings (seeds run
+    in separate processes), from their per-run records."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    keys = {(f["clients"], f["rounds"], f["local_steps"], json.dumps(f["codec"]), json.dumps(f["downlink_codec"]))
+            for f in parts}
+    if len(keys) != 1:
+        raise SystemExit(f"--merge: the outputs were measured with different settings: {sorted(keys)}")
+    runs = {name: [r for f in parts for r in f["runs"][name]] for name in ("uncompressed", "compressed")}
+    seeds = [int(r["seed"]) for r in runs["uncompressed"]]
+    if len(set(seeds)) != len(seeds) or seeds != [int(r["seed"]) for r in runs["compressed"]]:
+        raise SystemExit(f"--merge: each seed must appear once, paired; got {seeds}")
+    f = parts[0]
+    return summarize(runs, seeds, f["clients"], f["rounds"], f["local_steps"])
+
+
+def summarize(runs: dict[str, list[dict[str, object]]], seeds: list[int], clients: int, rounds: int,
+              steps: int) -> dict[str, object]:
 
     def total(name: str, key: str) -> float:
         return sum(float(r[key]) for r in runs[name]) / len(seeds)  # type: ignore[arg-type]
@@ -467,6 +489,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="devices, all taking part in every round")
     ap.add_argument("--federated-steps", type=int, default=10, help="local steps a device trains a round")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--merge", nargs="+", metavar="FEDERATED_JSON",
+                    help="summarise --federated outputs of other invocations (e.g. one seed each) as one")
     ap.add_argument("--tier", action="store_true",
                     help="also time one tier folding N uploads: decode-then-accumulate vs compressed-domain sums")
     ap.add_argument("--tier-uploads", type=int, default=1000)
@@ -477,6 +501,13 @@ def main(argv: list[str] | None = None) -> None:
         if args.json:
             with open(args.json.replace(".json", "") + ".tier.json", "w") as fh:
                 json.dump(tier_rows, fh, indent=2)
+    if args.merge:
+        fed = merge_federated(args.merge)
+        print_federated(fed)
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(fed, fh, indent=2)
+        return
     if args.federated:
         fed = federated(args.seeds, args.federated_clients, args.federated_rounds, args.federated_steps)
         print_federated(fed)
