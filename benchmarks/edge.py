@@ -24,6 +24,11 @@ governor against a thermal ceiling on simulated devices.
    through the program with torch blocked against a torch device process doing the
    same work, the program's size against the base's safetensors, and the governor
    over simulated devices that train through the program.
+
+    python benchmarks/edge.py --stress [--devices 100] [--steps 300] [--seed 0] [--json PATH]
+
+5. The governor over devices with a real device's physics and sensors, one stress
+   model at a time and all at once (``benchmarks/edge_stress.py``).
 """
 
 from __future__ import annotations
