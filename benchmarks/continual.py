@@ -87,7 +87,7 @@ def sim_config(a: argparse.Namespace, seed: int, out: Path, *, ratio: float, fra
         # Round 1's first attempt finds nothing arrived: one retry (see the module). A
         # round closes within the deadline (virtual seconds), small against a round gap, so
         # rounds stay on the periods' clock (a selected device with nothing new sends nothing).
-        "cohort": {"target": a.cohort, "over_selection": 1.0, "min_fraction": 0.5, "deadline_s": 600.0,
+        "cohort": {"target": a.cohort, "over_selection": 1.0, "min_fraction": 0.1, "deadline_s": 600.0,
                    "max_retries": 1},
         "continual": {"periods": PERIODS, "period_s": PERIOD_S, "replay_ratio": ratio, "sampling": a.sampling,
                       "hot_samples": a.hot, "simulated_budget_fraction": fraction},
