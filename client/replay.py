@@ -13,7 +13,11 @@ record of ``record_bytes``. With capacity C and a hot set of H records,
     memory = H * record_bytes + C * 8                           (hot records, label index)
 
 and :func:`capacity_for` picks the largest C with ``file + memory <= budget_bytes``. A
-budget below one sample is refused (:class:`ReplayBudgetError`). A flush streams the
+budget below one sample is refused (:class:`ReplayBudgetError`). A buffer may also be
+held to a ``share`` of the samples offered to it: it then keeps at most
+``floor(share * seen)`` of them (a simulated device's "10% of what it has seen"), below
+its capacity; until the limit reaches 1 it keeps none, and where the limit grew the
+next sample is appended before either rule replaces anything. A flush streams the
 file through a copy in chunks of at most H records, so it adds no more than the hot set.
 
 File (``replay.bin``)::
@@ -34,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import struct
 from collections.abc import Iterator
@@ -113,9 +118,12 @@ class ReplayBuffer:
     """
 
     def __init__(self, directory: str | Path, sample_shape: tuple[int, ...], budget_bytes: int, *,
-                 sampling: str = "reservoir", hot_samples: int = 4) -> None:
+                 sampling: str = "reservoir", hot_samples: int = 4, share: float | None = None) -> None:
         if sampling not in SAMPLINGS:
             raise ReplayBudgetError(f"unknown replay sampling {sampling!r}; expected one of {', '.join(SAMPLINGS)}")
+        if share is not None and not 0.0 < share <= 1.0:
+            raise ReplayBudgetError(f"a replay share must be in (0, 1] (the most of the samples seen kept), got {share}")
+        self.share = share
         self.directory = Path(directory)
         self.path = self.directory / FILE_NAME
         self.sample_shape = tuple(int(s) for s in sample_shape)
@@ -141,6 +149,14 @@ class ReplayBuffer:
     def file_bytes(self) -> int:
         return self.path.stat().st_size if self.path.is_file() else 0
 
+    def limit(self) -> int:
+        """The most samples the buffer may hold now: its capacity, and with a ``share`` at
+        most ``floor(share * seen)`` of the samples offered so far (0 before 1 / share)."""
+        if self.share is None:
+            return self.capacity
+        # The epsilon keeps products such as 0.1 * 30 = 3.0000000000000004 from rounding the wrong way.
+        return min(self.capacity, int(math.floor(self.share * self.seen + 1e-9)))
+
     def memory_bytes(self) -> int:
         """The hot set's records and the label index, as held now."""
         return len(self._hot) * self._record + self.capacity * LABEL_BYTES
@@ -154,11 +170,16 @@ class ReplayBuffer:
             raise ReplayFileError(f"a sample of shape {tuple(x.shape)} offered to a buffer of {self.sample_shape}")
         label = int(label)
         self.class_seen[label] = self.class_seen.get(label, 0) + 1
-        if self.sampling == "reservoir":
-            slot = reservoir_slot(self.seen, self.capacity, rng)
-        else:
-            slot = class_balanced_slot(self.labels, label, self.class_seen, self.capacity, rng)
         self.seen += 1
+        cap = self.limit()
+        if cap < 1:
+            slot = None
+        elif len(self) < cap:  # room (a share's limit grows with the samples seen): the sample is appended
+            slot = len(self)
+        elif self.sampling == "reservoir":
+            slot = reservoir_slot(self.seen - 1, cap, rng)
+        else:
+            slot = class_balanced_slot(self.labels, label, self.class_seen, cap, rng)
         if slot is None:
             return None
         if slot == len(self):

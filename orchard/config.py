@@ -323,8 +323,8 @@ class ContinualConfig(_Strict):
     the stream's clock (virtual time in the simulator). ``replay_ratio``: the share of
     each local batch drawn from the buffer. ``sampling``: the buffer's admission and
     draw rule. ``simulated_budget_fraction`` / ``simulated_budget_bytes``: the buffer
-    budget of simulated devices (a fraction of each device's stream, in samples, or
-    bytes); a real device's budget is its policy's (``client.json``: ``replay``).
+    budget of simulated devices (at most this fraction of the samples each device has
+    seen so far, or bytes); a real device's budget is its policy's (``client.json``: ``replay``).
     """
 
     periods: list[list[int]] = Field(default_factory=list)

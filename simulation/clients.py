@@ -16,6 +16,7 @@ client), else one by one.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -50,6 +51,9 @@ class ClientJob:
     now_s: float = 0.0
     # A canary (orchard.simulation.canary): (seed, norm) of the direction it sends instead.
     canary: tuple[int, float] | None = None
+    # The device's own directory when it personalizes: its personal adapter is kept there
+    # across rounds (orchard.client.personal.DevicePersonal), as a real device's state dir.
+    state_dir: str = ""
 
 
 @dataclass
@@ -185,6 +189,8 @@ def run_jobs(task: Task, population: int, cfg: RunConfig, codec: Codec, global_a
                 results[i] = trainers[i].train(start, seeds_cfgs[i][1])
             except (OrchardError, ValueError, RuntimeError) as err:
                 results[i] = f"{type(err).__name__}: {err}"
+    if cfg.personalization.enabled:
+        _personal_rounds(cfg, jobs, trainers, models, seeds_cfgs, results)
     del trainers
     # The uploads of the clients that start from one model, built together where they can
     # be (build_uploads: the same bytes as build_upload, client by client).
@@ -238,6 +244,27 @@ def run_jobs(task: Task, population: int, cfg: RunConfig, codec: Codec, global_a
         out.append(ClientOutput(job.partition, job.node_id, header, payload, states or None,
                                 metrics=dict(res.metrics)))
     return out
+
+
+def _personal_rounds(cfg: RunConfig, jobs: list[ClientJob], trainers: list[Any], models: list[NDArrays],
+                     seeds_cfgs: list[tuple[int, TrainConfig]], results: list[TrainResult | None | str]) -> None:
+    """Each trained device's personal step after its round, as the client runtime takes it
+    (``DevicePersonal.round``: the adapter it kept, trained and evaluated, kept again in
+    its directory); its evaluation joins the update's metrics. One device's adapter is
+    read from its file when it trains and dropped after: memory follows the job."""
+    from orchard.client.personal import DevicePersonal
+
+    for i, job in enumerate(jobs):
+        res = results[i]
+        if not job.state_dir or not isinstance(res, TrainResult) or res.num_examples == 0:
+            continue
+        try:
+            extra = DevicePersonal(job.state_dir).round(job.assignment.run_id, cfg.personalization, trainers[i],
+                                                        models[i], seeds_cfgs[i][1])
+        except (OrchardError, ValueError, RuntimeError) as err:
+            results[i] = f"{type(err).__name__}: {err}"
+            continue
+        results[i] = dataclasses.replace(res, metrics={**res.metrics, **extra})
 
 
 def _canary(job: ClientJob, shapes: dict[str, tuple[int, ...]]) -> NDArrays:

@@ -42,3 +42,6 @@ class Context:
     run_id: str
     config_json: str  # the run's config as its round tasks carry it
     round_cfg: RunConfig  # this round's config: the run's, or with DP the ledger's
+    # Where each simulated device keeps its own files (``device-<partition>``: a replay
+    # buffer, a personal adapter); None: nowhere (no personal adapter kept between rounds).
+    device_root: str | None = None

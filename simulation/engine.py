@@ -117,7 +117,8 @@ class Engine:
     def __init__(self, task: Task, population: Population, run: RunConfig, fanout: list[int], backend: Backend,
                  *, chunk_size: int, workers: int, governor: bool, checkin_factor: float, node_timeout_s: float,
                  aggregator_mbps: float, wall_origin: float, num_partitions: int, seed: int,
-                 attack: AttackConfig | None = None, sharded: bool = False, tops: list[str] | None = None) -> None:
+                 attack: AttackConfig | None = None, sharded: bool = False, tops: list[str] | None = None,
+                 device_root: str | None = None) -> None:
         """``sharded``: with a backend of worker processes (``start_shards``), a synchronous
         run over a tree without secure aggregation runs the root's subtrees in the workers
         and here, each process its own (``simulation.shards``). ``tops``: this engine is
@@ -127,7 +128,7 @@ class Engine:
             server_cfg=ServerConfig(node_timeout_s=node_timeout_s), codec=build_codec(run.codec),
             chunk_size=chunk_size, workers=workers, governor=governor, checkin_factor=checkin_factor,
             aggregator_mbps=aggregator_mbps, attack=attack, run_id=f"sim-{seed}",
-            config_json=run.model_dump_json(), round_cfg=run)
+            config_json=run.model_dump_json(), round_cfg=run, device_root=device_root)
         self.time = ctx.time
         self.run_id = ctx.run_id
         self.tree = tree = Tree(ctx, fanout)
@@ -146,7 +147,7 @@ class Engine:
             self._sharded = ShardedRounds.start(ctx, tree, self.shard, arrivals, fanout, dict(
                 chunk_size=chunk_size, workers=1, governor=governor, checkin_factor=checkin_factor,
                 node_timeout_s=node_timeout_s, aggregator_mbps=aggregator_mbps, wall_origin=wall_origin,
-                num_partitions=num_partitions, seed=seed, attack=attack))
+                num_partitions=num_partitions, seed=seed, attack=attack, device_root=device_root))
 
     # ------------------------------------------------------------------ one round
 

@@ -74,6 +74,8 @@ class Jobs:
     def __init__(self, ctx: Context) -> None:
         self._seed = ctx.seed
         self._attack = ctx.attack
+        # A device that personalizes keeps its adapter in its own directory across rounds.
+        self._personal_root = ctx.device_root if ctx.run.personalization.enabled else None
         self.pace = Pace()
         self.codec_states: dict[int, dict[str, Any]] = {}
         # Canaries (attack kind "canary"): how often each canary device's update was folded.
@@ -85,6 +87,8 @@ class Jobs:
     def job(self, a: Arrival) -> ClientJob:
         job = ClientJob(a.partition, a.node_id, a.assignment, a.steps, self.codec_states.get(a.partition), a.start,
                         now_s=a.now_s)
+        if self._personal_root is not None:
+            job.state_dir = f"{self._personal_root}/device-{a.partition}"
         if self.canaries is not None:  # a canary sends factor x its direction instead of its update
             job.canary = (self._seed, cast(AttackConfig, self._attack).factor) if self._drawn(a.partition) else None
         else:

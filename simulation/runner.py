@@ -4,10 +4,11 @@ the backend, run the rounds, write what happened."""
 from __future__ import annotations
 
 import math
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -60,14 +61,15 @@ def _failure(rnd: int, rec: dict[str, Any], cfg: SimulationConfig) -> str:
     return msg
 
 
-def _device_root(out: Path | None) -> Path:
-    """Where simulated devices keep their replay buffers: under the run's output, else a
-    temporary directory that lives as long as the process."""
+def _device_root(out: Path | None) -> tuple[Path, bool]:
+    """Where simulated devices keep their own files (replay buffers, personal adapters):
+    under the run's output, else a temporary directory the run removes when it ends
+    (the second value: whether it is one)."""
     if out is not None:
-        return Path(out) / "devices"
+        return Path(out) / "devices", False
     import tempfile
 
-    return Path(tempfile.mkdtemp(prefix="orchard-devices-"))
+    return Path(tempfile.mkdtemp(prefix="orchard-devices-")), True
 
 
 def run_simulation(cfg: SimulationConfig, progress: Any = None,
@@ -89,10 +91,13 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
         from orchard.edge_runtime.et_task import ExecuTorchTask
 
         task = ExecuTorchTask(task)
+    # Each device's own files (a replay buffer, a personal adapter), where a run keeps any.
+    device_root, temporary = (_device_root(cfg.out) if run.continual is not None or run.personalization.enabled
+                              else (None, False))
     if run.continual is not None:  # each device's data a stream, its replay buffer in its own directory
         from orchard.tasks.stream import StreamingTask
 
-        task = StreamingTask(task, run.continual, _device_root(cfg.out))
+        task = StreamingTask(task, run.continual, cast(Path, device_root))
     # The global model as a root holds it: read back from its blob, so its tensors (and
     # every round's schema) come in the blob's canonical order, as on the gRPC path.
     arrays = wire.blob_to_arrays(wire.arrays_to_blob(task.initial_arrays(run.seed)))
@@ -111,7 +116,8 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
     engine = Engine(task, population, run, cfg.fanout(), backend, chunk_size=cfg.chunk_size, workers=cfg.workers,
                     governor=cfg.governor, checkin_factor=cfg.checkin_factor, node_timeout_s=cfg.node_timeout_s,
                     aggregator_mbps=cfg.aggregator_mbps, wall_origin=_WALL_ORIGIN, num_partitions=cfg.clients,
-                    seed=cfg.seed, attack=cfg.attack, sharded=cfg.shard)
+                    seed=cfg.seed, attack=cfg.attack, sharded=cfg.shard,
+                    device_root=None if device_root is None else str(device_root))
     # The same loop and ledger as the root's (orchard.server.runloop): noise from the target
     # epsilon for the planned rounds, every device in every round (DP-FTRL: under the
     # participation bound); every attempt charged; the run stops at the budget.
@@ -155,7 +161,10 @@ def run_simulation(cfg: SimulationConfig, progress: Any = None,
     if run.personalization.enabled and done:
         from orchard.simulation.personal import report_entry
 
-        report.personalization = report_entry(task, cfg.clients, run, arrays, state.completed_rounds)
+        report.personalization = report_entry(task, cfg.clients, run, arrays, state.completed_rounds,
+                                              device_root, engine.run_id)
+    if temporary and device_root is not None:
+        shutil.rmtree(device_root, ignore_errors=True)
     if out is not None:
         write_report(report, out)
     report.final_arrays = arrays
@@ -223,6 +232,8 @@ class _SimulatedRounds:
             t0 = time.perf_counter()
             ev = self.task.evaluate(new_arrays)
             rec["accuracy"], rec["loss"] = float(ev["accuracy"]), float(ev["loss"])
+            # A streaming task also scores each period's classes (orchard.tasks.stream).
+            rec.update({k: float(v) for k, v in ev.items() if k.startswith("accuracy_period_")})
             rec["eval_seconds"] = round(time.perf_counter() - t0, 4)
         row = _public(rec)
         self.report.rounds.append(row)

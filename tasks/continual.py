@@ -61,7 +61,7 @@ class ContinualTrainer:
     def __init__(self, model_factory: Callable[[], nn.Module], stream: SampleStream, directory: str | Path,
                  budget_bytes: int, *, replay_ratio: float, sampling: str = "reservoir", hot_samples: int = 4,
                  test_data: TensorData | Callable[[], TensorData] | None = None,
-                 trainable: Sequence[str] | None = None, seed: int = 0) -> None:
+                 trainable: Sequence[str] | None = None, seed: int = 0, share: float | None = None) -> None:
         if not 0.0 <= replay_ratio <= 1.0:
             raise ConfigError(f"continual.replay_ratio must be in [0, 1], got {replay_ratio}")
         self.stream = stream
@@ -73,6 +73,9 @@ class ContinualTrainer:
         self._test = test_data
         self.seed = seed
         self._model = LazyTrainable(model_factory, trainable)
+        self.share = share
+        # The samples the last round read (what a personal step after it trains on).
+        self._recent: tuple[np.ndarray, np.ndarray] | None = None
 
     def arrive(self, now_s: float) -> None:
         """The stream's clock (the simulator's virtual time); a file the device appends to needs none."""
@@ -83,19 +86,29 @@ class ContinualTrainer:
     def buffer(self) -> ReplayBuffer:
         """The device's buffer as the file holds it now (a damaged file is discarded)."""
         return ReplayBuffer(self.directory, self.stream.sample_shape, self.budget_bytes, sampling=self.sampling,
-                            hot_samples=self.hot_samples)
+                            hot_samples=self.hot_samples, share=self.share)
 
     @property
     def trainable(self) -> list[str]:
         return self._model.names
 
-    def train(self, arrays: NDArrays, config: TrainConfig, *, gate: StepGate | None = None) -> TrainResult:
+    def train(self, arrays: NDArrays, config: TrainConfig, *, gate: StepGate | None = None,
+              anchor: NDArrays | None = None) -> TrainResult:
+        """A local round (see the module). With ``anchor`` it is a personal step
+        (:mod:`orchard.client.personal`, Ditto): ``proximal_mu`` pulls towards ``anchor``,
+        and it trains on the samples the last round read (else those waiting on the
+        stream) mixed with replayed ones at the ratio, without consuming or buffering
+        anything: the round's own call did that."""
         model, names, tensors = self._model.get()
         load_arrays(tensors, arrays, names)
         if config.batch_size < 1:
             raise ConfigError(f"batch_size must be >= 1, got {config.batch_size}")
         buf = self.buffer()
-        new_x, new_y = self.stream.read(buf.cursor)
+        personal = anchor is not None
+        if personal and self._recent is not None:
+            new_x, new_y = self._recent
+        else:
+            new_x, new_y = self.stream.read(buf.cursor)
         n = int(new_y.shape[0])
         rng = np.random.default_rng(derive_seed(self.seed, config.seed, 0x5E9, bits=63))
         if n == 0:
@@ -109,7 +122,11 @@ class ContinualTrainer:
         params = [tensors[name] for name in names]
         opt = make_optimizer(params, config)
         mu = config.proximal_mu
-        anchors = [p.detach().clone() for p in params] if mu > 0 else []
+        if mu > 0 and anchor is not None:
+            anchors = [torch.from_numpy(np.array(anchor[name], dtype=np.float32)).reshape(tensors[name].shape)
+                       for name in names]
+        else:
+            anchors = [p.detach().clone() for p in params] if mu > 0 else []
         gen = torch.Generator().manual_seed(derive_seed(self.seed, config.seed, bits=63))
         x_new, y_new = torch.from_numpy(new_x), torch.from_numpy(new_y)
         totals = StepTotals()
@@ -138,11 +155,13 @@ class ContinualTrainer:
             step += 1
             if gate is not None:
                 gate.after_step(float(y.shape[0]))
-        # The new samples were seen: they enter the buffer (by its rule) whatever the gate did.
-        for i in range(n):
-            buf.offer(new_x[i], int(new_y[i]), rng)
-        buf.cursor += n
-        buf.flush()
+        if not personal:
+            # The new samples were seen: they enter the buffer (by its rule) whatever the gate did.
+            for i in range(n):
+                buf.offer(new_x[i], int(new_y[i]), rng)
+            buf.cursor += n
+            buf.flush()
+            self._recent = (new_x, new_y)
         metrics = totals.metrics()
         if stopped:
             return TrainResult(arrays=arrays_of(tensors, names), weight=float(n) * step / total if total else 0.0,

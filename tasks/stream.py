@@ -28,13 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from orchard.client.replay import ReplayBudgetError, budget_for, capacity_for
 from orchard.config import ContinualConfig, RunConfig
 from orchard.errors import ConfigError
 from orchard.tasks.continual import ContinualTrainer
 from orchard.tasks.partition import Partition
-from orchard.tasks.torch_trainer import TensorData
+from orchard.tasks.torch_trainer import TensorData, load_arrays
 from orchard.trainer import Trainer
 from orchard.typing import NDArrays
 
@@ -122,11 +123,21 @@ class AppendedSamples:
 
 def device_budget(cfg: ContinualConfig, stream_len: int, sample_shape: tuple[int, ...]) -> int:
     """A simulated device's buffer budget in bytes: the configured bytes, or the smallest
-    budget keeping ``simulated_budget_fraction`` of its stream (at least one sample)."""
+    budget keeping ``simulated_budget_fraction`` of its whole stream (at least one sample).
+    With a fraction the buffer is also held to that share of the samples seen so far
+    (:func:`device_share`), so this is the most it ever holds."""
     if cfg.simulated_budget_bytes is not None:
         return cfg.simulated_budget_bytes
     fraction = 0.1 if cfg.simulated_budget_fraction is None else cfg.simulated_budget_fraction
     return budget_for(max(1, math.floor(fraction * stream_len)), cfg.hot_samples, sample_shape)
+
+
+def device_share(cfg: ContinualConfig) -> float | None:
+    """The share of the samples it has seen that a simulated device's buffer may keep
+    (``simulated_budget_fraction``; 0.1 unless a byte budget is set), or None (bytes only)."""
+    if cfg.simulated_budget_bytes is not None:
+        return None
+    return 0.1 if cfg.simulated_budget_fraction is None else cfg.simulated_budget_fraction
 
 
 class StreamingTask:
@@ -152,7 +163,24 @@ class StreamingTask:
         return self.task.partition(num_partitions, seed)
 
     def evaluate(self, arrays: NDArrays, split: str = "test") -> dict[str, float]:
-        return self.task.evaluate(arrays, split)
+        """The task's central evaluation, and on the test pool the accuracy on each
+        period's classes (``accuracy_period_<p>``: what forgetting is measured on)."""
+        got = dict(self.task.evaluate(arrays, split))
+        data = getattr(self.task, "test_data", None)
+        labels = getattr(self.task, "test_labels", None)
+        if split != "test" or data is None or labels is None:
+            return got
+        model = self.task.build_model()
+        load_arrays(model, arrays, self.task.trainable)
+        model.eval()
+        with torch.no_grad():  # one pass: each test example's hit, grouped by period below
+            hits = torch.cat([model(data.x[i:i + 1000]).argmax(-1) == data.y[i:i + 1000]
+                              for i in range(0, len(data), 1000)]).numpy()
+        labels = np.asarray(labels)
+        for p, group in enumerate(self.cfg.periods):
+            mine = np.isin(labels, group)
+            got[f"accuracy_period_{p}"] = float(hits[mine].mean()) if mine.any() else float("nan")
+        return got
 
     def stream(self, partition_id: int, num_partitions: int, seed: int) -> ArrivalStream:
         idx = self.task.partition(num_partitions, seed).indices[partition_id]
@@ -169,7 +197,7 @@ class StreamingTask:
             device_budget(c, len(stream), stream.sample_shape), replay_ratio=c.replay_ratio,
             sampling=c.sampling, hot_samples=c.hot_samples,
             test_data=lambda: task.test_data.subset(part.test_indices[partition_id]),
-            trainable=task.trainable, seed=seed * 1_000_003 + partition_id)
+            trainable=task.trainable, seed=seed * 1_000_003 + partition_id, share=device_share(c))
 
 
 def device_trainer(task: Any, cfg: ContinualConfig, data: str | Path, state_dir: str | Path | None,

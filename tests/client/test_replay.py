@@ -134,6 +134,21 @@ def test_budget_is_enforced_and_measured(tmp_path):
     assert buf.file_bytes() == HEADER_BYTES + buf.capacity * record_bytes(shape) + 32
 
 
+@pytest.mark.parametrize("sampling", ["reservoir", "class_balanced"])
+def test_a_share_bounds_the_buffer_by_the_samples_seen(tmp_path, sampling):
+    # share = 0.1: nothing kept before the 10th sample, then at most a tenth, up to capacity.
+    buf = ReplayBuffer(tmp_path, SHAPE, budget_for(8, 2, SHAPE), hot_samples=2, sampling=sampling, share=0.1)
+    rng = np.random.default_rng(0)
+    for i in range(120):
+        buf.offer(rng.random(SHAPE, dtype=np.float32), i % 4, rng)
+        assert len(buf) == min(8, (i + 1) // 10)
+    buf.flush()
+    again = ReplayBuffer(tmp_path, SHAPE, budget_for(8, 2, SHAPE), hot_samples=2, sampling=sampling, share=0.1)
+    assert (len(again), again.seen) == (8, 120)
+    with pytest.raises(ReplayBudgetError, match="share"):
+        ReplayBuffer(tmp_path, SHAPE, budget_for(8, 2, SHAPE), share=0.0)
+
+
 def test_a_budget_below_one_sample_is_refused(tmp_path):
     with pytest.raises(ReplayBudgetError, match="holds no sample"):
         ReplayBuffer(tmp_path, (1, 28, 28), budget_for(1, 1, (1, 28, 28)) - 1, hot_samples=1)

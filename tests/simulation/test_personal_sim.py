@@ -42,3 +42,46 @@ def test_status_reads_the_latest_round_that_carries_device_evaluations() -> None
     assert got["round"] == 1
     assert math.isclose(got["personal"]["mean"], 0.9) and math.isclose(got["global"]["mean"], 0.5)
     assert personalization([{"round": 1, "metrics": {"train_loss": 1.0}}]) == {}
+
+
+def _kept(out, partition: int) -> dict:
+    from orchard.client.personal import PersonalStore
+
+    got = PersonalStore(out / "devices" / f"device-{partition}").load("sim-0")
+    assert got is not None, f"device {partition} kept no personal adapter"
+    return got
+
+
+def test_a_device_keeps_its_ditto_adapter_across_rounds(tmp_path) -> None:
+    import dataclasses
+
+    import numpy as np
+
+    from orchard.client.personal import Ditto
+    from orchard.client.update import train_seed
+    from orchard.tasks import get_task
+
+    def sim(rounds: int, out):
+        cfg = _sim("ditto").model_copy(update={"rounds": rounds, "clients": 10, "clients_per_round": 10,
+                                               "out": out})
+        return cfg, run_simulation(cfg)
+
+    _, one = sim(1, tmp_path / "one")
+    cfg, two = sim(2, tmp_path / "two")
+    assert not two.status.startswith("failed"), two.status
+    # Every device that took part keeps one adapter file, in its own directory, and no other.
+    kept = sorted(p.parent.name for p in (tmp_path / "two" / "devices").glob("device-*/personal-*.bin"))
+    assert kept == [f"device-{i}" for i in range(10)]
+    after_one, after_two = _kept(tmp_path / "one", 0), _kept(tmp_path / "two", 0)
+    # Personalizing once, from the final global adapter (what the simulator did before it
+    # kept adapters across rounds): not what a device that took part in both rounds holds.
+    run = cfg.run_config()
+    task = get_task(run.task, **run.task_params)
+    trainer = task.client_trainer(0, 10, run.seed)
+    once = Ditto(10, 0.1).personalize(trainer, two.final_arrays, None,
+                                      dataclasses.replace(run.train, seed=train_seed(run.seed, 2, 0)))
+    assert once is not None and set(once) == set(after_two)
+    for name in after_two:
+        assert after_two[name].shape == after_one[name].shape
+    assert any(not np.allclose(after_two[n], after_one[n]) for n in after_two)
+    assert any(not np.allclose(after_two[n], once[n]) for n in after_two)

@@ -147,3 +147,47 @@ def test_validate_names_each_continual_problem():
                                         "simulated_budget_fraction": 0.1}},
           "policy": {"replay": {"budget_bytes": budget_for(4, 4, (64,))}}}
     assert data_problems(ok) == []
+
+
+def test_a_simulated_buffer_keeps_at_most_its_share_of_what_it_has_seen(digits, tmp_path):
+    # simulated_budget_fraction = 0.1: the buffer grows with the samples seen, never past 10%.
+    st = StreamingTask(digits, ContinualConfig(periods=PERIODS, period_s=10.0, replay_ratio=0.5,
+                                               simulated_budget_fraction=0.1), tmp_path)
+    for now in (5.0, 10.0, 15.0, 20.0):
+        tr = st.client_trainer(0, 10, 0)
+        tr.arrive(now)
+        tr.train(digits.initial_arrays(0), TrainConfig(epochs=1, batch_size=4, learning_rate=0.1, seed=1))
+        buf = tr.buffer()
+        assert buf.seen == buf.cursor > 0
+        assert len(buf) == int(0.1 * buf.seen + 1e-9)  # filled up to the share, and no further
+
+
+def test_a_personal_step_trains_on_the_round_samples_without_consuming_them(digits, tmp_path):
+    from orchard.client.personal import Ditto
+
+    tr = _trainer(digits, tmp_path, 0.5, 100.0)
+    w = digits.initial_arrays(0)
+    cfg = TrainConfig(epochs=1, batch_size=8, learning_rate=0.1, seed=3)
+    res = tr.train(w, cfg)
+    before = tr.buffer()
+    personal = Ditto(steps=5, lam=0.5).personalize(tr, res.arrays, None, cfg)
+    after = tr.buffer()
+    # The buffer and the stream's cursor are the round's: the personal step read, not consumed.
+    assert (after.cursor, after.seen, after.labels.tolist()) == (before.cursor, before.seen, before.labels.tolist())
+    assert personal is not None and any(not np.allclose(personal[k], res.arrays[k]) for k in personal)
+    # lam pulls towards the anchor: a huge pull keeps the adapter at the global one.
+    pulled = Ditto(steps=5, lam=1e3, learning_rate=1e-3).personalize(tr, res.arrays, None, cfg)
+    assert pulled is not None
+    far = max(float(np.abs(personal[k] - res.arrays[k]).max()) for k in personal)
+    near = max(float(np.abs(pulled[k] - res.arrays[k]).max()) for k in pulled)
+    assert near < far
+
+
+def test_a_streaming_task_scores_each_periods_classes(digits, tmp_path):
+    st = StreamingTask(digits, ContinualConfig(periods=PERIODS, period_s=10.0), tmp_path)
+    got = st.evaluate(digits.initial_arrays(0))
+    labels = np.asarray(digits.test_labels)
+    shares = [np.isin(labels, g).mean() for g in PERIODS]
+    assert set(got) >= {"accuracy", "loss", "accuracy_period_0", "accuracy_period_1"}
+    # The whole test set's accuracy is the periods' accuracies weighted by their share of it.
+    assert got["accuracy"] == pytest.approx(sum(s * got[f"accuracy_period_{p}"] for p, s in enumerate(shares)))
