@@ -13,7 +13,7 @@ DEMO_OUT ?= demo-out
 # machine's cores; torch takes one thread in each).
 TEST_WORKERS ?= 2
 
-.PHONY: install test test-all demo lint typecheck proto clean device fuzz fuzz-corpus
+.PHONY: install test test-all demo lint typecheck proto clean device device-sanitize fuzz fuzz-corpus
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m venv $(VENV)
@@ -53,6 +53,15 @@ device: $(STAMP)
 	cmake --build $(DEVICE_BUILD) -j 2
 	$(BIN)/python tests/device/device_vectors.py $(DEVICE_BUILD)/vectors
 	ORCHARD_DEVICE_VECTORS=$(CURDIR)/$(DEVICE_BUILD)/vectors ctest --test-dir $(DEVICE_BUILD) --output-on-failure
+
+# The same under AddressSanitizer and UndefinedBehaviorSanitizer (a Debug build in
+# device/build/sanitize): ctest, then the tests that run `orchard-device` against live
+# servers (its connection and refusals, the mixed and secure federations, DP and 64-bit
+# masks included) with the sanitized command. Any report fails the process and the test.
+device-sanitize: $(STAMP)
+	ORCHARD_DEVICE_VARIANT=sanitize $(BIN)/python -m pytest -q -m "" \
+		tests/device/test_native.py::test_ctest_under_sanitizers tests/device/test_native_link.py \
+		tests/device/test_native_mixed.py
 
 # Fuzzing (docs/fuzzing.md): every target in fuzz/targets.py, one at a time, FUZZ_RUNS
 # executions each, an input over FUZZ_TIMEOUT seconds counted as a hang. `make test` runs

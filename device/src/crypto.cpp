@@ -164,20 +164,29 @@ Bytes ByteStream::read(size_t n) {
   return out;
 }
 
-void add_mask(std::vector<uint32_t>& acc, const Bytes& seed, int sign) {
+namespace {
+
+template <typename Word>
+void add_mask_words(std::vector<Word>& acc, const Bytes& seed, int sign) {
   check_len(seed, kSeedBytes, "a mask seed");
   ByteStream prg(seed);
   std::vector<uint8_t> chunk(1 << 16);
   for (size_t at = 0; at < acc.size();) {
-    const size_t words = std::min(acc.size() - at, chunk.size() / 4);
-    prg.read_into(chunk.data(), words * 4);
+    const size_t words = std::min(acc.size() - at, chunk.size() / sizeof(Word));
+    prg.read_into(chunk.data(), words * sizeof(Word));
     for (size_t i = 0; i < words; ++i) {
-      const uint8_t* b = chunk.data() + 4 * i;
-      const uint32_t w = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<uint32_t>(b[3]) << 24);
-      acc[at + i] = sign >= 0 ? acc[at + i] + w : acc[at + i] - w;
+      const uint8_t* b = chunk.data() + sizeof(Word) * i;
+      Word w = 0;
+      for (size_t k = 0; k < sizeof(Word); ++k) w |= static_cast<Word>(b[k]) << (8 * k);
+      acc[at + i] = sign >= 0 ? static_cast<Word>(acc[at + i] + w) : static_cast<Word>(acc[at + i] - w);
     }
     at += words;
   }
 }
+
+}  // namespace
+
+void add_mask(std::vector<uint32_t>& acc, const Bytes& seed, int sign) { add_mask_words(acc, seed, sign); }
+void add_mask(std::vector<uint64_t>& acc, const Bytes& seed, int sign) { add_mask_words(acc, seed, sign); }
 
 }  // namespace orchard

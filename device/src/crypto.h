@@ -46,8 +46,10 @@ class ByteStream {
   std::unique_ptr<Impl> impl_;
 };
 
-// acc += sign * PRG(seed) word by word (mod 2^32), PRG = AES-128-CTR(seed) keystream
-// read as little-endian uint32 (prg.MaskExpander with modulus_bits <= 32).
+// acc += sign * PRG(seed) word by word (mod 2^32 or 2^64), PRG = AES-128-CTR(seed)
+// keystream read as little-endian words of the accumulator's width (prg.MaskExpander:
+// uint32 for modulus_bits <= 32, uint64 above).
 void add_mask(std::vector<uint32_t>& acc, const Bytes& seed, int sign);
+void add_mask(std::vector<uint64_t>& acc, const Bytes& seed, int sign);
 
 }  // namespace orchard

@@ -214,7 +214,8 @@ RoundReport participate(Participant& p, double max_wait_s) {
     if (RAND_bytes(reinterpret_cast<unsigned char*>(entropy.data()), 16) != 1)
       throw Failure(ORCHARD_ERR_INTERNAL, "OpenSSL: RAND_bytes failed");
     std::string why;
-    if (!session->finish(h, masked_vector(*secure, values, h.weight, entropy), &why)) {
+    if (!session->finish(h, masked_vector(*secure, values, h.weight, session->participants(), entropy, os_words()),
+                         &why)) {
       report.reason = why;
       return report;
     }

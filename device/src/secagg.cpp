@@ -615,7 +615,7 @@ void SecAggClient::forget() {
   channel_.clear();
 }
 
-Bytes SecAggClient::respond(const Bytes& broadcast, const std::vector<uint32_t>* vector) {
+Bytes SecAggClient::respond(const Bytes& broadcast, const std::vector<uint64_t>* vector) {
   if (!last_broadcast_.empty() && broadcast == last_broadcast_) return last_reply_;
   if (stage_ == SecAggStage::done || stage_ == SecAggStage::aborted)
     refuse("WrongStage", "client '" + node_id_ + "' has finished its session (" + stage_name(stage_) + ")");
@@ -656,9 +656,6 @@ Bytes SecAggClient::advertise(const Broadcast& b) {
   auto me = std::find(c.participants.begin(), c.participants.end(), node_id_);
   if (me == c.participants.end()) refuse("UnknownPeer", "'" + node_id_ + "' is not among the session's participants");
   policy_.check(c);
-  if (c.modulus_bits > 32)
-    refuse("SecAggConfigError", "modulus_bits " + std::to_string(c.modulus_bits) +
-                                    " needs 64-bit words; this client masks in 32-bit words (modulus_bits <= 32)");
   std::map<std::string, size_t> index;
   for (size_t i = 0; i < c.participants.size(); ++i) index[c.participants[i]] = i;
   std::set<std::string> neighbours;
@@ -796,7 +793,7 @@ Bytes SecAggClient::share(const Broadcast& b) {
   return w.out;
 }
 
-Bytes SecAggClient::mask(const Broadcast& b, const std::vector<uint32_t>* vector) {
+Bytes SecAggClient::mask(const Broadcast& b, const std::vector<uint64_t>* vector) {
   const SessionConfig& c = *config_;
   std::vector<std::pair<std::string, Held>> held;
   std::set<std::string> from;  // every sender whose ciphertext was routed here: masked with
@@ -836,26 +833,37 @@ Bytes SecAggClient::mask(const Broadcast& b, const std::vector<uint32_t>* vector
   if (vector->size() != c.vector_length)
     refuse("UpdateSchemaError", "expected " + std::to_string(c.vector_length) + " unsigned integers, got " +
                                     std::to_string(vector->size()));
-  const uint64_t modulus_mask = c.modulus_bits >= 32 ? 0xffffffffull : (1ull << c.modulus_bits) - 1;
-  for (uint32_t x : *vector)
+  const uint64_t modulus_mask = c.modulus_bits >= 64 ? ~uint64_t{0} : (uint64_t{1} << c.modulus_bits) - 1;
+  for (uint64_t x : *vector)
     if (x > modulus_mask) refuse("UpdateSchemaError", "input values must be < 2^" + std::to_string(c.modulus_bits) + "; quantise first");
-  std::vector<uint32_t> y = *vector;
-  add_mask(y, seed_, 1);
   const size_t me = index_[node_id_];
+  // prg.word_dtype: the field's words are 32 bits wide up to 2^32, else 64.
+  const bool wide = c.modulus_bits > 32;
+  std::vector<uint32_t> narrow;
+  std::vector<uint64_t> y;
+  if (wide) {
+    y = *vector;
+  } else {
+    narrow.assign(vector->begin(), vector->end());
+  }
+  auto fold = [&](const Bytes& seed, int sign) { wide ? add_mask(y, seed, sign) : add_mask(narrow, seed, sign); };
+  fold(seed_, 1);
   for (auto& peer : from) {
     // The lower-indexed node of a pair adds the mask, the higher one subtracts it.
-    add_mask(y, pairwise_seed(s_sk_, peers_[peer].mask_pk, c, node_id_, peer), me < index_[peer] ? 1 : -1);
+    fold(pairwise_seed(s_sk_, peers_[peer].mask_pk, c, node_id_, peer), me < index_[peer] ? 1 : -1);
   }
-  for (auto& w : y) w &= static_cast<uint32_t>(modulus_mask);
+  if (!wide) y.assign(narrow.begin(), narrow.end());
+  for (auto& w : y) w &= modulus_mask;
   held_ = std::move(held);
   masked_ = std::move(from);
   channel_.clear();
   stage_ = c.active ? SecAggStage::consistency : SecAggStage::unmasking;
   Writer w = header(kMaskedInput, c, node_id_);
-  w.uint(4, 1);
+  const size_t width = wide ? 8 : 4;
+  w.uint(width, 1);
   w.uint(y.size(), 8);
-  for (uint32_t v : y)
-    for (int i = 0; i < 4; ++i) w.out.push_back(static_cast<uint8_t>(v >> (8 * i)));
+  for (uint64_t v : y)
+    for (size_t i = 0; i < width; ++i) w.out.push_back(static_cast<uint8_t>(v >> (8 * i)));
   return w.out;
 }
 

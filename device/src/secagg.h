@@ -99,9 +99,10 @@ class SecAggClient {
   ~SecAggClient();
 
   // The reply to the server's broadcast for the current stage; `vector` (vector_length
-  // values < 2^modulus_bits) is needed with the masked-input stage's broadcast. The
-  // same broadcast again gets the same reply (the first was lost in transit).
-  Bytes respond(const Bytes& broadcast, const std::vector<uint32_t>* vector = nullptr);
+  // values < 2^modulus_bits) is needed with the masked-input stage's broadcast. It is
+  // masked in 32-bit words for modulus_bits <= 32, else in 64-bit words (prg.word_dtype).
+  // The same broadcast again gets the same reply (the first was lost in transit).
+  Bytes respond(const Bytes& broadcast, const std::vector<uint64_t>* vector = nullptr);
 
   SecAggStage stage() const { return stage_; }
   const std::optional<SessionConfig>& config() const { return config_; }
@@ -115,7 +116,7 @@ class SecAggClient {
   };
   Bytes advertise(const struct Broadcast& b);
   Bytes share(const struct Broadcast& b);
-  Bytes mask(const struct Broadcast& b, const std::vector<uint32_t>* vector);
+  Bytes mask(const struct Broadcast& b, const std::vector<uint64_t>* vector);
   Bytes unmask(const struct Broadcast& b);
   Bytes sign_view(const struct Broadcast& b);
   Bytes unmask_active(const struct Broadcast& b);

@@ -26,35 +26,64 @@ Bytes os_bytes(size_t n) {
 SecureSettings SecureSettings::from_config(const nlohmann::json& cfg) {
   const nlohmann::json sa = cfg.value("secure_aggregation", nlohmann::json::object());
   const nlohmann::json privacy = cfg.value("privacy", nlohmann::json::object());
-  if (privacy.is_object() && privacy.value("enabled", false))
-    throw Failure(ORCHARD_ERR_REFUSED, "the run adds differential privacy to secure aggregation (privacy.mode = " +
-                                           privacy.value("mode", std::string("?")) +
-                                           "), whose encodings this native client does not implement");
+  const nlohmann::json robust = cfg.value("robust", nlohmann::json::object());
   SecureSettings s;
   try {
     s.clip = sa.value("clip", 1.0);
     s.bits = sa.value("bits", 16);
     s.weight_scale = sa.value("weight_scale", 1000.0);
-    const int modulus = sa.value("modulus_bits", 32);
-    if (modulus > 32)
-      throw Failure(ORCHARD_ERR_REFUSED, "secure_aggregation.modulus_bits = " + std::to_string(modulus) +
-                                             ": this native client masks in 32-bit words (modulus_bits <= 32)");
+    s.modulus_bits = sa.value("modulus_bits", 32);
+    const std::string mode = privacy.is_object() ? privacy.value("mode", std::string("off")) : std::string("off");
+    if (mode != "off") {
+      if (mode != "central" && mode != "dpftrl" && mode != "distributed")
+        throw Failure(ORCHARD_ERR_PROTOCOL, "the task's privacy.mode '" + mode +
+                                                "' is none of off, central, dpftrl, distributed");
+      // RunConfig.clip_norm: the tighter of DP's clip norm and robust.norm_bound.
+      PrivacySettings p;
+      p.noised_at_root = mode != "distributed";
+      p.clip_norm = privacy.value("clip_norm", 1.0);
+      if (robust.is_object() && robust.contains("norm_bound") && !robust["norm_bound"].is_null())
+        p.clip_norm = std::min(p.clip_norm, robust["norm_bound"].get<double>());
+      if (privacy.contains("noise_multiplier") && !privacy["noise_multiplier"].is_null())
+        p.noise_multiplier = privacy["noise_multiplier"].get<double>();
+      p.dropout_rate = sa.value("dropout_rate", 0.1);
+      p.modulus_bits = s.modulus_bits;
+      if (!(p.clip_norm > 0) || !std::isfinite(p.clip_norm) || (p.noise_multiplier && !(*p.noise_multiplier > 0)) ||
+          !(p.dropout_rate >= 0 && p.dropout_rate < 1))
+        throw Failure(ORCHARD_ERR_PROTOCOL, "the task's privacy clip_norm, noise_multiplier or dropout_rate is out of range");
+      s.privacy = p;
+    }
   } catch (const nlohmann::json::exception&) {
-    throw Failure(ORCHARD_ERR_PROTOCOL, "the task's secure_aggregation settings are not numbers");
+    throw Failure(ORCHARD_ERR_PROTOCOL, "the task's secure_aggregation or privacy settings are not numbers");
   }
   if (!(s.clip > 0) || !std::isfinite(s.clip) || s.bits < 1 || s.bits > 32 || !(s.weight_scale > 0))
     throw Failure(ORCHARD_ERR_PROTOCOL, "the task's secure_aggregation clip, bits or weight_scale is out of range");
+  // config.SecureAggregationConfig allows 16..62; words are 64 bits wide at most.
+  if (s.modulus_bits < 1 || s.modulus_bits > 63)
+    throw Failure(ORCHARD_ERR_PROTOCOL, "the task's secure_aggregation.modulus_bits " + std::to_string(s.modulus_bits) +
+                                            " is outside 1..63");
   return s;
 }
 
-std::vector<uint32_t> masked_vector(const SecureSettings& s, const std::vector<std::vector<float>>& values,
-                                    double weight, const std::vector<uint32_t>& entropy) {
+std::vector<uint64_t> masked_vector(const SecureSettings& s, const std::vector<std::vector<float>>& values,
+                                    double weight, size_t participants, const std::vector<uint32_t>& entropy,
+                                    const WordSource& noise) {
+  std::vector<double> flat;
+  if (s.privacy) {
+    // DP: the decoded values themselves (no weighting), clipped and rounded so that what
+    // the tier sums is bounded by the clip; with distributed DP, plus this client's
+    // share of the noise, drawn from `noise` (the OS's CSPRNG: nobody may replay it).
+    for (auto& v : values)
+      for (float x : v) flat.push_back(static_cast<double>(x));
+    const DdgParams p = session_params(*s.privacy, static_cast<int>(participants), static_cast<int64_t>(flat.size()));
+    return ddg_encode(flat, p, noise);
+  }
   // aggregation.prescale_factor: min(w, S) / S.
   const double factor = std::min(weight, s.weight_scale) / s.weight_scale;
-  std::vector<double> flat;
   for (auto& v : values)
     for (float x : v) flat.push_back(static_cast<double>(x) * factor);
-  return secure_quantize(flat, s.clip, s.bits, entropy);
+  const std::vector<uint32_t> q = secure_quantize(flat, s.clip, s.bits, entropy);
+  return std::vector<uint64_t>(q.begin(), q.end());
 }
 
 SecureRound::SecureRound(Link& link, const Task& task, std::function<double()> wall)
@@ -79,7 +108,7 @@ size_t SecureRound::participants() const {
   return client_->config() ? client_->config()->participants.size() : 0;
 }
 
-bool SecureRound::answer(const std::vector<uint32_t>* vector, const UploadHeader* header, std::string* why) {
+bool SecureRound::answer(const std::vector<uint64_t>* vector, const UploadHeader* header, std::string* why) {
   const double give_up = task_.deadline_unix + 60;
   if (!polled_) {
     reply_ = link_.secagg(task_, 0, {}, nullptr, link_.long_poll_s());
@@ -119,7 +148,7 @@ bool SecureRound::answer(const std::vector<uint32_t>* vector, const UploadHeader
 
 bool SecureRound::keys(std::string* why) { return answer(nullptr, nullptr, why); }
 
-bool SecureRound::finish(const UploadHeader& header, const std::vector<uint32_t>& vector, std::string* why) {
+bool SecureRound::finish(const UploadHeader& header, const std::vector<uint64_t>& vector, std::string* why) {
   return answer(&vector, &header, why);
 }
 

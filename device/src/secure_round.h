@@ -12,12 +12,14 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "dp_encoding.h"
 #include "link.h"
 #include "secagg.h"
 
@@ -28,16 +30,20 @@ struct SecureSettings {
   double clip = 1.0;
   int bits = 16;
   double weight_scale = 1000.0;
-  // Failure(ORCHARD_ERR_REFUSED) for what this client cannot take part in (differential
-  // privacy's encodings, a modulus above 32 bits), naming it.
+  int modulus_bits = 32;
+  std::optional<PrivacySettings> privacy;  // set when the run adds DP (privacy.mode != "off")
+  // Failure(ORCHARD_ERR_PROTOCOL) for settings that are not numbers or out of range.
   static SecureSettings from_config(const nlohmann::json& cfg);
 };
 
-// client/secure.masked_vector without DP: the update's values as the codec carries them
-// (its own payload decoded), scaled by min(w, S) / S, clipped and rounded stochastically
-// to `bits` bits with a generator seeded by `entropy` (unpredictable to everyone else).
-std::vector<uint32_t> masked_vector(const SecureSettings& s, const std::vector<std::vector<float>>& values,
-                                    double weight, const std::vector<uint32_t>& entropy);
+// client/secure.masked_vector: the update's values as the codec carries them (its own
+// payload decoded). Without DP: scaled by min(w, S) / S, clipped and rounded
+// stochastically to `bits` bits with a generator seeded by `entropy` (unpredictable to
+// everyone else). With DP: the encoding of session_params for the session's
+// `participants` (dp_encoding.h), its rounding and noise drawn from `noise`.
+std::vector<uint64_t> masked_vector(const SecureSettings& s, const std::vector<std::vector<float>>& values,
+                                    double weight, size_t participants, const std::vector<uint32_t>& entropy,
+                                    const WordSource& noise);
 
 class SecureRound {
  public:
@@ -50,12 +56,12 @@ class SecureRound {
   bool keys(std::string* why);
   // Post the masked input with its header, then answer until the session ends. False
   // (and why) when it aborted or this client's input was left out of the sum.
-  bool finish(const UploadHeader& header, const std::vector<uint32_t>& vector, std::string* why);
+  bool finish(const UploadHeader& header, const std::vector<uint64_t>& vector, std::string* why);
   // The session's participants (known once it is set up): the DP encodings' n.
   size_t participants() const;
 
  private:
-  bool answer(const std::vector<uint32_t>* vector, const UploadHeader* header, std::string* why);
+  bool answer(const std::vector<uint64_t>* vector, const UploadHeader* header, std::string* why);
 
   Link& link_;
   Task task_;

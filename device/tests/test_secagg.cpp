@@ -38,17 +38,29 @@ TEST(shamir_shares_equal_python) {
   }
 }
 
+template <typename Word>
+static void check_mask(const nlohmann::json& c) {
+  std::vector<Word> acc(c["length"].get<size_t>(), 0);
+  add_mask(acc, unhex(c["seed"]), 1);
+  Bytes got(acc.size() * sizeof(Word));
+  if (!acc.empty()) std::memcpy(got.data(), acc.data(), got.size());  // little-endian host
+  CHECK(got == unhex(c["mask"]));
+  add_mask(acc, unhex(c["seed"]), -1);
+  for (Word w : acc) CHECK(w == 0);
+}
+
 TEST(masks_equal_python) {
   auto v = vectors::load("secagg.json");
+  int wide = 0;
   for (auto& c : v["masks"]) {
-    std::vector<uint32_t> acc(c["length"].get<size_t>(), 0);
-    add_mask(acc, unhex(c["seed"]), 1);
-    Bytes got(acc.size() * 4);
-    if (!acc.empty()) std::memcpy(got.data(), acc.data(), got.size());  // little-endian host
-    CHECK(got == unhex(c["mask"]));
-    add_mask(acc, unhex(c["seed"]), -1);
-    for (uint32_t w : acc) CHECK(w == 0);
+    if (c["word"] == 8) {
+      check_mask<uint64_t>(c);
+      ++wide;
+    } else {
+      check_mask<uint32_t>(c);
+    }
   }
+  CHECK(wide >= 2);
 }
 
 TEST(quantiser_equals_python) {
@@ -81,8 +93,8 @@ TEST(sessions_byte_for_byte) {
       SecAggClient& client = *made;
       int i = 0;
       for (auto& step : steps) {
-        std::vector<uint32_t> vec;
-        if (!step["vector"].is_null()) vec = step["vector"].get<std::vector<uint32_t>>();
+        std::vector<uint64_t> vec;
+        if (!step["vector"].is_null()) vec = step["vector"].get<std::vector<uint64_t>>();
         Bytes reply = client.respond(unhex(step["broadcast"]), step["vector"].is_null() ? nullptr : &vec);
         CHECK_MSG(reply == unhex(step["reply"]), node + " step " + std::to_string(i) + ": " +
                                                      vectors::first_difference(reply, unhex(step["reply"])));
@@ -97,6 +109,9 @@ TEST(sessions_byte_for_byte) {
     }
   }
   CHECK(active >= 2 && certified >= 1);
+  int wide = 0;  // sessions over fields above 32 bits (64-bit words)
+  for (auto& s : v["sessions"]) wide += s["modulus_bits"].get<int>() > 32;
+  CHECK(wide >= 2);
 }
 
 // Replays `steps` up to `upto` and returns the client there.
@@ -104,14 +119,14 @@ static std::unique_ptr<SecAggClient> client_at(const nlohmann::json& s, const st
                                                const nlohmann::json& steps, size_t upto) {
   auto c = make_client(s, node);
   for (size_t i = 0; i < upto; ++i) {
-    std::vector<uint32_t> vec;
-    if (!steps[i]["vector"].is_null()) vec = steps[i]["vector"].get<std::vector<uint32_t>>();
+    std::vector<uint64_t> vec;
+    if (!steps[i]["vector"].is_null()) vec = steps[i]["vector"].get<std::vector<uint64_t>>();
     c->respond(unhex(steps[i]["broadcast"]), steps[i]["vector"].is_null() ? nullptr : &vec);
   }
   return c;
 }
 
-static bool refused(SecAggClient& c, const Bytes& b, const std::vector<uint32_t>* vec, std::string* why) {
+static bool refused(SecAggClient& c, const Bytes& b, const std::vector<uint64_t>* vec, std::string* why) {
   try {
     c.respond(b, vec);
     return false;
@@ -193,9 +208,9 @@ static void damage_every_broadcast(const nlohmann::json& s, const std::string& n
   int refusals = 0;
   for (size_t i = 0; i < steps.size(); ++i) {
     const Bytes good = unhex(steps[i]["broadcast"]);
-    std::vector<uint32_t> vec;
-    if (!steps[i]["vector"].is_null()) vec = steps[i]["vector"].get<std::vector<uint32_t>>();
-    const std::vector<uint32_t>* pv = steps[i]["vector"].is_null() ? nullptr : &vec;
+    std::vector<uint64_t> vec;
+    if (!steps[i]["vector"].is_null()) vec = steps[i]["vector"].get<std::vector<uint64_t>>();
+    const std::vector<uint64_t>* pv = steps[i]["vector"].is_null() ? nullptr : &vec;
     std::string why;
     // Every truncation, and trailing bytes.
     for (size_t cut = 0; cut < good.size(); cut += (good.size() > 400 ? 7 : 1)) {
@@ -239,7 +254,7 @@ static void damage_every_broadcast(const nlohmann::json& s, const std::string& n
     std::string why;
     auto c = client_at(s, node, steps, i);
     CHECK(refused(*c, unhex(steps[i]["broadcast"]), nullptr, &why));
-    std::vector<uint32_t> short_vec(3, 0);
+    std::vector<uint64_t> short_vec(3, 0);
     CHECK(refused(*c, unhex(steps[i]["broadcast"]), &short_vec, &why));
   }
 }

@@ -92,6 +92,28 @@ def build_or_fail(variant: str = "default", *, sanitize: bool = False, build_typ
         pytest.fail(f"building device/ ({variant}) failed:\n{err.stdout}\n{err.stderr}")
 
 
+# ORCHARD_DEVICE_VARIANT=sanitize: the device tests that run the command run the ASan +
+# UBSan build (`make device-sanitize`).
+VARIANT = os.environ.get("ORCHARD_DEVICE_VARIANT", "default")
+# What a sanitizer writes when it finds something (each also fails the process).
+SANITIZER_REPORTS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:", "UndefinedBehaviorSanitizer")
+
+
+def variant_build(variant: str | None = None) -> Build:
+    """The build of ``variant`` (default: $ORCHARD_DEVICE_VARIANT) for a test, through
+    :func:`build_or_fail`: "sanitize" is the ASan + UBSan Debug build, anything else a
+    RelWithDebInfo build of that name."""
+    v = variant or VARIANT
+    if v == "sanitize":
+        return build_or_fail("sanitize", sanitize=True, build_type="Debug")
+    return build_or_fail(v)
+
+
+def sanitizer_reports(output: str) -> list[str]:
+    """The lines of ``output`` in which a sanitizer reported something."""
+    return [ln for ln in output.splitlines() if any(r in ln for r in SANITIZER_REPORTS)]
+
+
 def ctest(b: Build, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["ctest", "--test-dir", str(b.directory), "--output-on-failure", "-j", JOBS],
                           capture_output=True, text=True, env={**os.environ, **(env or {})})

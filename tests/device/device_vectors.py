@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from dp_vectors import dp_vectors
 from safetensors.numpy import load_file, save_file
 from secagg_vectors import secagg_vectors
 
@@ -486,6 +487,7 @@ def write_all(directory: str | Path) -> Path:
     (d / "bundle.json").write_text(json.dumps(bundle_vectors(d)))
     (d / "policy.json").write_text(json.dumps(policy_vectors()))
     (d / "secagg.json").write_text(json.dumps(secagg_vectors()))
+    (d / "dp.json").write_text(json.dumps(dp_vectors()))
     (d / "downlink.json").write_text(json.dumps(downlink_vectors()))
     training_vectors(d)
     return d

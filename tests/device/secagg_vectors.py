@@ -80,6 +80,7 @@ def _secagg_session(n: int, d: int, k: int, t: int, bits: int, drop_after_shares
     out: dict[str, Any] = {
         "participants": ids, "entropy": {p: e.hex() for p, e in entropy.items()}, "transcripts": transcripts,
         "dropped": drop_after_shares, "total": [int(v) for v in result.total], "active": active,
+        "modulus_bits": bits,
         "root_public_key": root.public_key.hex() if root is not None else "",
         "identity": {p: {"key": keys[p].to_bytes().hex(), "certificate": identity[p].certificate.hex()}
                      for p in ids} if root is not None else None}
@@ -151,8 +152,12 @@ def secagg_vectors() -> dict[str, Any]:
     masks = []
     for length in (0, 1, 5, 4097):
         seed = bytes(g.integers(0, 256, 16, dtype=np.uint8))
-        masks.append({"seed": seed.hex(), "length": length,
+        masks.append({"seed": seed.hex(), "length": length, "word": 4,
                       "mask": expand_mask(seed, length, 32).astype("<u4").tobytes().hex()})
+    for length in (1, 3, 2049):  # 64-bit words: modulus_bits above 32
+        seed = bytes(g.integers(0, 256, 16, dtype=np.uint8))
+        masks.append({"seed": seed.hex(), "length": length, "word": 8,
+                      "mask": expand_mask(seed, length, 64).astype("<u8").tobytes().hex()})
     quant = []
     for clip, bits in ((0.5, 16), (2.0, 8), (1e-3, 20)):
         x = g.standard_normal(300) * clip
@@ -165,5 +170,8 @@ def secagg_vectors() -> dict[str, Any]:
                 _secagg_session(9, 5, 6, 4, 24, ["client-00", "client-07"], 3),
                 _secagg_session(7, 29, 6, 5, 32, ["client-03"], 4, active=True, certified=True),
                 _secagg_session(5, 11, 4, 3, 24, [], 5, active=True),
-                _secagg_session(10, 7, 8, 6, 20, ["client-01", "client-08"], 6, active=True, certified=True)]
+                _secagg_session(10, 7, 8, 6, 20, ["client-01", "client-08"], 6, active=True, certified=True),
+                # Fields above 32 bits: masked in 64-bit words.
+                _secagg_session(5, 23, 4, 3, 48, ["client-02"], 7),
+                _secagg_session(6, 17, 5, 4, 62, ["client-05"], 8, active=True, certified=True)]
     return {"shamir": shamir, "masks": masks, "quantize": quant, "sessions": sessions}

@@ -6,7 +6,6 @@ bundle."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -33,14 +32,9 @@ STATUS = {"ORCHARD_OK": 0, "ORCHARD_ERR_BUNDLE": 4, "ORCHARD_ERR_INTEGRITY": 5, 
 
 
 # ORCHARD_DEVICE_VARIANT=sanitize runs these against the ASan + UBSan build.
-VARIANT = os.environ.get("ORCHARD_DEVICE_VARIANT", "default")
-
-
 @pytest.fixture(scope="module")
 def command() -> Path:
-    if VARIANT == "sanitize":
-        return device_native.build_or_fail("sanitize", sanitize=True, build_type="Debug").path("orchard-device")
-    return device_native.build_or_fail().path("orchard-device")
+    return device_native.variant_build().path("orchard-device")
 
 
 def _serve_root(data: Path) -> Iterator[tuple[TierHandle, Path]]:
