@@ -105,6 +105,9 @@ class SecAggClient:
         self._view: bytes = b""  # the survivor view this client signed (active sessions)
         self._survivors: frozenset[str] = frozenset()  # its U3, among the neighbours
         self.masks_expanded = 0  # measurement
+        # Neighbours whose keys failed their checks (active sessions) -> why: treated as
+        # absent; the caller reports them (a server or relay substituting keys shows here).
+        self.rejected: dict[str, str] = {}
         self._last: tuple[Message, Message] | None = None  # (broadcast, reply) for retries
 
     # ------------------------------------------------------------------ dispatch
@@ -210,8 +213,11 @@ class SecAggClient:
                 raise MalformedMessage(f"keys of {k.node!r} repeat a key already seen")
             seen_keys.update((k.channel_pk, k.mask_pk))
             if cfg.active:
-                if msg.version != 2 or (key := self._verified(cfg, k)) is None:
-                    continue  # substituted or unsigned: treated as absent
+                if msg.version != 2:
+                    self.rejected[k.node] = "unsigned keys in an active session"
+                    continue
+                if (key := self._verified(cfg, k)) is None:
+                    continue  # substituted: treated as absent (why: self.rejected)
                 self._ids[k.node] = key
             peers[k.node] = (k.channel_pk, k.mask_pk)
         if len(peers) < cfg.threshold:
@@ -233,17 +239,23 @@ class SecAggClient:
         return ShareKeys(cfg.session_id, cfg.round_number, self.node_id, tuple(out))
 
     def _verified(self, cfg: SessionConfig, k: PeerKeys) -> bytes | None:
-        """The identity key of a neighbour whose keys carry a valid certificate and
-        signature and are not of small order; None otherwise."""
+        """The identity key of a neighbour whose keys carry a valid credential (certificate
+        or roster path) and signature and are not of small order; None otherwise, with
+        the reason kept in :attr:`rejected`."""
         if is_low_order(k.channel_pk) or is_low_order(k.mask_pk):
+            self.rejected[k.node] = "an X25519 key of small order"
             return None
         try:
             key = identity_key(k.credential, k.node, self.policy.root_public_key, self.rosters,
                                self.policy.min_roster_epoch)
-        except CertificateError:
+        except CertificateError as err:
+            self.rejected[k.node] = f"its credential: {err}"
             return None
         signed = advertise_message(cfg, k.node, k.channel_pk, k.mask_pk, k.seed_commitment)
-        return key if verify(key, signed, k.signature) else None
+        if not verify(key, signed, k.signature):
+            self.rejected[k.node] = "its keys are not signed by the identity key its credential names"
+            return None
+        return key
 
     def _mask(self, msg: SharesBroadcast, vector: np.ndarray) -> MaskedInput:
         """Round 2: decrypt the shares held for neighbours, then

@@ -29,9 +29,12 @@ from the roster of that epoch cannot take part with an older roster's path.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from orchard.identity import (
     PUBLIC_KEY_BYTES,
@@ -42,8 +45,11 @@ from orchard.identity import (
 )
 from orchard.secure_agg._framing import encoded_id
 
+if TYPE_CHECKING:
+    from orchard.secure_agg.messages import PeerKeys
+
 __all__ = ["ForgedRoster", "NotInRoster", "RosterCache", "RosterError", "SignedRoster", "StaleRoster",
-           "build_roster", "is_roster_credential", "roster_leaf"]
+           "build_roster", "is_roster_credential", "roster_leaf", "with_certificates"]
 
 ROSTER_DOMAIN = b"orchard/device-roster/v1\x00"
 LEAF_DOMAIN = b"orchard/device-roster/leaf/v1\x00"
@@ -128,6 +134,24 @@ def build_roster(root: SigningKey, epoch: int, members: dict[str, bytes]) -> tup
         path = b"".join(levels[level][(i >> level) ^ 1] for level in range(depth))
         out[p] = head + struct.pack(">I", i) + members[p] + bytes((depth,)) + path
     return signed, out
+
+
+def with_certificates(keys: dict[int, PeerKeys], certificates: Mapping[str, bytes]) -> dict[int, PeerKeys]:
+    """``keys`` (a server's signed keys by vertex) as shown to a client that advertised a
+    certificate or a raw key, not a roster credential: each roster credential replaced by
+    the owner's certificate from ``certificates`` where there is one (``keys`` itself when
+    nothing changes). Such a client may not read rosters (the native device client treats
+    a roster credential as absent). The credential is outside the owner's signature and
+    both kinds are the root's word for the same key: the swap changes what the recipient
+    checks, not what it trusts; a wrong certificate fails its check like a wrong path."""
+    out = keys
+    for j, pk in keys.items():
+        cert = certificates.get(pk.node) if is_roster_credential(pk.credential) else None
+        if cert:
+            if out is keys:
+                out = dict(keys)
+            out[j] = dataclasses.replace(pk, credential=cert)
+    return out
 
 
 class RosterCache:

@@ -30,6 +30,7 @@ X25519 keys of small order.
 from __future__ import annotations
 
 import secrets
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
@@ -88,7 +89,7 @@ from orchard.secure_agg.prg import (
     word_dtype,
 )
 from orchard.secure_agg.results import SecAggResult, StageReport
-from orchard.secure_agg.roster import RosterCache
+from orchard.secure_agg.roster import RosterCache, is_roster_credential, with_certificates
 from orchard.secure_agg.shamir import reconstruct_many_bytes
 from orchard.secure_agg.verify import recover_verified
 
@@ -128,17 +129,21 @@ class SecAggServer:
     the certificates either way). ``entropy``: the randomness of the share checks, which no
     client may predict (default: 32 bytes from the OS). ``rosters``: the signed rosters
     this server has checked (:mod:`~orchard.secure_agg.roster`; a tier keeps one across
-    sessions).
+    sessions). ``certificates``: the root's certificates of the participants' keys (node
+    id -> certificate), as far as the server holds them: a client that advertised no
+    roster credential is shown them instead (:func:`~orchard.secure_agg.roster.with_certificates`).
     """
 
     def __init__(self, config: SessionConfig, *, threads: int | None = None,
                  workers: FoldWorkers | None = None, root_public_key: bytes | None = None,
-                 entropy: bytes | None = None, rosters: RosterCache | None = None) -> None:
+                 entropy: bytes | None = None, rosters: RosterCache | None = None,
+                 certificates: Mapping[str, bytes] | None = None) -> None:
         if threads is not None and threads < 1:
             raise ValueError(f"threads must be >= 1 (or None for every core), got {threads}")
         self.config = config
         self.root_public_key = root_public_key
         self._rosters = rosters if rosters is not None else RosterCache()
+        self._certificates = dict(certificates or {})
         self._rand = ByteStream(crypto.hkdf(entropy if entropy is not None else secrets.token_bytes(32),
                                             b"server-checks", 32))
         self.threads = threads if threads is not None else available_cores()
@@ -159,6 +164,7 @@ class SecAggServer:
         self._view_sigs: dict[int, bytes] = {}  # active: who signed it
         self._offenders: set[int] = set()
         self._peer_keys: dict[int, PeerKeys] = {}  # U1, as sent to neighbours (made once)
+        self._cert_keys: dict[int, PeerKeys] = {}  # U1, as sent to those that advertised no roster credential
         # Expected ciphertext length i -> j is _ct_base + _id_len[i] + _id_len[j]
         # (ciphertext_size without encoding both ids for each of the n k ciphertexts).
         self._id_len = [len(p.encode()) for p in ids]
@@ -216,7 +222,7 @@ class SecAggServer:
             return SessionSetup(node, cfg)
         sid, rnd = cfg.session_id, cfg.round_number
         if self.stage is Stage.SHARE_KEYS:
-            pk = self._peer_keys
+            pk = self._peer_keys if is_roster_credential(self._signed.get(i, (b"", b""))[1]) else self._cert_keys
             return KeysBroadcast(sid, rnd, node, tuple([pk[j] for j in self._nbr_order[i] if j in pk]),
                                  active=cfg.active)
         if self.stage is Stage.MASKED_INPUT:
@@ -424,6 +430,7 @@ class SecAggServer:
                 self._keys = {j: k for j, k in self._keys.items() if j in alive}
                 self._peer_keys = {j: PeerKeys(self._ids[j], *k, *self._signed.get(j, (b"", b"", b"")))
                                    for j, k in self._keys.items()}
+                self._cert_keys = with_certificates(self._peer_keys, self._certificates)
             elif stage is Stage.SHARE_KEYS:
                 self._prune(alive)
                 self._u2 = frozenset(alive)

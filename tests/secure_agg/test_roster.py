@@ -159,6 +159,8 @@ def test_neighbours_with_a_stale_or_substituted_roster_credential_are_treated_as
         client.respond(SessionSetup(victim, cfg))
         out = client.respond(dataclasses.replace(bcast, keys=tuple(forged if k is peer else k for k in bcast.keys)))
         assert peer.node not in {r for r, _ in out.ciphertexts}
+        assert "does not hold this identity key" in client.rejected[peer.node] or \
+            "not signed by this root" in client.rejected[peer.node], client.rejected
 
 
 def test_the_server_refuses_keys_vouched_for_by_a_forged_roster() -> None:
@@ -171,3 +173,37 @@ def test_the_server_refuses_keys_vouched_for_by_a_forged_roster() -> None:
                           policy=ClientPolicy(min_participants=2, min_neighbours=1, corrupt_fraction=0.0))
     with pytest.raises(MalformedMessage, match="not signed by this root"):
         server.receive(Stage.ADVERTISE_KEYS, p, client.respond(server.broadcast_for(p)).to_bytes())
+
+
+def test_a_client_that_advertised_a_certificate_is_shown_certificates() -> None:
+    """A session of clients with roster credentials and clients with certificates (the
+    native device client reads no roster): each of the latter is shown its neighbours'
+    certificates, which the server holds, in place of their roster credentials; the others
+    see the credentials as advertised. Every client keeps every neighbour, and the sum is exact."""
+    from orchard.identity import certify, verify_certificate
+    from orchard.secure_agg.roster import is_roster_credential
+
+    cfg = make_config(8, 20, 7, 5)
+    clients = _roster_clients(cfg)
+    certs = {p: certify(ROOT, p, c.identity.key.public_key, 0) for p, c in clients.items()}
+    legacy = set(cfg.participants[::3])
+    for p in legacy:
+        clients[p] = SecAggClient(p, entropy=entropy(p), identity=SessionIdentity(clients[p].identity.key, certs[p]),
+                                  policy=clients[p].policy)
+    server = SecAggServer(cfg, root_public_key=ROOT.public_key, certificates=certs)
+    rng = np.random.default_rng(1)
+    inputs = {p: rng.integers(0, 1 << 16, 20, dtype=np.uint32) for p in cfg.participants}
+    for stage in ACTIVE_STAGES:
+        for p in sorted(server.pending()):
+            msg = decode(server.broadcast_bytes(p))
+            if stage is Stage.SHARE_KEYS:
+                kinds = {is_roster_credential(k.credential) for k in msg.keys}
+                assert kinds == ({False} if p in legacy else {True, False}), (p, kinds)
+                for k in msg.keys:
+                    if p in legacy:
+                        assert verify_certificate(k.credential, ROOT.public_key, k.node)
+            reply = clients[p].respond(msg, inputs[p] if stage is Stage.MASKED_INPUT else None)
+            server.receive(stage, p, reply.to_bytes())
+        server.close_stage()
+    assert np.array_equal(server.result().total, sum(inputs.values()))
+    assert not any(c.rejected for c in clients.values())
