@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from orchard import wire
 from orchard.client.edge import EdgeGovernance
@@ -43,6 +43,9 @@ from orchard.link import FleetLink, UploadRefused
 from orchard.messages import Idle, TaskAssignment, UploadHeader
 from orchard.trainer import TrainConfig, Trainer, TrainResult, round_config
 from orchard.typing import DeviceState, NDArrays
+
+if TYPE_CHECKING:
+    from orchard.client.secure import RosterTrust
 
 log = logging.getLogger("orchard.client")
 
@@ -102,6 +105,7 @@ class ClientRuntime:
         # Tasks whose secure session failed here: the server still hands them out until it
         # drops this client, but a SecAgg+ session cannot be joined again once left.
         self._lost_secure: set[str] = set()
+        self.rosters: RosterTrust | None = None  # the root's signed rosters this device checked, across sessions
 
     def trainer_for(self, cfg: RunConfig) -> Trainer:
         key = f"{cfg.task}:{sorted(cfg.task_params.items())}"
@@ -215,11 +219,13 @@ class ClientRuntime:
         """Start this task's SecAgg+ session, if the run uses one: the key stages overlap training."""
         if not cfg.secure_aggregation.enabled:
             return None, None
-        from orchard.client.secure import secure_session
+        from orchard.client.secure import RosterTrust, secure_session
 
+        if self.rosters is None:
+            self.rosters = RosterTrust()
         upload: asyncio.Future[tuple[UploadHeader, bytes]] = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(secure_session(self.link, t, cfg, build_codec(cfg.codec), upload, seed,
-                                                   self.reproducible_rounding))
+                                                   self.reproducible_rounding, self.rosters))
         return task, upload
 
     async def _heartbeats(self, t: TaskAssignment) -> None:

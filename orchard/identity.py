@@ -67,6 +67,7 @@ class Enrollment:
     credential: str = ""
     certificate: bytes = b""
     root_public_key: bytes = b""
+    roster_credential: bytes = b""  # a client's, in the root's current signed roster (an aggregator's answer)
 
 
 def hash_secret(secret: str) -> str:

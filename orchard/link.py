@@ -411,4 +411,4 @@ class FleetLink:
         if not r.valid:
             raise AuthError(r.reason or "unknown or revoked enrollment token")
         return Enrollment(r.node_id or node_id, hash_secret(r.credential or token), r.credential, r.certificate,
-                          r.root_public_key)
+                          r.root_public_key, r.roster_credential)

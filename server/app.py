@@ -195,6 +195,7 @@ async def start_root(data_dir: str | Path, *, host: str = "127.0.0.1", port: int
         if droplog.record(via, dropped, runs):
             log.info("%s reported %d dropped uploads", via, len(dropped))
 
+    coord.certificates = auth.certificate  # for SecAgg+ clients that read no roster (secure_agg.roster)
     add_fleet_servicer(FleetServicer(coord, auth, on_join=on_join, on_dropped=on_dropped), server)
     pbg.add_ControlServicer_to_server(ControlServicer(runner, auth, runlog), server)
     bound = _bind(server, host, port, creds)
@@ -255,6 +256,7 @@ async def start_aggregator(upstream: str, *, host: str = "127.0.0.1", port: int 
             raise ConfigError("an aggregator serves TLS: pass --tls-dir with server.pem/server.key "
                               "(from `orchard certs init`), or --insecure for loopback development")
         creds = server_credentials(TlsPaths.in_dir(tls_dir))
+    coord.certificates = auth.certificate  # for SecAgg+ clients that read no roster (secure_agg.roster)
     server = grpc.aio.server(options=wire.SERVER_GRPC_OPTIONS)
     add_fleet_servicer(FleetServicer(coord, auth, verify_token_upstream=None if insecure else link.verify_token,
                                      on_dropped=(lambda _via, d: journal.relay(d)) if journal else None), server)

@@ -34,6 +34,7 @@ from orchard.identity import (
     enrollment_message,
     verify_signature,
 )
+from orchard.server.rosterbook import RosterBook
 from orchard.server.store import Store, hash_token, new_token
 from orchard.typing import Role
 
@@ -59,6 +60,13 @@ class Authenticator(Protocol):
         """The node's certificate, if it is enrolled and not revoked (as far as this tier knows)."""
         ...
 
+    async def roster_credential(self, token: str | None, node_id: str) -> bytes:
+        """The client's credential in the root's current signed roster
+        (:mod:`orchard.server.rosterbook`), the root's bytes; b"" if it has none. ``token``:
+        the credential the client authenticated this call with (a tier below the root asks
+        the root with it)."""
+        ...
+
     def admin_ok(self, token: str | None) -> bool: ...
 
 
@@ -74,6 +82,9 @@ class OpenEnrollment(Authenticator):
 
     def certificate(self, node_id: str) -> bytes | None:
         return None
+
+    async def roster_credential(self, token: str | None, node_id: str) -> bytes:
+        return b""
 
     def admin_ok(self, token: str | None) -> bool:
         return True
@@ -95,6 +106,7 @@ class StoreAuthenticator(Authenticator):
         self.store = store
         self.admin_hash = admin_token_hash
         self._clock = clock
+        self.rosters = RosterBook(store, clock)
 
     @property
     def root_public_key(self) -> bytes:
@@ -181,11 +193,15 @@ class StoreAuthenticator(Authenticator):
         self.store.enroll_device(node_id, role.value, hash_token(credential), public_key, cert, tok.token_id)
         if tok.kind == "device":
             self.store.bind_token(h, node_id, spent=True)
+        self.rosters.changed()
         return Enrollment(node_id, hash_token(credential), credential, cert, self.root_public_key)
 
     def certificate(self, node_id: str) -> bytes | None:
         dev = self.store.device(node_id)
         return None if dev is None or dev.revoked else dev.certificate
+
+    async def roster_credential(self, token: str | None, node_id: str) -> bytes:
+        return self.rosters.credential(node_id)
 
     def admin_ok(self, token: str | None) -> bool:
         return bool(token) and hmac.compare_digest(hash_token(token or ""), self.admin_hash)
@@ -211,13 +227,17 @@ class UpstreamAuthenticator(Authenticator):
         # (hash, role, node id) -> (refusal or None, when asked)
         self._cache: dict[tuple[str, Role, str], tuple[str | None, float]] = {}
         self._certs: dict[str, bytes] = {}
+        self._rosters: dict[str, bytes] = {}  # node id -> the root's roster credential, as it sent it
 
     def _keep(self, key: tuple[str, Role, str], refusal: str | None, e: Enrollment | None = None) -> None:
         self._cache[key] = (refusal, self._mono())
         if refusal is not None and key[2]:
             self._certs.pop(key[2], None)
+            self._rosters.pop(key[2], None)
         if e is not None and e.certificate:
             self._certs[e.node_id] = e.certificate
+        if e is not None and e.node_id:
+            self._rosters[e.node_id] = e.roster_credential
         if len(self._cache) > 100_000:  # bounded: drop the oldest half
             for k in sorted(self._cache, key=lambda k: self._cache[k][1])[:50_000]:
                 del self._cache[k]
@@ -255,6 +275,21 @@ class UpstreamAuthenticator(Authenticator):
 
     def certificate(self, node_id: str) -> bytes | None:
         return self._certs.get(node_id)
+
+    async def roster_credential(self, token: str | None, node_id: str) -> bytes:
+        """Asked of the root afresh (uncached: every client of a session then holds the
+        root's epoch of that moment, none older than one it held in an earlier session);
+        while the root cannot be asked, the last one it sent."""
+        if not token:
+            return b""
+        try:
+            e = await self._ask(token, Role.CLIENT, node_id=node_id)
+        except UpstreamUnavailable:
+            return self._rosters.get(node_id, b"")
+        except AuthError:
+            return b""
+        self._keep((hash_token(token), Role.CLIENT, node_id), None, e)
+        return e.roster_credential
 
     def admin_ok(self, token: str | None) -> bool:
         return False  # operators talk to the root

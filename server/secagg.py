@@ -179,6 +179,7 @@ class SecureCohort:
     started_wall: float
     deadline_wall: float
     workers: MaskWorkers | None = None  # the tier's mask worker processes, if it has them
+    certificates: dict[str, bytes] = field(default_factory=dict)  # the participants' the tier knows
     server: SecAggServer = field(init=False)
     headers: dict[str, UploadHeader] = field(default_factory=dict)
     bytes_up: int = 0
@@ -211,7 +212,7 @@ class SecureCohort:
                                        threshold=params.threshold, round_number=self.round_number,
                                        entropy=secrets.token_bytes(32), modulus_bits=self.cfg.modulus_bits,
                                        active=self.cfg.adversary == "active")
-        self.server = SecAggServer(session, workers=self.workers)
+        self.server = SecAggServer(session, workers=self.workers, certificates=self.certificates)
 
     @property
     def stage(self) -> Stage:
@@ -315,9 +316,9 @@ def decode_total(run: RunConfig, total: np.ndarray, contributors: int, params: D
 
 def new_cohort(run: RunConfig, schema: tuple[TensorSpec, ...], participants: list[str],
                round_number: int, deadline_wall: float, wall: Callable[[], float] = time.time,
-               workers: MaskWorkers | None = None) -> SecureCohort:
+               workers: MaskWorkers | None = None, certificates: dict[str, bytes] | None = None) -> SecureCohort:
     return SecureCohort(run.secure_aggregation, run, schema, tuple(participants), round_number, wall(), deadline_wall,
-                        workers=workers)
+                        workers=workers, certificates=certificates or {})
 
 
 def mask_bytes(run: RunConfig, schema: tuple[TensorSpec, ...], participants: int) -> int:

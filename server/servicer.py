@@ -7,6 +7,7 @@ anything else is a server bug and becomes INTERNAL without taking the server dow
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -39,6 +40,8 @@ from orchard.errors import (
     UpdateSchemaError,
 )
 from orchard.messages import DroppedUpload, Idle
+from orchard.secure_agg import Stage
+from orchard.secure_agg.stages import stage_of
 from orchard.server import bounds
 from orchard.server.auth import Ask, Authenticator, Enrollment, UpstreamUnavailable, bearer_token
 from orchard.server.coordinator import Coordinator
@@ -307,6 +310,9 @@ class FleetServicer(pbg.FleetServicer):
             r = await self.coord.secagg_exchange(
                 request.node_id, request.run_id, request.round, request.attempt, request.task_id, request.stage,
                 request.message, header, request.wait_s)
+            if r.broadcast and stage_of(r.stage) is Stage.ADVERTISE_KEYS:  # the client vouches for its keys now
+                cred = await self.auth.roster_credential(bearer_token(context.invocation_metadata()), request.node_id)
+                return pb.SecAggReply(stage=r.stage, broadcast=r.broadcast, roster_credential=cred)
         return pb.SecAggReply(stage=r.stage, broadcast=r.broadcast, done=r.done, aborted=r.aborted)
 
     @mapped
@@ -328,12 +334,14 @@ class FleetServicer(pbg.FleetServicer):
                 h = await self.auth.verify(request.token, role, request.node_id)
                 cert = self.auth.certificate(request.node_id) if request.node_id else None
                 e = Enrollment(request.node_id, h, certificate=cert or b"")
+            if self._verify_upstream is None and role is Role.CLIENT and e.node_id:  # the root's own roster
+                e = dataclasses.replace(e, roster_credential=await self.auth.roster_credential(None, e.node_id))
         except UpstreamUnavailable:
             raise
         except AuthError as err:
             return pb.VerifyTokenReply(valid=False, reason=str(err))
         return pb.VerifyTokenReply(valid=True, node_id=e.node_id, credential=e.credential, certificate=e.certificate,
-                                   root_public_key=e.root_public_key)
+                                   root_public_key=e.root_public_key, roster_credential=e.roster_credential)
 
 
 def _chunk(reply: ModelReply, offset: int, data: bytes) -> pb.Chunk:

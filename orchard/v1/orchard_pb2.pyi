@@ -340,16 +340,18 @@ class SecAggRoster(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[str]] = ..., tiers: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SecAggReply(_message.Message):
-    __slots__ = ("stage", "broadcast", "done", "aborted")
+    __slots__ = ("stage", "broadcast", "done", "aborted", "roster_credential")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     BROADCAST_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     ABORTED_FIELD_NUMBER: _ClassVar[int]
+    ROSTER_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     stage: int
     broadcast: bytes
     done: bool
     aborted: str
-    def __init__(self, stage: _Optional[int] = ..., broadcast: _Optional[bytes] = ..., done: _Optional[bool] = ..., aborted: _Optional[str] = ...) -> None: ...
+    roster_credential: bytes
+    def __init__(self, stage: _Optional[int] = ..., broadcast: _Optional[bytes] = ..., done: _Optional[bool] = ..., aborted: _Optional[str] = ..., roster_credential: _Optional[bytes] = ...) -> None: ...
 
 class VerifyTokenRequest(_message.Message):
     __slots__ = ("token", "role", "node_id", "enroll", "device_public_key", "key_proof")
@@ -368,20 +370,22 @@ class VerifyTokenRequest(_message.Message):
     def __init__(self, token: _Optional[str] = ..., role: _Optional[str] = ..., node_id: _Optional[str] = ..., enroll: _Optional[bool] = ..., device_public_key: _Optional[bytes] = ..., key_proof: _Optional[bytes] = ...) -> None: ...
 
 class VerifyTokenReply(_message.Message):
-    __slots__ = ("valid", "reason", "node_id", "credential", "certificate", "root_public_key")
+    __slots__ = ("valid", "reason", "node_id", "credential", "certificate", "root_public_key", "roster_credential")
     VALID_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     ROOT_PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
+    ROSTER_CREDENTIAL_FIELD_NUMBER: _ClassVar[int]
     valid: bool
     reason: str
     node_id: str
     credential: str
     certificate: bytes
     root_public_key: bytes
-    def __init__(self, valid: _Optional[bool] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., credential: _Optional[str] = ..., certificate: _Optional[bytes] = ..., root_public_key: _Optional[bytes] = ...) -> None: ...
+    roster_credential: bytes
+    def __init__(self, valid: _Optional[bool] = ..., reason: _Optional[str] = ..., node_id: _Optional[str] = ..., credential: _Optional[str] = ..., certificate: _Optional[bytes] = ..., root_public_key: _Optional[bytes] = ..., roster_credential: _Optional[bytes] = ...) -> None: ...
 
 class StartRunHeader(_message.Message):
     __slots__ = ("config_json", "model_bytes", "model_sha256")

@@ -96,6 +96,7 @@ class Coordinator:
         # (async: the buffer's state), by an aggregator (the client upload's ids, ackjournal.py).
         self.journal: Callable[[BufferState], None] | None = None
         self.acks: AckLog | None = None
+        self.certificates: Callable[[str], bytes | None] = lambda node: None  # the tier's authenticator's
 
     # ------------------------------------------------------------------ registry
 

@@ -138,10 +138,15 @@ class SessionRole(NoTree, ABC):
         """Open the round's session over ``participants``; False when it could not start
         (too few for the protocol's threshold: the round gets nothing from them)."""
         t = self.tier
+        # The certificates of the participants this tier knows, for those that advertise no
+        # roster credential (secure_agg.roster.with_certificates: the native device client).
+        active = cr.task.config.secure_aggregation.adversary == "active"
+        certs = {p: c for p in participants if (c := t.certificates(p))} if active else {}
         try:
             cr.attach_secure(new_cohort(cr.task.config, cr.task.schema, participants, cr.task.round,
                                         cr.task.deadline_unix, t.wall,
-                                        t.executor.mask_workers(cr.task.config, cr.task.schema, len(participants))))
+                                        t.executor.mask_workers(cr.task.config, cr.task.schema, len(participants)),
+                                        certs))
         except OrchardError as err:
             cr.set_rejected(f"secure aggregation could not start: {err}", len(participants))
             return False

@@ -54,9 +54,10 @@ def test_tls_tree_with_tokens(tmp_path: Path) -> None:
 
 
 def test_enrolled_clients_run_the_active_secure_session(tmp_path: Path) -> None:
-    """Clients enrolled with tokens hold the root's certificate of their identity keys: the
-    secure session is the active protocol, each client checking its neighbours' keys
-    against the root, and the round completes with every client in it."""
+    """Clients enrolled with tokens hold the root's certificate of their identity keys and
+    get their roster credential with the session's setup: the secure session is the active
+    protocol, each client checking its neighbours' keys against the root's signed roster,
+    and the round completes with every client in it."""
     async def main():
         data = tmp_path / "root"
         root = await start_root(data, server_cfg=FAST, start_grace_s=0.2)
@@ -71,12 +72,16 @@ def test_enrolled_clients_run_the_active_secure_session(tmp_path: Path) -> None:
         await start_run(root, run, insecure=False)
         st = await wait_status(root, lambda s: s.get("status") in ("completed", "failed"), 90)
         trust = [DeviceTrust.of(rt.link.identity) for rt in fed.clients]
+        rosters = [rt.rosters for rt in fed.clients]
         await fed.stop()
-        return st, trust
+        return st, trust, rosters
 
-    st, trust = asyncio.run(main())
+    st, trust, rosters = asyncio.run(main())
     assert st["status"] == "completed" and st["rounds"][0]["participants"] == 3, st
     assert all(t.identity.certificate and t.policy.root_public_key for t in trust)
+    # Each client vouched for its keys with its credential in the root's signed roster,
+    # which the aggregator passed on, and checked the roster's signature once.
+    assert all(r is not None and r.newest_epoch > 0 and r.cache.signatures_checked == 1 for r in rosters), rosters
 
 
 @pytest.fixture()
