@@ -160,6 +160,12 @@ class RosterCache:
 
     def __init__(self, keep: int = 4) -> None:
         self._checked: dict[tuple[bytes, bytes], SignedRoster] = {}  # (root key, roster bytes)
+        # Per checked roster, the tree nodes a verified path went through and their
+        # siblings, by (level, position): each leads to the signed root (SHA-256 being
+        # collision resistant), so a later path that reaches one of them is proven there
+        # (neighbours' paths share their upper levels); one that meets another value
+        # there is refused.
+        self._proven: dict[tuple[bytes, bytes], dict[tuple[int, int], bytes]] = {}
         self._keep = keep
         self.signatures_checked = 0  # measurement
 
@@ -193,16 +199,26 @@ class RosterCache:
         if depth != roster.depth or depth > MAX_DEPTH or len(path) != 32 * depth or index >= roster.size:
             raise NotInRoster(f"a Merkle path of depth {depth} at leaf {index} does not fit a roster of "
                               f"{roster.size} members")
+        proven = self._proven.setdefault((root_public_key, raw), {(depth, 0): roster.root})
         h = roster_leaf(node, key)
-        for level in range(depth):
+        seen = []
+        for level in range(depth + 1):
+            known = proven.get((level, index >> level))
+            if known is not None:
+                if known != h:
+                    break
+                proven.update(seen)  # the path below the known node is proven too
+                return key
+            if level == depth:
+                break
             sibling = path[32 * level:32 * level + 32]
+            seen += (((level, index >> level), h), ((level, (index >> level) ^ 1), sibling))
             h = _inner(sibling, h) if (index >> level) & 1 else _inner(h, sibling)
-        if h != roster.root:
-            raise NotInRoster(f"the roster of epoch {roster.epoch} does not hold this identity key for {node!r}")
-        return key
+        raise NotInRoster(f"the roster of epoch {roster.epoch} does not hold this identity key for {node!r}")
 
     def _remember(self, root_public_key: bytes, raw: bytes, roster: SignedRoster) -> None:
         self._checked[(root_public_key, raw)] = roster
         if len(self._checked) > self._keep:
             oldest = min(self._checked, key=lambda k: self._checked[k].epoch)
             del self._checked[oldest]
+            self._proven.pop(oldest, None)

@@ -207,3 +207,23 @@ def test_a_client_that_advertised_a_certificate_is_shown_certificates() -> None:
         server.close_stage()
     assert np.array_equal(server.result().total, sum(inputs.values()))
     assert not any(c.rejected for c in clients.values())
+
+
+def test_paths_proven_before_do_not_let_a_wrong_one_through() -> None:
+    """A cache that proved every member's path stops a later path where it meets a node it
+    proved, and refuses one that meets another value there: another member's path, a key
+    substituted, a leaf index moved. (A sibling altered above the first proven node
+    changes nothing the path proves, and is not looked at.)"""
+    keys = _members(13)
+    _, creds = build_roster(ROOT, 1, {p: k.public_key for p, k in keys.items()})
+    cache = RosterCache()
+    for p, k in keys.items():
+        assert cache.identity_key(creds[p], p, ROOT.public_key) == k.public_key
+    key_at = 1 + ROSTER_BYTES + 4
+    intruder = SigningKey.from_bytes(entropy("intruder")).public_key
+    for bad, node in ((creds["c0003"], "c0002"),
+                      (creds["c0002"][:key_at] + intruder + creds["c0002"][key_at + 32:], "c0002"),
+                      (creds["c0002"][:1 + ROSTER_BYTES] + struct.pack(">I", 3) + creds["c0002"][key_at:], "c0002")):
+        with pytest.raises(NotInRoster):
+            cache.identity_key(bad, node, ROOT.public_key)
+    assert cache.identity_key(creds["c0002"], "c0002", ROOT.public_key) == keys["c0002"].public_key

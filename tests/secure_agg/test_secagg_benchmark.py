@@ -52,3 +52,7 @@ def test_compare_adversary_reports_the_criterion_keys(tmp_path: Path, credential
     assert {"active_vs_semi_honest_server_time_ratio", "active_client_extra_seconds"} <= got.keys()
     assert [(r["adversary"], r["credentials"]) for r in got["rows"]] == [("semi_honest", ""), ("active", credentials)]
     assert all(r["correct"] for r in got["rows"])
+    # The client's extra is CPU time (thread time in its protocol steps); wall time apart.
+    semi, act = got["rows"]
+    assert got["active_client_extra_seconds"] == act["client_cpu_seconds"] - semi["client_cpu_seconds"]
+    assert got["active_client_extra_wall_seconds"] == act["client_seconds"] - semi["client_seconds"]
