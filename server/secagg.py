@@ -23,8 +23,9 @@ encrypted to their neighbours, masked inputs, unmasking shares), and the root's 
 reveals only the sum over the whole round (SecAgg+'s guarantee, see
 ``orchard.secure_agg``). That holds against a relay that lies only in an active session
 (``secure_aggregation.adversary = "active"``, the default) whose clients hold the root's
-key: each client's keys are signed with its device identity key and certified by the
-root, so a relay that substitutes keys is detected and gets nothing. In a semi-honest
+key: each client's keys are signed with its device identity key, which the root vouches
+for (a signed roster, ``server/rosterbook.py``, or a certificate), so a relay that
+substitutes keys is detected and gets nothing. In a semi-honest
 session, or with clients that were never enrolled (``--insecure``), a relay that
 substitutes keys reads the updates it relays.
 
