@@ -90,8 +90,7 @@ class Coordinator:
         self.downlink = DownlinkCache()
         self.counters: dict[str, int] = {"uploads_accepted": 0, "uploads_rejected": 0, "bytes_up": 0,
                                          "bytes_down": 0, "rounds_closed": 0}
-        # Asynchronous mode: updates folded over the run, by staleness.
-        self.staleness: dict[int, int] = {}
+        self.staleness: dict[int, int] = {}  # asynchronous mode: updates folded over the run, by staleness
         # Called on the loop after an accepted fold, before the upload is acknowledged: by a root
         # (async: the buffer's state), by an aggregator (the client upload's ids, ackjournal.py).
         self.journal: Callable[[BufferState], None] | None = None
