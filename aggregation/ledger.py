@@ -131,6 +131,12 @@ class PrivacyLedger:
                      mechanism=mech, share_draws=draws)
         if draws:
             whole = ledger.delta_after(cfg.rounds, mech.epsilon(z, cfg.rounds, p.delta))
+            clamp = whole - p.delta
+            if not clamp < 1.0 / size:  # no delta helps: the noise is too small for the clamp's bound
+                raise ConfigError(f"privacy: with noise_multiplier {z:g} over {cfg.rounds} rounds, epsilon is so large "
+                                  f"that what clamping the noise shares adds to delta ({clamp:.3g}) alone passes "
+                                  f"1 / population = {1.0 / size:.3g}: raise privacy.noise_multiplier (or set "
+                                  f"privacy.target_epsilon), or plan fewer rounds")
             if whole > 1.0 / size:
                 raise ConfigError(f"privacy: delta {p.delta:g} plus what clamping the noise shares adds over "
                                   f"{cfg.rounds} rounds ({whole - p.delta:.3g}) is {whole:.6g} > 1 / population = "
