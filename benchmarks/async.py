@@ -30,7 +30,7 @@ trained, and the async runs' staleness. Prints a table and writes ``--json PATH`
 
     python benchmarks/async.py [--seeds 0 1 2 3 4] [--clients 10000] [--target 50]
         [--target-accuracy 0.85] [--max-rounds 80] [--buffer 10] [--max-staleness 10]
-        [--concurrency 65 150] [--regions 2] [--start-hour 21] [--json PATH]
+        [--concurrency 65 100] [--regions 2] [--start-hour 21] [--json PATH]
 """
 
 from __future__ import annotations
@@ -186,6 +186,9 @@ def main() -> None:
     ap.add_argument("--json", dest="json_path", default=None)
     a = ap.parse_args()
     correlated_population(a.regions)  # refuse a bad --regions before any run
+    too_many = [c for c in a.concurrency or [] if not a.buffer <= c <= 10 * a.buffer]
+    if too_many:  # cohort.over_selection (concurrency / buffer) lies in [1, 10]
+        ap.error(f"--concurrency {too_many} must lie between --buffer and 10 x --buffer ({a.buffer}..{10 * a.buffer})")
 
     print(f"digits, {a.clients:,} devices (default kinds, phones in {a.regions} regions, start "
           f"{a.start_hour:g}:00), {a.target} per sync round, async K={a.buffer} S={a.max_staleness}; "
