@@ -55,14 +55,18 @@ def test_the_benchmark_runs_both_modes_and_writes_its_json(tmp_path, monkeypatch
 
     out = tmp_path / "async.json"
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "async.py"
-    monkeypatch.setattr(sys, "argv", ["async.py", "--clients", "300", "--rounds", "3", "--target", "10",
-                                      "--buffer", "4", "--max-versions", "40", "--json", str(out)])
+    monkeypatch.setattr(sys, "argv", ["async.py", "--clients", "300", "--seeds", "0", "--max-rounds", "3",
+                                      "--target", "10", "--target-accuracy", "0.3", "--buffer", "4",
+                                      "--concurrency", "8", "--max-versions", "40", "--json", str(out)])
     runpy.run_path(str(script), run_name="__main__")
     got = json.loads(out.read_text())
-    assert got["sync"]["versions"] == 3 and got["sync"]["to_target"] is not None
-    assert got["target_accuracy"] == got["sync"]["final_accuracy"]
-    assert got["async"]["versions"] >= 1 and sum(got["async"]["staleness"].values()) == got["async"]["updates_folded"]
-    assert "async / sync simulated time to target" in capsys.readouterr().out or got["ratio"] is None
+    seed = got["seeds"][0]
+    assert [r["mode"] for r in seed["sync"]] == [f"sync: {name}" for name in got["sync_policies"]]
+    assert all(1 <= r["versions"] <= 3 for r in seed["sync"])
+    assert seed["async"][0]["versions"] >= 1
+    assert sum(seed["async"][0]["staleness"].values()) == seed["async"][0]["updates_folded"]
+    assert got["ratios"] == [seed["ratio"]] and "async_vs_best_sync_time_ratio" in got
+    assert "async / best sync per seed" in capsys.readouterr().out
 
 
 def test_the_shipped_async_config_validates() -> None:
