@@ -9,6 +9,7 @@ because a sampler can miss a peak that lasts less than its period.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import os
@@ -59,7 +60,7 @@ def throughput(measured: list[Any], trained: int, secs: float) -> dict[str, Any]
             "seconds_per_round": round(secs / n, 3)}
 
 
-class PeriodicSampler:
+class PeriodicSampler(abc.ABC):
     """Calls :meth:`sample` every ``period_s`` seconds in a daemon thread for as long as
     its ``with`` block runs; a subclass says what one sample is."""
 
@@ -68,8 +69,9 @@ class PeriodicSampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
+    @abc.abstractmethod
     def sample(self) -> None:
-        raise NotImplementedError
+        """Take one sample (called from the sampler's thread)."""
 
     def _run(self) -> None:
         while not self._stop.is_set():
